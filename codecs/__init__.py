@@ -1,0 +1,1 @@
+"""One codec per wire protocol. Codecs translate; the core decides."""

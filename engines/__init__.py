@@ -1,0 +1,1 @@
+"""Engines: the contract, the pool, and the implementations that run models."""

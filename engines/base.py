@@ -1,0 +1,110 @@
+"""The Engine contract: what the core needs from anything that runs a model.
+
+An engine sees token ids, images and a :class:`GenerateSpec`; it never sees a wire
+type or a session object. Every engine passes the same conformance suite
+(``tests/engines/test_conformance.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypedDict, runtime_checkable
+
+from prismgate.core.actions import GenerateSpec
+from prismgate.core.events import Event
+from prismgate.core.session import ImageSpan
+
+
+class ChatMessage(TypedDict):
+    role: str
+    content: str
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Text <-> token ids for one model, including its chat template."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def render_chat(
+        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+    ) -> list[int]: ...
+
+    def token_text(self, token_id: int) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ReadoutManifest:
+    """What a readout vector means: ``readout[l][c]`` is concept ``concepts[c]`` at ``layers[l]``."""
+
+    concepts: tuple[str, ...]
+    layers: tuple[int, ...]
+    hidden_size: int
+    dtype: str = "float32"
+    layer_convention: str = "residual stream after decoder layer L"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self.layers), len(self.concepts))
+
+
+@dataclass(frozen=True, slots=True)
+class VisionTokens:
+    """The special tokens that frame an image's placeholder run in the timeline."""
+
+    vision_start: int
+    image_pad: int
+    vision_end: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    model_id: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    tokenizer: Tokenizer
+    readouts: ReadoutManifest | None = None
+    vision: VisionTokens | None = None
+    engine_name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One generation: the whole timeline for this turn, not just its delta.
+
+    Engines reuse whatever they cached for the longest shared prefix (keyed by
+    ``session_key`` as an affinity hint), so sending the whole list costs nothing extra.
+    """
+
+    request_id: str
+    tokens: tuple[int, ...]
+    spec: GenerateSpec
+    images: tuple[ImageSpan, ...] = ()
+    session_key: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    model_id: str  # known before start(): the name clients use for this model
+    info: EngineInfo  # complete once start() has returned
+
+    async def start(self) -> None:
+        """Load the model; after this returns the engine serves requests."""
+
+    async def close(self) -> None:
+        """Stop work and free resources. In-flight generations end CANCELLED."""
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[Event]:
+        """Stream TokenEvents then one Done. Closing the iterator cancels the request."""
+        ...
+
+    def image_tokens(self, data: bytes, mime: str) -> int:
+        """How many image-pad tokens this image becomes under this model."""
+        ...
+
+    def release(self, session_key: str) -> None:
+        """Forget cached state for a session that has gone away."""

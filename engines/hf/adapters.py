@@ -1,0 +1,97 @@
+"""What differs between model families inside the transformers engine.
+
+A text model needs nothing but token ids. A vision model (the Qwen2-VL family) also
+needs pixel values for the images inside the chunk being run, 3-D rotary positions
+for the whole timeline, and chunks that never split an image block.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prismgate.core.errors import invalid
+from prismgate.core.session import ImageSpan
+from prismgate.engines.base import VisionTokens
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16
+    if name not in _DTYPES:
+        raise invalid(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]
+
+
+class ModelAdapter:
+    """A causal language model that takes only token ids."""
+
+    vision_tokens: VisionTokens | None = None
+
+    def __init__(self, model: Any, tokenizer: Any, device: str) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def rewind_point(self, tokens: Sequence[int], images: Sequence[ImageSpan], start: int) -> int:
+        """The position to restart from, at or before ``start``."""
+        return start
+
+    def chunk_end(self, images: Sequence[ImageSpan], start: int, end: int) -> int:
+        return end
+
+    def forward(
+        self,
+        ids: Sequence[int],
+        cache: Any,
+        start: int,
+        timeline: Sequence[int],
+        images: Sequence[ImageSpan],
+        rows: Sequence[int],
+    ) -> torch.Tensor:
+        """Run ``ids`` (positions ``start``...) and return float32 logits for ``rows``."""
+        if cache.get_seq_length() != start:
+            raise RuntimeError(f"KV cache holds {cache.get_seq_length()} tokens, expected {start}")
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        out = self.model(
+            input_ids=input_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=torch.tensor(list(rows), dtype=torch.long, device=self.device),
+            **self.extra_inputs(ids, start, timeline, images),
+        )
+        return out.logits[0].to(torch.float32)
+
+    def extra_inputs(
+        self, ids: Sequence[int], start: int, timeline: Sequence[int], images: Sequence[ImageSpan]
+    ) -> dict[str, Any]:
+        return {}
+
+    def image_tokens(self, data: bytes, mime: str) -> int:
+        raise invalid("this model takes no images (it has no vision encoder)")
+
+
+def load_adapter(path: Path, *, device: str, dtype: str) -> ModelAdapter:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = json.loads((path / "config.json").read_text())
+    torch_dtype = resolve_dtype(dtype, device)
+    if config.get("model_type") in {"qwen2_vl", "qwen2_5_vl"}:
+        from prismgate.engines.hf.vision import Qwen2VLAdapter
+
+        return Qwen2VLAdapter.load(path, device=device, dtype=torch_dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
+    model.eval()
+    return ModelAdapter(model, tokenizer, device)

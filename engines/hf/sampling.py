@@ -1,0 +1,39 @@
+"""Choosing the next token, and the logprobs reported beside it."""
+
+from __future__ import annotations
+
+import torch
+
+from prismgate.core.actions import GenerateSpec
+
+
+def sample(logits: torch.Tensor, spec: GenerateSpec, generator: torch.Generator) -> int:
+    """One token from a ``[vocab]`` float32 row of raw logits."""
+    if spec.temperature == 0 or spec.top_k == 1:
+        return int(torch.argmax(logits))
+    scores = logits / spec.temperature
+    if spec.top_k > 0:
+        k = min(spec.top_k, scores.shape[-1])
+        kth = torch.topk(scores, k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if spec.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        probs = torch.softmax(sorted_scores, dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        drop = torch.cumsum(probs, dim=-1) - probs >= spec.top_p
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def logprobs_of(
+    logits: torch.Tensor, token_id: int, top_k: int
+) -> tuple[float, list[tuple[int, float]] | None]:
+    """The raw-distribution logprob of ``token_id`` and the ``top_k`` best alternatives."""
+    logp = torch.log_softmax(logits, dim=-1)
+    own = float(logp[token_id])
+    if top_k <= 0:
+        return own, None
+    values, ids = torch.topk(logp, top_k)
+    return own, [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]

@@ -1,0 +1,1 @@
+"""Concept readouts: packs of unit directions, and the dot products taken inside the model."""

@@ -1,0 +1,103 @@
+"""Concept packs: a safetensors file of unit directions in the residual stream.
+
+Format (version 1):
+
+* tensor ``directions``: float32 ``[n_layers, n_concepts, hidden]``, each row unit norm;
+* metadata (strings): ``format`` = ``prismgate.concept-pack/1``, ``model_id``,
+  ``layers`` and ``concepts`` (JSON lists), ``hidden_size``, ``layer_convention``
+  (always "residual stream after decoder layer L"), ``method`` (how the vectors were
+  made) and ``descriptions`` (JSON object, concept -> text).
+
+The readout of a token is ``directions[l] @ h_L(token)`` for each configured layer L.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+from safetensors.numpy import load_file, save_file
+from safetensors import safe_open
+
+from prismgate.core.errors import invalid
+from prismgate.engines.base import ReadoutManifest
+
+FORMAT = "prismgate.concept-pack/1"
+LAYER_CONVENTION = "residual stream after decoder layer L"
+DEFAULT_PACKS = Path(__file__).parent / "packs"
+
+
+@dataclass(frozen=True)
+class ConceptPack:
+    directions: npt.NDArray[np.float32]  # [n_layers, n_concepts, hidden]
+    layers: tuple[int, ...]
+    concepts: tuple[str, ...]
+    model_id: str
+    method: str = ""
+    descriptions: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        d = self.directions
+        if d.ndim != 3 or d.shape[:2] != (len(self.layers), len(self.concepts)):
+            raise invalid(
+                f"concept pack directions have shape {d.shape}, expected "
+                f"[{len(self.layers)} layers, {len(self.concepts)} concepts, hidden]"
+            )
+        norms = np.linalg.norm(d, axis=-1)
+        if not np.allclose(norms, 1.0, atol=1e-3):
+            raise invalid("concept pack directions must be unit vectors")
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.directions.shape[2])
+
+    @property
+    def manifest(self) -> ReadoutManifest:
+        return ReadoutManifest(concepts=self.concepts, layers=self.layers, hidden_size=self.hidden_size)
+
+    def check_model(self, n_layers: int, hidden_size: int) -> None:
+        if hidden_size != self.hidden_size:
+            raise invalid(f"concept pack hidden size {self.hidden_size} does not match the model's {hidden_size}")
+        bad = [layer for layer in self.layers if not 0 <= layer < n_layers]
+        if bad:
+            raise invalid(f"concept pack layers {bad} do not exist in a model of {n_layers} layers")
+
+    def save(self, path: str | Path) -> None:
+        save_file(
+            {"directions": np.ascontiguousarray(self.directions, dtype=np.float32)},
+            str(path),
+            metadata={
+                "format": FORMAT,
+                "model_id": self.model_id,
+                "layers": json.dumps(list(self.layers)),
+                "concepts": json.dumps(list(self.concepts)),
+                "hidden_size": str(self.hidden_size),
+                "layer_convention": LAYER_CONVENTION,
+                "method": self.method,
+                "descriptions": json.dumps(self.descriptions, sort_keys=True),
+            },
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> ConceptPack:
+        path = Path(path)
+        if not path.exists():
+            raise invalid(f"concept pack {path} does not exist")
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+        if meta.get("format") != FORMAT:
+            raise invalid(f"{path} is not a concept pack (format {meta.get('format')!r}, expected {FORMAT!r})")
+        if meta.get("layer_convention") != LAYER_CONVENTION:
+            raise invalid(f"{path}: unsupported layer convention {meta.get('layer_convention')!r}")
+        tensors = load_file(str(path))
+        return cls(
+            directions=tensors["directions"].astype(np.float32),
+            layers=tuple(int(x) for x in json.loads(meta["layers"])),
+            concepts=tuple(json.loads(meta["concepts"])),
+            model_id=meta.get("model_id", ""),
+            method=meta.get("method", ""),
+            descriptions=json.loads(meta.get("descriptions", "{}")),
+        )

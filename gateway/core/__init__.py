@@ -1,0 +1,1 @@
+"""The protocol-neutral core: sessions, actions, events and errors."""

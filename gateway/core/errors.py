@@ -1,0 +1,53 @@
+"""One error type for the whole gateway.
+
+Every layer raises :class:`GatewayError` with a gRPC-style code; each codec maps the
+code onto its own wire (a gRPC status, a GraphPipe ``Error``, an Evergreen abort, an
+HTTP status). Keeping one vocabulary means a rule is enforced once, in the core, and
+every protocol reports it the same way.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Code(enum.IntEnum):
+    """The subset of gRPC status codes the gateway uses, with gRPC's numbers."""
+
+    CANCELLED = 1
+    INVALID_ARGUMENT = 3
+    NOT_FOUND = 5
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    UNAUTHENTICATED = 16
+
+
+class GatewayError(Exception):
+    """A request failed for a reason the client can act on."""
+
+    def __init__(self, code: Code, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"GatewayError({self.code.name}, {self.message!r})"
+
+
+def invalid(message: str) -> GatewayError:
+    return GatewayError(Code.INVALID_ARGUMENT, message)
+
+
+def not_found(message: str) -> GatewayError:
+    return GatewayError(Code.NOT_FOUND, message)
+
+
+def precondition(message: str) -> GatewayError:
+    return GatewayError(Code.FAILED_PRECONDITION, message)
+
+
+def exhausted(message: str) -> GatewayError:
+    return GatewayError(Code.RESOURCE_EXHAUSTED, message)

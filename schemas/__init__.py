@@ -1,0 +1,1 @@
+"""Wire schemas and the code generated from them."""
