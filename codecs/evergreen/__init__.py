@@ -1,0 +1,16 @@
+"""The evergreen codec (being written)."""
+
+from __future__ import annotations
+
+import grpc
+
+from prismgate.core.service import SessionService
+from prismgate.settings import Settings
+
+
+def add_to_server(server: grpc.aio.Server, service: SessionService, settings: Settings) -> list[str]:
+    return []
+
+
+def routes(service: SessionService, settings: Settings) -> list["BaseRoute"]:  # noqa: F821
+    return []

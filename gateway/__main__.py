@@ -1,0 +1,1 @@
+from prismgate.cli import main; import sys; sys.exit(main())

