@@ -108,3 +108,7 @@ class Engine(Protocol):
 
     def release(self, session_key: str) -> None:
         """Forget cached state for a session that has gone away."""
+
+    def in_flight(self) -> int:
+        """Requests the engine is still working on (cancelled ones count until they are gone)."""
+        ...

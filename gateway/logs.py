@@ -1,14 +1,34 @@
-"""Logging set-up: plain lines for people, or one JSON object per line for machines."""
+"""Logging set-up: plain lines for people, or one JSON object per line for machines.
+
+Structured fields travel on the record (``log.info("...", extra={"session_id": ...})``):
+the JSON formatter emits them as keys, the plain formatter appends them as
+``key=value``. Fields bound with :func:`log_context` (a codec's request id, say) are
+added to every record logged inside that context, in any module.
+
+Prompt and output text never reach the logs unless ``settings.log_prompts`` is on:
+code that has text to log checks :func:`prompts_allowed` first.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import logging
 import time
+from collections.abc import Iterator
+from typing import Any
 
 from prismgate.settings import Settings
 
-_STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime", "taskName"}
+_CONTEXT: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("prismgate_log_context", default={})  # noqa: B039
+_log_prompts = False
+
+
+def fields_of(record: logging.LogRecord) -> dict[str, Any]:
+    """The structured fields a record carries (everything passed with ``extra=``)."""
+    return {k: v for k, v in record.__dict__.items() if k not in _STANDARD and not k.startswith("_")}
 
 
 class JSONFormatter(logging.Formatter):
@@ -19,18 +39,69 @@ class JSONFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        payload.update({k: v for k, v in record.__dict__.items() if k not in _STANDARD})
+        payload.update(fields_of(record))
         if record.exc_info:
             payload["exc"] = self.formatException(record.exc_info)
         return json.dumps(payload, default=str)
 
 
+class TextFormatter(logging.Formatter):
+    """``time level logger: message key=value ...``: the same fields as JSON, readable in a terminal."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        extra = fields_of(record)
+        if not extra:
+            return line
+        head, sep, tail = line.partition("\n")  # keep a traceback below the fields
+        pairs = " ".join(f"{k}={_plain(v)}" for k, v in extra.items())
+        return f"{head} {pairs}{sep}{tail}"
+
+
+def _plain(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    text = str(value)
+    return json.dumps(text) if (not text or any(c.isspace() or c in "\"=" for c in text)) else text
+
+
+class _ContextFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        for key, value in _CONTEXT.get().items():
+            if not hasattr(record, key):
+                setattr(record, key, value)
+        return True
+
+
+@contextlib.contextmanager
+def log_context(**fields: Any) -> Iterator[None]:
+    """Add ``fields`` (e.g. ``request_id=...``) to every record logged inside the block, in this task."""
+    token = _CONTEXT.set({**_CONTEXT.get(), **fields})
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+def context_field(name: str) -> Any:
+    """A field bound by an enclosing :func:`log_context`, or None."""
+    return _CONTEXT.get().get(name)
+
+
+def prompts_allowed() -> bool:
+    """Whether prompt and output text may be logged (``settings.log_prompts``)."""
+    return _log_prompts
+
+
 def configure(settings: Settings) -> None:
+    global _log_prompts
+    _log_prompts = settings.log_prompts
     handler = logging.StreamHandler()
-    if settings.log_json:
-        handler.setFormatter(JSONFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(JSONFormatter() if settings.log_json else TextFormatter())
+    handler.addFilter(_ContextFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(settings.log_level.upper())

@@ -1,19 +1,33 @@
 """One process, one event loop: uvicorn for HTTP and grpc.aio for gRPC, one engine pool.
 
 The model loads in the background so that ``/healthz`` answers at once and
-``/readyz`` turns ready when the engine is. On SIGTERM or SIGINT the gateway stops
-accepting, lets in-flight streams finish within ``shutdown_grace_s``, cancels the
-rest, closes the engine and returns (exit status 0).
+``/readyz`` turns ready when the engine is.
+
+Shutdown (SIGTERM or SIGINT; a second signal skips the wait), in order:
+
+1. stop accepting: ``/readyz`` and gRPC health report NOT_SERVING, the HTTP listener
+   closes, the gRPC server refuses new calls, and new generations on connections
+   already open fail UNAVAILABLE ("shutting down; retry on another replica");
+2. let in-flight generations finish, on every protocol, until ``shutdown_grace_s``;
+3. then close HTTP connections (WebSockets get close code 1012, "service restart"),
+   and cancel whatever is still running once the grace period is over (the engine
+   drops those requests; gRPC callers see CANCELLED);
+4. release every session, close the engine, return: exit status 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import math
+import os
 import signal
 import socket
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import uvicorn
@@ -22,12 +36,15 @@ from grpc_reflection.v1alpha import reflection
 
 from prismgate.app import create_app
 from prismgate.core.service import SessionService
+from prismgate.metrics import GatewayMetrics
+from prismgate.monitor import GatewayMonitor
 from prismgate.runtime import build_service
 from prismgate.settings import Settings
 
 log = logging.getLogger(__name__)
 
 EVICTION_PERIOD_S = 30.0
+UNWIND_S = 5.0  # after cancelling what outlived the grace period, how long to wait for it to unwind
 
 
 class _Uvicorn(uvicorn.Server):
@@ -51,14 +68,22 @@ class Gateway:
     def __init__(self, settings: Settings, service: SessionService | None = None) -> None:
         self.settings = settings
         self.service = service or build_service(settings)
+        self.metrics = GatewayMetrics()
+        self.metrics.bind(self.service)
+        self.monitor = GatewayMonitor(self.metrics, settings, self.service)
+        self.service.monitor = self.monitor
         self.app = create_app(self.service, settings)
+        self.app.state.metrics = self.metrics
         self.http_port = settings.http_port
         self.grpc_port = settings.grpc_port
         self._uvicorn: _Uvicorn | None = None
+        self._uvicorn_task: asyncio.Task[None] | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
+        self._stopping = False
+        self._skip_grace = asyncio.Event()
         self.failed = False
 
     async def start(self) -> None:
@@ -87,16 +112,22 @@ class Gateway:
         sock.setblocking(False)
         self.http_port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.app, log_config=None, lifespan="off", timeout_graceful_shutdown=int(s.shutdown_grace_s) or 1,
+            self.app, log_config=None, lifespan="off", timeout_graceful_shutdown=math.ceil(s.shutdown_grace_s),
             ws_max_size=s.grpc_max_message_bytes, access_log=False,
         )
         self._uvicorn = _Uvicorn(config)
-        self._tasks.append(asyncio.create_task(self._uvicorn.serve(sockets=[sock]), name="uvicorn"))
+        self._uvicorn_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]), name="uvicorn")
         self._tasks.append(asyncio.create_task(self._load(names), name="model-load"))
         self._tasks.append(asyncio.create_task(self._evict(), name="session-eviction"))
-        log.info("HTTP on %s:%d, gRPC on %s:%d", s.host, self.http_port, s.host, self.grpc_port)
+        log.info(
+            "HTTP on %s:%d, gRPC on %s:%d", s.host, self.http_port, s.host, self.grpc_port,
+            extra={"http_port": self.http_port, "grpc_port": self.grpc_port},
+        )
+        if s.port_file:
+            _write_port_file(Path(s.port_file), self.http_port, self.grpc_port)
 
     async def _load(self, names: list[str]) -> None:
+        started = time.perf_counter()
         try:
             await self.service.pool.start()
         except Exception:
@@ -104,10 +135,14 @@ class Gateway:
             self.failed = True
             self._stopped.set()
             raise
+        seconds = time.perf_counter() - started
+        info = self.service.info()
+        self.metrics.model_loaded(info, seconds)
         assert self._health is not None
         for name in ["", *names]:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("ready: %s", self.service.pool.default_model)
+        log.info("ready: %s", info.model_id, extra={"model": info.model_id, "engine": info.engine_name,
+                                                       "load_s": round(seconds, 3)})
 
     async def _evict(self) -> None:
         while True:
@@ -123,35 +158,98 @@ class Gateway:
                     raise RuntimeError("the gateway stopped before it was ready")
                 await asyncio.sleep(0.05)
 
+    def skip_grace(self) -> None:
+        """End the grace period now: what is still running gets cancelled (a second SIGTERM)."""
+        self._skip_grace.set()
+
     async def stop(self) -> None:
-        """Stop accepting, give in-flight streams the grace period, then close everything."""
-        grace = self.settings.shutdown_grace_s
+        """Stop accepting, give in-flight generations the grace period, cancel the rest, close everything."""
+        if self._stopping:
+            await self._stopped.wait()
+            return
+        self._stopping = True
+        loop = asyncio.get_running_loop()
+        grace = max(0.0, self.settings.shutdown_grace_s)
+        deadline = loop.time() + grace
+        t0 = loop.time()
+
+        # 1. stop accepting
+        self.service.pool.ready = False  # /readyz answers 503: load balancers take this replica out
+        self.metrics.ready.set(0)
+        self.monitor.start_draining()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
-        waits = []
         if self._uvicorn is not None:
+            for listener in self._uvicorn.servers:
+                listener.close()
+        grpc_stop = asyncio.ensure_future(self._grpc.stop(grace)) if self._grpc is not None else None
+
+        # 2. let in-flight generations finish
+        in_flight = self.monitor.in_flight
+        drained = await self.monitor.wait_idle(deadline - loop.time(), abort=self._skip_grace)
+        if self._skip_grace.is_set():
+            deadline = loop.time()
+        log.info(
+            "drained" if drained else "grace period over",
+            extra={"in_flight_at_stop": in_flight, "still_running": self.monitor.in_flight,
+                   "waited_s": round(loop.time() - t0, 3)},
+        )
+
+        # 3. close connections; cancel what outlived the grace period
+        if self._uvicorn is not None and self._uvicorn_task is not None:
+            self._uvicorn.config.timeout_graceful_shutdown = math.ceil(max(0.0, deadline - loop.time()))
             self._uvicorn.should_exit = True
-            waits.append(self._tasks[0])
-        if self._grpc is not None:
-            waits.append(asyncio.ensure_future(self._grpc.stop(grace)))
-        await asyncio.gather(*waits, return_exceptions=True)
-        for task in self._tasks[1:]:
+            await asyncio.gather(self._uvicorn_task, return_exceptions=True)
+        if grpc_stop is not None:
+            if self._skip_grace.is_set() and self._grpc is not None:
+                await self._grpc.stop(0)
+            await asyncio.gather(grpc_stop, return_exceptions=True)
+        cancelled = self.monitor.cancel_all()
+        if cancelled:
+            await self.monitor.wait_idle(UNWIND_S)
+        for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks[1:], return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+        # 4. release sessions and the engine
+        sessions = self.service.store.close_all()
         await self.service.pool.close()
+        if self.settings.port_file:
+            with contextlib.suppress(OSError):
+                Path(self.settings.port_file).unlink()
+        log.info("stopped", extra={"sessions_closed": sessions, "cancelled": cancelled,
+                                   "shutdown_s": round(loop.time() - t0, 3)})
         self._stopped.set()
 
     async def run_until_signal(self) -> None:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
+
+        def on_signal(signum: int) -> None:
+            if stop.is_set():
+                log.warning("second %s: cancelling what is still running", signal.Signals(signum).name)
+                self.skip_grace()
+            stop.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
         await self.start()
         waiter = asyncio.create_task(stop.wait())
         stopped = asyncio.create_task(self._stopped.wait())
         await asyncio.wait({waiter, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        log.info("shutting down (grace %.0fs)", self.settings.shutdown_grace_s)
+        waiter.cancel()
+        stopped.cancel()
+        log.info("shutting down (grace %.1fs)", self.settings.shutdown_grace_s,
+                 extra={"in_flight": self.monitor.in_flight})
         await self.stop()
+
+
+def _write_port_file(path: Path, http_port: int, grpc_port: int) -> None:
+    """Write atomically, so a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    staging.write_text(json.dumps({"http_port": http_port, "grpc_port": grpc_port, "pid": os.getpid()}))
+    staging.replace(path)
 
 
 def _grpc_host(host: str) -> str:

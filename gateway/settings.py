@@ -65,7 +65,18 @@ class Settings:
     log_json: bool = setting(False, "Log one JSON object per line.")
     log_prompts: bool = setting(False, "Include prompt and output text in logs (off: ids and counts only).")
 
+    # -- operations (owned by ops: server lifecycle, deployment) -------------------------
+    port_file: str | None = setting(
+        None, "Once both ports are bound, write them to this file as JSON (http_port, grpc_port, pid): "
+        "useful with port 0. Removed again on a clean stop."
+    )
+
     # -- per-protocol settings (each block owned by its codec) --------------------------
+
+    # -- openai (owned by codecs/openai: the OpenAI-compatible /v1 API) --------------------
+    openai_default_max_tokens: int | None = setting(
+        None, "OpenAI API: max_tokens for requests that set none (unset: the rest of the context, as OpenAI does)."
+    )
 
     @classmethod
     def fields(cls) -> list[dataclasses.Field[Any]]:

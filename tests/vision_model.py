@@ -121,7 +121,8 @@ def build_tiny_qwen2_vl(folder: str | Path, *, seed: int = 0) -> Path:
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
+    model = Qwen2VLForConditionalGeneration(config)  # float32, the default
+    model.eval()
     model.generation_config.eos_token_id = IM_END
     model.generation_config.pad_token_id = ENDOFTEXT
     model.save_pretrained(folder)

@@ -21,9 +21,10 @@ from prismgate.engines.base import VisionTokens
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def resolve_dtype(name: str, device: str) -> torch.dtype:
+def resolve_dtype(name: str, saved: str | None) -> torch.dtype:
+    """``auto`` keeps the dtype the weights were saved in (bf16 when unknown)."""
     if name == "auto":
-        return torch.bfloat16
+        return _DTYPES.get(saved or "", torch.bfloat16)
     if name not in _DTYPES:
         raise invalid(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
     return _DTYPES[name]
@@ -44,8 +45,13 @@ class ModelAdapter:
 
         return DynamicCache(config=self.model.config)
 
-    def rewind_point(self, tokens: Sequence[int], images: Sequence[ImageSpan], start: int) -> int:
-        """The position to restart from, at or before ``start``."""
+    def rewind_point(self, tokens: Sequence[int], images: Sequence[ImageSpan], start: int, cache: Any = None) -> int:
+        """The position to restart from, at or before ``start``.
+
+        ``cache`` is the session's cached KV state (None when there is none); its token ids
+        match ``tokens`` up to ``start``, but a vision model must also check that it encoded
+        the same images there (two images of one size give the same token ids).
+        """
         return start
 
     def chunk_end(self, images: Sequence[ImageSpan], start: int, end: int) -> int:
@@ -86,7 +92,7 @@ def load_adapter(path: Path, *, device: str, dtype: str) -> ModelAdapter:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = json.loads((path / "config.json").read_text())
-    torch_dtype = resolve_dtype(dtype, device)
+    torch_dtype = resolve_dtype(dtype, config.get("dtype") or config.get("torch_dtype"))
     if config.get("model_type") in {"qwen2_vl", "qwen2_5_vl"}:
         from prismgate.engines.hf.vision import Qwen2VLAdapter
 

@@ -191,6 +191,10 @@ class TransformersEngine:
         assert self._adapter is not None
         return self._adapter.image_tokens(data, mime)
 
+    def in_flight(self) -> int:
+        with self._cv:
+            return len(self._active) + len(self._inbox)
+
     def release(self, session_key: str) -> None:
         with self._cv:
             self._released.append(session_key)
@@ -330,11 +334,11 @@ class TransformersEngine:
         if first_ro is not None and first_ro < n:
             start = min(start, first_ro)
         assert self._adapter is not None
-        start = self._adapter.rewind_point(tokens, req.images, start)
+        start = self._adapter.rewind_point(tokens, req.images, start, cache)
         if cache is None or start == 0:
             cache = self._adapter.new_cache()
         elif start < len(cached):
-            cache.crop(start)
+            cache.crop(start - len(cached))  # a negative count: tokens to drop from the end
         job.cache = cache
         job.cached = tokens[:start]
         job.reused = start

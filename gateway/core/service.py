@@ -19,26 +19,62 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
 
 from prismgate.core.actions import GenerateAction, GenerateSpec, ImageInput
 from prismgate.core.errors import Code, GatewayError, exhausted, invalid, precondition
 from prismgate.core.events import Done, Event, FinishReason, TokenEvent
 from prismgate.core.session import ImageSpan, Session, SessionStore
 from prismgate.core.text import TextStream
-from prismgate.engines.base import EngineInfo, EngineRequest
+from prismgate.engines.base import EngineInfo, EngineRequest, VisionTokens
 from prismgate.engines.pool import EnginePool
+
+
+class GenerationMonitor(Protocol):
+    """Sees every generation stream as it passes (metrics, logs, shutdown drain).
+
+    ``watch`` returns the stream to hand to the caller: the events of ``events``
+    unchanged, in order. The gateway installs one (``prismgate.monitor``); the
+    default passes the stream through untouched.
+    """
+
+    def watch(
+        self, action: GenerateAction, session_id: str, request_id: str, events: AsyncIterator[Event]
+    ) -> AsyncIterator[Event]: ...
+
+
+class _PassThrough:
+    def watch(
+        self, action: GenerateAction, session_id: str, request_id: str, events: AsyncIterator[Event]
+    ) -> AsyncIterator[Event]:
+        return events
 
 
 class SessionService:
     def __init__(self, pool: EnginePool, store: SessionStore) -> None:
         self.pool = pool
         self.store = store
+        self.monitor: GenerationMonitor = _PassThrough()
         store.on_release(pool.release)
 
     # -- model ---------------------------------------------------------------------
 
     def info(self, model: str | None = None) -> EngineInfo:
-        return self.pool.engine(model).info
+        info = self.pool.engine(model).info
+        if info is None:  # engines fill ``info`` in start(); the server answers while the model loads
+            raise GatewayError(Code.UNAVAILABLE, "the model is still loading; retry once the server reports ready")
+        return info
+
+    def image_tokens(self, data: bytes, mime: str, model: str | None = None) -> tuple[int, VisionTokens]:
+        """How many image-pad tokens ``data`` becomes, and the ids that frame its run.
+
+        Lets a client size an image's placeholder block before sending it, instead of
+        guessing the model's image processing. A text-only model is FAILED_PRECONDITION.
+        """
+        info = self.info(model)
+        if info.vision is None:
+            raise precondition(f"model {info.model_id!r} takes no images (it has no vision encoder)")
+        return self.pool.engine(info.model_id).image_tokens(data, mime), info.vision
 
     def check_model(self, model: str) -> str:
         served = self.pool.models
@@ -68,22 +104,44 @@ class SessionService:
 
     # -- generation ----------------------------------------------------------------
 
-    async def generate(self, session_id: str, action: GenerateAction) -> AsyncIterator[Event]:
+    def generate(self, session_id: str, action: GenerateAction) -> AsyncIterator[Event]:
         """Run ``action`` on a stored session; the stream ends with exactly one Done."""
-        session = self.store.get(session_id)
-        with session.generation():
-            async for event in self._run(session, action, session_key=session.id):
-                yield event
-            self.store.touch(session)
+        request_id = uuid.uuid4().hex
+        return self.monitor.watch(action, session_id, request_id, self._generate(session_id, action, request_id))
 
-    async def run(self, action: GenerateAction, *, model: str | None = None) -> AsyncIterator[Event]:
+    def run(self, action: GenerateAction, *, model: str | None = None) -> AsyncIterator[Event]:
         """Run ``action`` on a fresh timeline that is thrown away afterwards."""
+        request_id = uuid.uuid4().hex
+        session_id = f"ephemeral-{request_id}"
+        events = self._run_ephemeral(session_id, action, model, request_id)
+        return self.monitor.watch(action, session_id, request_id, events)
+
+    async def _generate(self, session_id: str, action: GenerateAction, request_id: str) -> AsyncIterator[Event]:
+        session = self.store.get(session_id)
+        done: Done | None = None
+        with session.generation():
+            async for event in self._run(session, action, session.id, request_id):
+                if isinstance(event, Done):
+                    done = event
+                else:
+                    yield event
+            self.store.touch(session)
+        # Done goes out after the session is released, so a client that stops reading
+        # at Done can start its next turn at once.
+        assert done is not None
+        yield done
+
+    async def _run_ephemeral(
+        self, session_id: str, action: GenerateAction, model: str | None, request_id: str
+    ) -> AsyncIterator[Event]:
         info = self.info(model)
-        session = Session(id=f"ephemeral-{uuid.uuid4().hex}", model=info.model_id)
-        async for event in self._run(session, action, session_key=None):
+        session = Session(id=session_id, model=info.model_id)
+        async for event in self._run(session, action, None, request_id):
             yield event
 
-    async def _run(self, session: Session, action: GenerateAction, session_key: str | None) -> AsyncIterator[Event]:
+    async def _run(
+        self, session: Session, action: GenerateAction, session_key: str | None, request_id: str
+    ) -> AsyncIterator[Event]:
         info = self.info(session.model)
         spec = action.spec
         old_length = len(session)
@@ -107,7 +165,7 @@ class SessionService:
             return
 
         request = EngineRequest(
-            request_id=uuid.uuid4().hex,
+            request_id=request_id,
             tokens=tuple(tokens),
             spec=spec,
             images=tuple(images),

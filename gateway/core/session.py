@@ -146,6 +146,13 @@ class SessionStore:
         """Release a session. Closing an unknown or already closed session is not an error."""
         return self._drop(session_id)
 
+    def close_all(self) -> int:
+        """Release every session (at shutdown), so engines drop their caches cleanly."""
+        ids = list(self._sessions)
+        for session_id in ids:
+            self._drop(session_id)
+        return len(ids)
+
     def fork(self, session_id: str, at_position: int) -> Session:
         source = self.get(session_id)
         source.check_boundary(at_position, "fork")

@@ -1,0 +1,265 @@
+"""Request bodies of ``/v1/chat/completions`` and ``/v1/completions``, validated.
+
+Policy on fields (documented in docs/openai.md):
+
+* fields this server implements are type- and range-checked, and a bad one is a 400
+  whose ``param`` names it;
+* OpenAI fields that would change the output but are not implemented here (``n`` > 1,
+  tools, penalties, ``logit_bias``, JSON mode, ...) are a 400 saying so, never silently
+  dropped: a client must not get an answer to a question it did not ask;
+* fields that do not change the output (``user``, ``metadata``, ``store``, ...) and
+  fields nobody defined are ignored, as OpenAI-compatible servers commonly do, so that
+  newer clients keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prismgate.codecs.openai.errors import bad_request
+from prismgate.codecs.openai.fields import get_bool, get_float, get_int, get_object, get_str
+from prismgate.core.actions import MAX_TOP_LOGPROBS
+from prismgate.engines.base import ChatMessage
+
+MAX_STOP_STRINGS = 16
+INT64 = 2**63
+
+# role on the wire -> role given to the chat template
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@dataclass(frozen=True, slots=True)
+class ReadoutRequest:
+    """``"readouts"``: which manifest layers (model layer numbers) and concepts (names); None means all."""
+
+    layers: tuple[int, ...] | None
+    concepts: tuple[str, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Common:
+    """What chat and text completions share."""
+
+    model: str
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    top_logprobs: int | None  # None: no logprobs; otherwise how many alternatives per token
+    readouts: ReadoutRequest | None
+    session_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    common: Common
+    messages: tuple[ChatMessage, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    common: Common
+    prompt: str | tuple[int, ...]
+    echo: bool
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    body = _object(body)
+    _reject_unsupported(body, chat=True)
+    logprobs = get_bool(body, "logprobs", False)
+    top = get_int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if top is not None and not logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+    max_tokens = get_int(body, "max_completion_tokens", None, lo=0)
+    if max_tokens is None:
+        max_tokens = get_int(body, "max_tokens", None, lo=0)
+    common = _common(body, max_tokens, (top or 0) if logprobs else None)
+    return ChatRequest(common, _messages(body.get("messages")))
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    body = _object(body)
+    _reject_unsupported(body, chat=False)
+    top = get_int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if body.get("suffix"):
+        raise bad_request("'suffix' (insertion) is not supported by this server", "suffix")
+    best_of = get_int(body, "best_of", 1, lo=1)
+    if best_of != 1:
+        raise bad_request("only best_of=1 is supported by this server", "best_of")
+    common = _common(body, get_int(body, "max_tokens", None, lo=0), top)
+    return CompletionRequest(common, _prompt(body.get("prompt")), get_bool(body, "echo", False))
+
+
+def _object(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+def _common(body: Mapping[str, Any], max_tokens: int | None, top_logprobs: int | None) -> Common:
+    model = get_str(body, "model", required=True)
+    assert model is not None
+    stream = get_bool(body, "stream", False)
+    options = get_object(body, "stream_options") or {}
+    include_usage = get_bool(options, "include_usage", False, path="stream_options.include_usage")
+    n = get_int(body, "n", 1, lo=1)
+    if n != 1:
+        raise bad_request("only n=1 is supported by this server; send separate requests for more choices", "n")
+    temperature = get_float(body, "temperature", 1.0, lo=0.0, hi=2.0)
+    top_p = get_float(body, "top_p", 1.0, lo=0.0, hi=1.0)
+    top_k = get_int(body, "top_k", 0, lo=-1)
+    seed = get_int(body, "seed", None, lo=-INT64, hi=INT64 - 1)
+    if top_p == 0.0:  # OpenAI accepts 0: only the most likely token survives, which is greedy decoding
+        temperature, top_p = 0.0, 1.0
+    return Common(
+        model=model,
+        stream=stream,
+        include_usage=stream and include_usage,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(0, top_k or 0),  # -1 (vLLM's "off") is 0 here
+        seed=None if seed is None else seed % INT64,  # int64 seeds fold into the engine's [0, 2**63)
+        stop=_stop(body.get("stop")),
+        top_logprobs=top_logprobs,
+        readouts=_readouts(body.get("readouts")),
+        session_id=get_str(body, "session_id"),
+    )
+
+
+def _reject_unsupported(body: Mapping[str, Any], *, chat: bool) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = get_float(body, name, 0.0, lo=-2.0, hi=2.0)
+        if value != 0.0:
+            raise bad_request(f"'{name}' is not supported by this server (only 0)", name)
+    if body.get("logit_bias"):
+        raise bad_request("'logit_bias' is not supported by this server", "logit_bias")
+    if not chat:
+        return
+    for name in ("tools", "functions", "audio", "prediction"):
+        if body.get(name):
+            raise bad_request(f"'{name}' is not supported by this server", name)
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise bad_request("'tool_choice' is not supported by this server (no tools)", "tool_choice")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise bad_request("only response_format {'type': 'text'} is supported by this server", "response_format")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise bad_request("only the 'text' modality is supported by this server", "modalities")
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise bad_request("'stop' must be a string or an array of strings", "stop")
+    if len(items) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' holds {len(items)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
+    if any(s == "" for s in items):
+        raise bad_request("'stop' strings must not be empty", "stop")
+    return tuple(items)
+
+
+def _readouts(value: Any) -> ReadoutRequest | None:
+    if value is None or value is False:
+        return None
+    if value is True:
+        return ReadoutRequest(None, None)
+    if not isinstance(value, dict):
+        raise bad_request("'readouts' must be true or an object {\"layers\": [...], \"concepts\": [...]}", "readouts")
+    layers = value.get("layers")
+    if layers is not None and (
+        not isinstance(layers, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
+    ):
+        raise bad_request("'readouts.layers' must be an array of layer numbers", "readouts.layers")
+    concepts = value.get("concepts")
+    if concepts is not None and (not isinstance(concepts, list) or not all(isinstance(x, str) for x in concepts)):
+        raise bad_request("'readouts.concepts' must be an array of concept names", "readouts.concepts")
+    unknown = sorted(set(value) - {"layers", "concepts"})
+    if unknown:
+        raise bad_request(f"'readouts' has unknown keys {unknown}; it takes 'layers' and 'concepts'", "readouts")
+    return ReadoutRequest(
+        None if layers is None else tuple(layers), None if concepts is None else tuple(concepts)
+    )
+
+
+def _messages(value: Any) -> tuple[ChatMessage, ...]:
+    if value is None:
+        raise bad_request("you must provide a 'messages' parameter", "messages")
+    if not isinstance(value, list) or not value:
+        raise bad_request("'messages' must be a non-empty array of messages", "messages")
+    return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(value))
+
+
+def _message(value: Any, where: str) -> ChatMessage:
+    if not isinstance(value, dict):
+        raise bad_request(f"'{where}' must be an object with 'role' and 'content'", where)
+    role = value.get("role")
+    if role not in _ROLES:
+        raise bad_request(
+            f"'{where}.role' must be one of {', '.join(_ROLES)}, got {role!r}"
+            + (" (tool calls are not supported by this server)" if role in ("tool", "function") else ""),
+            f"{where}.role",
+        )
+    if value.get("tool_calls") or value.get("function_call"):
+        raise bad_request(f"'{where}' carries tool calls, which this server does not support", f"{where}.tool_calls")
+    return {"role": _ROLES[role], "content": _content(value.get("content"), role, f"{where}.content")}
+
+
+def _content(value: Any, role: str, where: str) -> str:
+    """A string, or an array of text parts joined in order (images are not supported here)."""
+    if value is None:
+        if role == "assistant":
+            return ""
+        raise bad_request(f"'{where}' is required for {role} messages", where)
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad_request(f"'{where}' must be a string or an array of content parts", where)
+    texts = []
+    for j, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(
+                f"'{where}[{j}]' must be a text part {{'type': 'text', 'text': ...}}; got type {kind!r} "
+                "(only text content is supported by this endpoint)",
+                f"{where}[{j}]",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _prompt(value: Any) -> str | tuple[int, ...]:
+    """A string, an array of token ids, or a one-element array of either."""
+    if value is None:
+        raise bad_request("you must provide a 'prompt' parameter", "prompt")
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return tuple(value)
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str | list) for p in value):
+        raise bad_request("only one prompt per request is supported by this server", "prompt")
+    raise bad_request("'prompt' must be a string, an array of token ids, or a one-element array of either", "prompt")
+
+
+def select(items: Sequence[Any], wanted: Sequence[Any] | None, what: str, param: str) -> tuple[int, ...]:
+    """Indices of ``wanted`` in ``items`` (all of them when None); unknown names are a 400."""
+    if wanted is None:
+        return tuple(range(len(items)))
+    index = {v: i for i, v in enumerate(items)}
+    missing = [w for w in wanted if w not in index]
+    if missing:
+        raise bad_request(f"unknown {what} {missing}; the readout manifest has {list(items)}", param)
+    if not wanted:
+        raise bad_request(f"'{param}' must not be empty (leave it out to get all {what})", param)
+    return tuple(index[w] for w in wanted)

@@ -1,0 +1,128 @@
+"""Gateway errors -> gRPC statuses, and the guard every Salience handler runs inside.
+
+Why one wrapper: each RPC must check the bearer token and must turn a
+:class:`GatewayError` into its gRPC status with the message as details; doing it per
+method would repeat the same try/except six times. The server object is built by
+``prismgate.server`` (no interceptors there), so the guard wraps the method handlers
+the generated ``add_*Servicer_to_server`` functions register: the same effect as a
+server interceptor, limited to the services this codec owns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+import grpc
+
+from prismgate.auth import check_bearer
+from prismgate.core.errors import GatewayError
+
+log = logging.getLogger(__name__)
+
+Unary = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+Streaming = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+
+
+def grpc_status(error: GatewayError) -> grpc.StatusCode:
+    """The gRPC status for a gateway error code (the core uses gRPC's names and numbers)."""
+    return grpc.StatusCode[error.code.name]
+
+
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key.lower() == "authorization":
+            return value if isinstance(value, str) else value.decode("latin-1")
+    return None
+
+
+async def _fail(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+    """Abort the call with a status a client can act on; never a bare UNKNOWN."""
+    if isinstance(exc, GatewayError):
+        await context.abort(grpc_status(exc), exc.message)
+    log.exception("salience %s failed", method)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
+
+
+def _guard_unary(method: str, behavior: Unary, token: str | None) -> Unary:
+    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            check_bearer(token, _authorization(context))
+            return await behavior(request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await _fail(context, method, exc)
+
+    return guarded
+
+
+def _guard_streaming(method: str, behavior: Streaming, token: str | None) -> Streaming:
+    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            check_bearer(token, _authorization(context))
+            async with contextlib.aclosing(behavior(request, context)) as events:
+                async for event in events:
+                    yield event
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await _fail(context, method, exc)
+
+    return guarded
+
+
+def guard(handlers: Mapping[str, grpc.RpcMethodHandler], token: str | None) -> dict[str, grpc.RpcMethodHandler]:
+    """The same method handlers, each checking the token and mapping errors to statuses."""
+    out: dict[str, grpc.RpcMethodHandler] = {}
+    for method, handler in handlers.items():
+        if handler.unary_unary is not None:
+            out[method] = grpc.unary_unary_rpc_method_handler(
+                _guard_unary(method, handler.unary_unary, token),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        elif handler.unary_stream is not None:
+            out[method] = grpc.unary_stream_rpc_method_handler(
+                _guard_streaming(method, handler.unary_stream, token),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        else:
+            raise TypeError(f"{method}: only unary and server-streaming methods are guarded")
+    return out
+
+
+class _Capture:
+    """Stands in for the server while a generated ``add_*_to_server`` registers its handlers."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, _handlers: Any) -> None:
+        pass  # the same handlers arrive through add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
+        self.service = service
+        self.handlers = dict(handlers)
+
+
+def add_guarded(
+    server: grpc.aio.Server,
+    add_servicer: Callable[[Any, Any], None],
+    servicer: Any,
+    token: str | None,
+) -> str:
+    """Register ``servicer`` through its generated ``add_servicer`` function, guarded; return its service name."""
+    capture = _Capture()
+    add_servicer(servicer, capture)
+    if not capture.handlers:
+        raise RuntimeError(f"{add_servicer.__name__} registered no method handlers")
+    handlers = guard(capture.handlers, token)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.service, handlers),))
+    server.add_registered_method_handlers(capture.service, handlers)
+    return capture.service

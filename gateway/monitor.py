@@ -1,0 +1,197 @@
+"""What the gateway watches on every generation: metrics, one log line, the shutdown drain.
+
+The core service hands each generation stream to :meth:`GatewayMonitor.watch`
+(``SessionService.monitor``), whatever protocol sent it, so counting happens in one
+place and no codec has to remember to. The monitor never changes an event; it
+times them, counts them, logs one line when the generation ends, and keeps the set
+of generations in flight so that shutdown can wait for them (and refuse new ones).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from prismgate.core.actions import GenerateAction
+from prismgate.core.errors import Code, GatewayError
+from prismgate.core.events import Done, Event, TokenEvent
+from prismgate.core.service import SessionService
+from prismgate.logs import context_field
+from prismgate.metrics import GatewayMetrics
+from prismgate.settings import Settings
+
+log = logging.getLogger("prismgate.generation")
+
+# Codes that mean "the client asked for something we will not do": logged at info, not as failures of ours.
+_CLIENT_CODES = frozenset(
+    {Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED, Code.ABORTED,
+     Code.CANCELLED, Code.UNAUTHENTICATED}
+)
+
+
+@dataclass
+class _Generation:
+    """Running tallies for one generation."""
+
+    protocol: str
+    session_id: str
+    request_id: str
+    start: float
+    first_token: float | None = None
+    last_token: float | None = None
+    completion_tokens: int = 0
+    readout_tokens: int = 0
+    done: Done | None = None
+    output_ids: list[int] = field(default_factory=list)
+
+
+class GatewayMonitor:
+    def __init__(self, metrics: GatewayMetrics, settings: Settings, service: SessionService) -> None:
+        self.metrics = metrics
+        self.settings = settings
+        self.service = service
+        self.draining = False
+        self._in_flight: dict[str, asyncio.Task[object] | None] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- the hook the service calls ---------------------------------------------------
+
+    def watch(
+        self, action: GenerateAction, session_id: str, request_id: str, events: AsyncIterator[Event]
+    ) -> AsyncIterator[Event]:
+        return self._watch(action, session_id, context_field("request_id") or request_id, events)
+
+    async def _watch(
+        self, action: GenerateAction, session_id: str, request_id: str, events: AsyncIterator[Event]
+    ) -> AsyncIterator[Event]:
+        protocol = action.origin or "unknown"
+        m = self.metrics
+        m.requests.labels(protocol).inc()
+        if self.draining:
+            await events.aclose()  # type: ignore[attr-defined]
+            m.errors.labels(protocol, Code.UNAVAILABLE.name).inc()
+            raise GatewayError(Code.UNAVAILABLE, "the server is shutting down; retry on another replica")
+        g = _Generation(protocol, session_id, request_id, time.perf_counter())
+        self._in_flight[request_id] = asyncio.current_task()
+        self._idle.clear()
+        m.active.labels(protocol).inc()
+        error: GatewayError | None = None
+        try:
+            async for event in events:
+                self._see(g, event)
+                yield event
+        except GatewayError as exc:
+            error = exc
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            raise  # the client went away: a cancelled generation, not an error
+        except Exception as exc:
+            error = GatewayError(Code.INTERNAL, f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+            m.active.labels(protocol).dec()
+            self._in_flight.pop(request_id, None)
+            if not self._in_flight:
+                self._idle.set()
+            self._finish(g, action, error)
+
+    def _see(self, g: _Generation, event: Event) -> None:
+        if isinstance(event, TokenEvent):
+            if event.readout is not None:
+                g.readout_tokens += 1
+            if event.is_prefill:
+                return
+            now = time.perf_counter()
+            if g.first_token is None:
+                g.first_token = now
+                self.metrics.ttft.labels(g.protocol).observe(now - g.start)
+            elif g.last_token is not None:
+                self.metrics.itl.labels(g.protocol).observe(now - g.last_token)
+            g.last_token = now
+            g.completion_tokens += 1
+            self.metrics.streamed_tokens.labels(g.protocol).inc()
+            if self.settings.log_prompts:
+                g.output_ids.append(event.id)
+        else:
+            g.done = event
+
+    def _finish(self, g: _Generation, action: GenerateAction, error: GatewayError | None) -> None:
+        m = self.metrics
+        p = g.protocol
+        duration = time.perf_counter() - g.start
+        m.duration.labels(p).observe(duration)
+        m.readout_tokens.labels(p).inc(g.readout_tokens)
+        fields: dict[str, object] = {"protocol": p, "session_id": g.session_id, "request_id": g.request_id}
+        if error is not None and g.done is None:
+            m.errors.labels(p, error.code.name).inc()
+            fields.update(code=error.code.name, error=error.message, duration_s=round(duration, 4))
+            level = logging.INFO if error.code in _CLIENT_CODES else logging.ERROR
+            log.log(level, "generation failed", extra=fields)
+            return
+        done = g.done
+        reason = done.finish_reason.value if done is not None else "cancelled"
+        m.finished.labels(p, reason).inc()
+        if done is not None:
+            m.prompt_tokens.labels(p).inc(done.prompt_tokens)
+            m.cached_tokens.labels(p).inc(done.cached_tokens)
+            m.prefilled_tokens.labels(p).inc(done.prefilled_tokens)
+        fields.update(
+            prompt_tokens=done.prompt_tokens if done is not None else None,
+            completion_tokens=g.completion_tokens,
+            cached_tokens=done.cached_tokens if done is not None else None,
+            finish_reason=reason,
+            ttft_s=round(g.first_token - g.start, 4) if g.first_token is not None else None,
+            duration_s=round(duration, 4),
+        )
+        if self.settings.log_prompts:
+            fields.update(self._texts(action, g))
+        log.info("generation finished", extra=fields)
+
+    def _texts(self, action: GenerateAction, g: _Generation) -> dict[str, str]:
+        """Prompt (this call's append) and output text, only when settings.log_prompts allows it."""
+        try:
+            decode = self.service.info().tokenizer.decode
+            return {"prompt_text": decode(list(action.append_tokens)), "output_text": decode(g.output_ids)}
+        except Exception:  # logging must never fail a request
+            return {}
+
+    # -- shutdown -----------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def start_draining(self) -> None:
+        """From now on new generations fail UNAVAILABLE; running ones go on."""
+        self.draining = True
+
+    async def wait_idle(self, timeout: float, abort: asyncio.Event | None = None) -> bool:
+        """Wait until no generation is in flight (True), the timeout passes or ``abort`` is set (False)."""
+        waits = [asyncio.ensure_future(self._idle.wait())]
+        if abort is not None:
+            waits.append(asyncio.ensure_future(abort.wait()))
+        try:
+            await asyncio.wait(waits, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        return self._idle.is_set()
+
+    def cancel_all(self) -> int:
+        """Cancel the tasks still consuming a generation (the grace period is over)."""
+        tasks = {t for t in self._in_flight.values() if t is not None and not t.done()}
+        for task in tasks:
+            task.cancel("the gateway is shutting down")
+        return len(tasks)
+
+
+def count_error(service: SessionService, protocol: str, code: Code) -> None:
+    """For codecs: count a request refused before it reached the core (bad wire input, auth)."""
+    monitor = service.monitor
+    if isinstance(monitor, GatewayMonitor):
+        monitor.metrics.errors.labels(protocol, code.name).inc()

@@ -1,0 +1,49 @@
+"""Settings precedence: defaults < TOML < environment < flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prismgate.core.errors import GatewayError
+from prismgate.settings import Settings
+
+
+def test_defaults_are_the_documented_ones() -> None:
+    s = Settings.load(env={})
+    assert (s.host, s.http_port, s.grpc_port, s.engine) == ("127.0.0.1", 8000, 50051, "transformers")
+    assert s.session_ttl_s == 1800
+
+
+def test_precedence(tmp_path: Path) -> None:
+    cfg = tmp_path / "p.toml"
+    cfg.write_text('[prismgate]\nhttp_port = 9000\ngrpc_port = 9001\nlog_json = true\n')
+    env = {"PRISMGATE_GRPC_PORT": "9002", "PRISMGATE_CONFIG": str(cfg)}
+    s = Settings.load({"log_json": False}, env=env)
+    assert s.http_port == 9000  # from TOML
+    assert s.grpc_port == 9002  # env beats TOML
+    assert s.log_json is False  # flag beats TOML
+
+
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        ({"PRISMGATE_HTTP_PORT": "eighty"}, "not a valid int"),
+        ({"PRISMGATE_LOG_JSON": "maybe"}, "not a valid bool"),
+        ({"PRISMGATE_ENGINE": "onnx"}, "engine must be one of"),
+        ({"PRISMGATE_HTTP_PORT": "70000"}, "TCP port"),
+    ],
+)
+def test_bad_values_are_clear(env: dict[str, str], fragment: str) -> None:
+    with pytest.raises(GatewayError) as e:
+        Settings.load(env=env)
+    assert fragment in e.value.message
+
+
+def test_unknown_toml_keys_are_rejected(tmp_path: Path) -> None:
+    cfg = tmp_path / "p.toml"
+    cfg.write_text("htp_port = 1\n")
+    with pytest.raises(GatewayError) as e:
+        Settings.load(env={}, config_file=str(cfg))
+    assert "unknown setting 'htp_port'" in e.value.message
