@@ -34,12 +34,10 @@ test-fast: setup
 
 # mypy cannot follow the editable install's import hook, so it checks a link tree that
 # lays the folders out under their import name.
-build/typecheck/prismgate: setup
+typecheck: setup
 	rm -rf build/typecheck && mkdir -p build/typecheck/prismgate
 	for f in gateway/*; do ln -s ../../../$$f build/typecheck/prismgate/; done
 	for d in codecs engines schemas; do ln -s ../../../$$d build/typecheck/prismgate/$$d; done
-
-typecheck: build/typecheck/prismgate
 	$(BIN)/mypy
 
 lint: setup typecheck

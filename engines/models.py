@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from prismgate.core.errors import GatewayError, Code
+from prismgate.core.errors import Code, GatewayError
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def _convert_gguf(folder: Path, filename: str, target: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.bfloat16)
     # A GGUF-loaded model refuses save_pretrained while it carries its quantizer.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,1 +1,5 @@
-from prismgate.cli import main; import sys; sys.exit(main())
+import sys
+
+from prismgate.cli import main
+
+sys.exit(main())

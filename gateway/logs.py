@@ -65,7 +65,7 @@ def _plain(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     text = str(value)
-    return json.dumps(text) if (not text or any(c.isspace() or c in "\"=" for c in text)) else text
+    return json.dumps(text) if (not text or any(c.isspace() or c in '"=' for c in text)) else text
 
 
 class _ContextFilter(logging.Filter):

@@ -55,35 +55,48 @@ class GatewayMetrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         p = ["protocol"]
         self.requests = Counter(
-            "prismgate_requests", "Generation requests received (every protocol's generations pass the core).", p,
+            "prismgate_requests",
+            "Generation requests received (every protocol's generations pass the core).",
+            p,
             registry=r,
         )
         self.errors = Counter(
-            "prismgate_request_errors", "Requests that failed, by gateway error code (gRPC-style names).",
-            ["protocol", "code"], registry=r,
+            "prismgate_request_errors",
+            "Requests that failed, by gateway error code (gRPC-style names).",
+            ["protocol", "code"],
+            registry=r,
         )
         self.finished = Counter(
-            "prismgate_generations_finished", "Generations that ended, by finish reason (cancelled: the client left).",
-            ["protocol", "finish_reason"], registry=r,
+            "prismgate_generations_finished",
+            "Generations that ended, by finish reason (cancelled: the client left).",
+            ["protocol", "finish_reason"],
+            registry=r,
         )
         self.active = Gauge(
             "prismgate_active_sessions",
-            "Sessions with a generation in flight (one-request sessions such as GraphPipe rows included).", p,
+            "Sessions with a generation in flight (one-request sessions such as GraphPipe rows included).",
+            p,
             registry=r,
         )
         self.streamed_tokens = Counter(
             "prismgate_streamed_tokens", "Decoded tokens streamed to clients.", p, registry=r
         )
         self.prompt_tokens = Counter(
-            "prismgate_prompt_tokens", "Prompt tokens of finished generations (the whole timeline the engine saw).", p,
+            "prismgate_prompt_tokens",
+            "Prompt tokens of finished generations (the whole timeline the engine saw).",
+            p,
             registry=r,
         )
         self.cached_tokens = Counter(
-            "prismgate_prompt_cached_tokens", "Prompt tokens served from the engine's prefix/session cache.", p,
+            "prismgate_prompt_cached_tokens",
+            "Prompt tokens served from the engine's prefix/session cache.",
+            p,
             registry=r,
         )
         self.prefilled_tokens = Counter(
-            "prismgate_prompt_prefilled_tokens", "Prompt tokens the engine ran through the model (not cached).", p,
+            "prismgate_prompt_prefilled_tokens",
+            "Prompt tokens the engine ran through the model (not cached).",
+            p,
             registry=r,
         )
         self.readout_tokens = Counter(
@@ -91,23 +104,32 @@ class GatewayMetrics:
         )
         self.ttft = Histogram(
             "prismgate_time_to_first_token_seconds",
-            "From the request reaching the core to its first decoded token (queueing and prefill included).", p,
-            buckets=TTFT_BUCKETS, registry=r,
+            "From the request reaching the core to its first decoded token (queueing and prefill included).",
+            p,
+            buckets=TTFT_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
-            "prismgate_inter_token_latency_seconds", "Time between consecutive decoded tokens of one generation.", p,
-            buckets=ITL_BUCKETS, registry=r,
+            "prismgate_inter_token_latency_seconds",
+            "Time between consecutive decoded tokens of one generation.",
+            p,
+            buckets=ITL_BUCKETS,
+            registry=r,
         )
         self.duration = Histogram(
-            "prismgate_generation_duration_seconds", "Whole generation, request to last event.", p,
-            buckets=DURATION_BUCKETS, registry=r,
+            "prismgate_generation_duration_seconds",
+            "Whole generation, request to last event.",
+            p,
+            buckets=DURATION_BUCKETS,
+            registry=r,
         )
         self.model = Info("prismgate_model", "The model served and the engine that runs it.", registry=r)
         self.model_load = Gauge(
             "prismgate_model_load_seconds", "Seconds the engine took to load the model at start-up.", registry=r
         )
-        self.ready = Gauge("prismgate_ready", "1 once the model is loaded and the gateway serves; 0 while draining.",
-                           registry=r)
+        self.ready = Gauge(
+            "prismgate_ready", "1 once the model is loaded and the gateway serves; 0 while draining.", registry=r
+        )
         for protocol in KNOWN_PROTOCOLS:
             self.touch(protocol)
         if process_metrics:
@@ -117,8 +139,18 @@ class GatewayMetrics:
 
     def touch(self, protocol: str) -> None:
         """Create the protocol's series at zero (a counter that never moved is still a series)."""
-        for metric in (self.requests, self.active, self.streamed_tokens, self.prompt_tokens, self.cached_tokens,
-                       self.prefilled_tokens, self.readout_tokens, self.ttft, self.itl, self.duration):
+        for metric in (
+            self.requests,
+            self.active,
+            self.streamed_tokens,
+            self.prompt_tokens,
+            self.cached_tokens,
+            self.prefilled_tokens,
+            self.readout_tokens,
+            self.ttft,
+            self.itl,
+            self.duration,
+        ):
             metric.labels(protocol)
 
     def bind(self, service: SessionService) -> None:
@@ -126,8 +158,9 @@ class GatewayMetrics:
         self.registry.register(_ServiceCollector(service))
 
     def model_loaded(self, info: EngineInfo, seconds: float) -> None:
-        self.model.info({"model": info.model_id, "engine": info.engine_name or "unknown",
-                         "max_model_len": str(info.max_model_len)})
+        self.model.info(
+            {"model": info.model_id, "engine": info.engine_name or "unknown", "max_model_len": str(info.max_model_len)}
+        )
         self.model_load.set(seconds)
         self.ready.set(1)
 
@@ -142,7 +175,8 @@ class _ServiceCollector(Collector):
         admission = self._service.pool.admission
         store = self._service.store
         yield GaugeMetricFamily(
-            "prismgate_engine_queue_depth", "Generations waiting for an engine slot (admission queue, all protocols).",
+            "prismgate_engine_queue_depth",
+            "Generations waiting for an engine slot (admission queue, all protocols).",
             value=admission.queued,
         )
         yield GaugeMetricFamily(

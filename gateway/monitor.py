@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from prismgate.core.actions import GenerateAction
@@ -27,8 +27,15 @@ log = logging.getLogger("prismgate.generation")
 
 # Codes that mean "the client asked for something we will not do": logged at info, not as failures of ours.
 _CLIENT_CODES = frozenset(
-    {Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED, Code.ABORTED,
-     Code.CANCELLED, Code.UNAUTHENTICATED}
+    {
+        Code.INVALID_ARGUMENT,
+        Code.NOT_FOUND,
+        Code.FAILED_PRECONDITION,
+        Code.RESOURCE_EXHAUSTED,
+        Code.ABORTED,
+        Code.CANCELLED,
+        Code.UNAUTHENTICATED,
+    }
 )
 
 
@@ -45,6 +52,7 @@ class _Generation:
     completion_tokens: int = 0
     readout_tokens: int = 0
     done: Done | None = None
+    ended: bool = False
     output_ids: list[int] = field(default_factory=list)
 
 
@@ -61,18 +69,18 @@ class GatewayMonitor:
     # -- the hook the service calls ---------------------------------------------------
 
     def watch(
-        self, action: GenerateAction, session_id: str, request_id: str, events: AsyncIterator[Event]
-    ) -> AsyncIterator[Event]:
+        self, action: GenerateAction, session_id: str, request_id: str, events: AsyncGenerator[Event, None]
+    ) -> AsyncGenerator[Event, None]:
         return self._watch(action, session_id, context_field("request_id") or request_id, events)
 
     async def _watch(
-        self, action: GenerateAction, session_id: str, request_id: str, events: AsyncIterator[Event]
-    ) -> AsyncIterator[Event]:
+        self, action: GenerateAction, session_id: str, request_id: str, events: AsyncGenerator[Event, None]
+    ) -> AsyncGenerator[Event, None]:
         protocol = action.origin or "unknown"
         m = self.metrics
         m.requests.labels(protocol).inc()
         if self.draining:
-            await events.aclose()  # type: ignore[attr-defined]
+            await events.aclose()
             m.errors.labels(protocol, Code.UNAVAILABLE.name).inc()
             raise GatewayError(Code.UNAVAILABLE, "the server is shutting down; retry on another replica")
         g = _Generation(protocol, session_id, request_id, time.perf_counter())
@@ -83,6 +91,9 @@ class GatewayMonitor:
         try:
             async for event in events:
                 self._see(g, event)
+                if isinstance(event, Done):
+                    # Done is the last event: account now, not when the caller gets round to closing the stream
+                    self._end(g, action, None)
                 yield event
         except GatewayError as exc:
             error = exc
@@ -93,12 +104,18 @@ class GatewayMonitor:
             error = GatewayError(Code.INTERNAL, f"{type(exc).__name__}: {exc}")
             raise
         finally:
-            await events.aclose()  # type: ignore[attr-defined]
-            m.active.labels(protocol).dec()
-            self._in_flight.pop(request_id, None)
-            if not self._in_flight:
-                self._idle.set()
-            self._finish(g, action, error)
+            self._end(g, action, error)
+            await events.aclose()
+
+    def _end(self, g: _Generation, action: GenerateAction, error: GatewayError | None) -> None:
+        if g.ended:
+            return
+        g.ended = True
+        self.metrics.active.labels(g.protocol).dec()
+        self._in_flight.pop(g.request_id, None)
+        if not self._in_flight:
+            self._idle.set()
+        self._finish(g, action, error)
 
     def _see(self, g: _Generation, event: Event) -> None:
         if isinstance(event, TokenEvent):
@@ -170,13 +187,13 @@ class GatewayMonitor:
         """From now on new generations fail UNAVAILABLE; running ones go on."""
         self.draining = True
 
-    async def wait_idle(self, timeout: float, abort: asyncio.Event | None = None) -> bool:
-        """Wait until no generation is in flight (True), the timeout passes or ``abort`` is set (False)."""
+    async def wait_idle(self, seconds: float, abort: asyncio.Event | None = None) -> bool:
+        """Wait until no generation is in flight (True), ``seconds`` pass or ``abort`` is set (False)."""
         waits = [asyncio.ensure_future(self._idle.wait())]
         if abort is not None:
             waits.append(asyncio.ensure_future(abort.wait()))
         try:
-            await asyncio.wait(waits, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, timeout=max(0.0, seconds), return_when=asyncio.FIRST_COMPLETED)
         finally:
             for w in waits:
                 w.cancel()

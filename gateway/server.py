@@ -112,15 +112,23 @@ class Gateway:
         sock.setblocking(False)
         self.http_port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.app, log_config=None, lifespan="off", timeout_graceful_shutdown=math.ceil(s.shutdown_grace_s),
-            ws_max_size=s.grpc_max_message_bytes, access_log=False,
+            self.app,
+            log_config=None,
+            lifespan="off",
+            timeout_graceful_shutdown=math.ceil(s.shutdown_grace_s),
+            ws_max_size=s.grpc_max_message_bytes,
+            access_log=False,
         )
         self._uvicorn = _Uvicorn(config)
         self._uvicorn_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]), name="uvicorn")
         self._tasks.append(asyncio.create_task(self._load(names), name="model-load"))
         self._tasks.append(asyncio.create_task(self._evict(), name="session-eviction"))
         log.info(
-            "HTTP on %s:%d, gRPC on %s:%d", s.host, self.http_port, s.host, self.grpc_port,
+            "HTTP on %s:%d, gRPC on %s:%d",
+            s.host,
+            self.http_port,
+            s.host,
+            self.grpc_port,
             extra={"http_port": self.http_port, "grpc_port": self.grpc_port},
         )
         if s.port_file:
@@ -141,8 +149,11 @@ class Gateway:
         assert self._health is not None
         for name in ["", *names]:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("ready: %s", info.model_id, extra={"model": info.model_id, "engine": info.engine_name,
-                                                       "load_s": round(seconds, 3)})
+        log.info(
+            "ready: %s",
+            info.model_id,
+            extra={"model": info.model_id, "engine": info.engine_name, "load_s": round(seconds, 3)},
+        )
 
     async def _evict(self) -> None:
         while True:
@@ -151,7 +162,7 @@ class Gateway:
             if evicted:
                 log.info("evicted %d idle sessions", len(evicted))
 
-    async def wait_ready(self, timeout: float = 300.0) -> None:
+    async def wait_ready(self, timeout: float = 300.0) -> None:  # noqa: ASYNC109 (public API)
         async with asyncio.timeout(timeout):
             while not self.service.pool.ready:
                 if self._stopped.is_set():
@@ -191,8 +202,11 @@ class Gateway:
             deadline = loop.time()
         log.info(
             "drained" if drained else "grace period over",
-            extra={"in_flight_at_stop": in_flight, "still_running": self.monitor.in_flight,
-                   "waited_s": round(loop.time() - t0, 3)},
+            extra={
+                "in_flight_at_stop": in_flight,
+                "still_running": self.monitor.in_flight,
+                "waited_s": round(loop.time() - t0, 3),
+            },
         )
 
         # 3. close connections; cancel what outlived the grace period
@@ -216,9 +230,11 @@ class Gateway:
         await self.service.pool.close()
         if self.settings.port_file:
             with contextlib.suppress(OSError):
-                Path(self.settings.port_file).unlink()
-        log.info("stopped", extra={"sessions_closed": sessions, "cancelled": cancelled,
-                                   "shutdown_s": round(loop.time() - t0, 3)})
+                os.remove(self.settings.port_file)
+        log.info(
+            "stopped",
+            extra={"sessions_closed": sessions, "cancelled": cancelled, "shutdown_s": round(loop.time() - t0, 3)},
+        )
         self._stopped.set()
 
     async def run_until_signal(self) -> None:
@@ -239,8 +255,9 @@ class Gateway:
         await asyncio.wait({waiter, stopped}, return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
         stopped.cancel()
-        log.info("shutting down (grace %.1fs)", self.settings.shutdown_grace_s,
-                 extra={"in_flight": self.monitor.in_flight})
+        log.info(
+            "shutting down (grace %.1fs)", self.settings.shutdown_grace_s, extra={"in_flight": self.monitor.in_flight}
+        )
         await self.stop()
 
 

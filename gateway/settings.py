@@ -30,7 +30,9 @@ def setting(default: Any, help: str, *, choices: Sequence[str] | None = None) ->
 class Settings:
     # -- server ---------------------------------------------------------------------
     host: str = setting("127.0.0.1", "Address to bind (the container images set 0.0.0.0).")
-    http_port: int = setting(8000, "HTTP port: GraphPipe, Evergreen WebSocket, OpenAI API, playground, health, metrics.")
+    http_port: int = setting(
+        8000, "HTTP port: GraphPipe, Evergreen WebSocket, OpenAI API, playground, health, metrics."
+    )
     grpc_port: int = setting(50051, "gRPC port: salience.v1, evergreen.v2, health and reflection.")
     shutdown_grace_s: float = setting(30.0, "On SIGTERM, how long in-flight streams may run before they are cancelled.")
 
@@ -39,7 +41,8 @@ class Settings:
     model: str | None = setting(None, "Local Hugging Face model folder; default: the embedded SmolLM2-135M-Instruct.")
     model_name: str | None = setting(None, "Name clients use for the model (default: the folder's name).")
     concept_pack: str | None = setting(
-        None, "Concept pack (.safetensors) for readouts; default: the embedded pack for the default model; 'none' disables."
+        None,
+        "Concept pack (.safetensors) for readouts; default: the embedded pack for the default model; 'none' disables.",
     )
     device: str = setting("auto", "transformers engine: cpu, cuda, cuda:N or auto.")
     dtype: str = setting("auto", "Weights dtype.", choices=("auto", "bfloat16", "float16", "float32"))
@@ -67,8 +70,9 @@ class Settings:
 
     # -- operations (owned by ops: server lifecycle, deployment) -------------------------
     port_file: str | None = setting(
-        None, "Once both ports are bound, write them to this file as JSON (http_port, grpc_port, pid): "
-        "useful with port 0. Removed again on a clean stop."
+        None,
+        "Once both ports are bound, write them to this file as JSON (http_port, grpc_port, pid): "
+        "useful with port 0. Removed again on a clean stop.",
     )
 
     # -- per-protocol settings (each block owned by its codec) --------------------------
@@ -78,13 +82,38 @@ class Settings:
         None, "OpenAI API: max_tokens for requests that set none (unset: the rest of the context, as OpenAI does)."
     )
 
+    # -- graphpipe (owned by codecs/graphpipe: GraphPipe flatbuffers over HTTP) ------------
+    graphpipe_path: str = setting(
+        "/graphpipe",
+        "GraphPipe endpoint: POST a flatbuffer Request, GET the metadata as JSON; <path>/control/is_ready "
+        "and <path>/control/is_alive answer ok.",
+    )
+    graphpipe_root: bool = setting(
+        True, "Also serve GraphPipe on POST / (and GET / and /control/*, where no other route claims them)."
+    )
+    graphpipe_error_status: str = setting(
+        "auto",
+        "GraphPipe errors: '200' = HTTP 200 with an InferResponse whose errors carry code and message (the spec; "
+        "the Python client raises the message); 'http' = a 4xx/5xx status with the message as a text body "
+        "(the reference Go server and client); 'auto' = 'http' for Go clients (User-Agent Go-http-client), "
+        "else '200'.",
+        choices=("auto", "200", "http"),
+    )
+    graphpipe_max_body_bytes: int = setting(
+        64 * 1024 * 1024, "Largest GraphPipe request body; a larger one is refused without being read."
+    )
+    graphpipe_max_batch: int = setting(256, "Most rows (prompts or token rows) in one GraphPipe request.")
+
     @classmethod
     def fields(cls) -> list[dataclasses.Field[Any]]:
         return list(dataclasses.fields(cls))
 
     @classmethod
     def load(
-        cls, overrides: Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None,
+        cls,
+        overrides: Mapping[str, Any] | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
         config_file: str | None = None,
     ) -> Settings:
         env = os.environ if env is None else env

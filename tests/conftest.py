@@ -17,7 +17,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tests.tiny_model import build_random_pack, build_tiny_llama  # noqa: E402
+from tests.tiny_model import build_random_pack, build_tiny_llama
 
 TINY_MODEL_ID = "tiny-llama"
 
@@ -121,7 +121,9 @@ def live_server(tiny_model_dir: Path, tiny_pack: Path) -> Iterator[LiveServer]:
 
 
 @pytest.fixture(scope="session")
-def server_factory(tiny_model_dir: Path, tiny_pack: Path) -> Callable[..., contextlib.AbstractContextManager[LiveServer]]:
+def server_factory(
+    tiny_model_dir: Path, tiny_pack: Path
+) -> Callable[..., contextlib.AbstractContextManager[LiveServer]]:
     """Start a server with settings overrides: ``with server_factory(auth_token="s3cret") as srv: ...``."""
 
     def factory(**overrides: Any) -> contextlib.AbstractContextManager[LiveServer]:

@@ -16,7 +16,11 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PRISMGATE_THREADS="1")
 
 def prismgate(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "prismgate", *args], capture_output=True, text=True, timeout=timeout, env=ENV,
+        [sys.executable, "-m", "prismgate", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
         cwd=Path(__file__).parent,
     )
 
@@ -43,8 +47,16 @@ def test_missing_model_folder_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_generate_with_the_tiny_model_streams_tokens(tiny_model_dir: Path, tiny_pack: Path) -> None:
     proc = prismgate(
-        "generate", "hello", "--model", str(tiny_model_dir), "--concept-pack", str(tiny_pack),
-        "--max-tokens", "5", "--readouts", timeout=120,
+        "generate",
+        "hello",
+        "--model",
+        str(tiny_model_dir),
+        "--concept-pack",
+        str(tiny_pack),
+        "--max-tokens",
+        "5",
+        "--readouts",
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if "|" in line]

@@ -18,7 +18,7 @@ def test_defaults_are_the_documented_ones() -> None:
 
 def test_precedence(tmp_path: Path) -> None:
     cfg = tmp_path / "p.toml"
-    cfg.write_text('[prismgate]\nhttp_port = 9000\ngrpc_port = 9001\nlog_json = true\n')
+    cfg.write_text("[prismgate]\nhttp_port = 9000\ngrpc_port = 9001\nlog_json = true\n")
     env = {"PRISMGATE_GRPC_PORT": "9002", "PRISMGATE_CONFIG": str(cfg)}
     s = Settings.load({"log_json": False}, env=env)
     assert s.http_port == 9000  # from TOML

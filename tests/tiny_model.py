@@ -70,7 +70,9 @@ def build_tiny_llama(folder: Path, *, layers: int = 3, seed: int = 0, max_len: i
     return folder
 
 
-def build_random_pack(folder: Path, model_dir: Path, *, layers: tuple[int, ...] = (0, 1), n_concepts: int = 3, seed: int = 0) -> Path:
+def build_random_pack(
+    folder: Path, model_dir: Path, *, layers: tuple[int, ...] = (0, 1), n_concepts: int = 3, seed: int = 0
+) -> Path:
     """A concept pack of random unit directions: enough to test shapes and arithmetic."""
     import json
 

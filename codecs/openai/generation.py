@@ -32,6 +32,9 @@ from prismgate.engines.base import EngineInfo
 from prismgate.settings import Settings
 
 ORIGIN = "openai"
+# core errors raised while an action is validated, before it changes the session
+_BEFORE_APPEND = frozenset({Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION, Code.ABORTED,
+                            Code.RESOURCE_EXHAUSTED, Code.UNAUTHENTICATED})
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a probability that underflows; JSON has no -inf
 
 
@@ -100,6 +103,7 @@ class Generation:
         self.session_length: int | None = None
         self._stream: AsyncIterator[Event] | None = None
         self._first: Event | None = None
+        self._applied = False  # whether this request's append reached the session
 
     async def start(self) -> None:
         """Submit the action and wait for its first event, so that rejections become HTTP errors."""
@@ -110,9 +114,13 @@ class Generation:
             self._stream = self.service.run(plan.action, model=plan.model)
         try:
             self._first = await anext(self._stream)
-        except BaseException:
+        except BaseException as exc:
+            # Validation failures leave the session untouched; anything later (queue full,
+            # engine error, client gone) happens after the append, which is then undone.
+            self._applied = not (isinstance(exc, GatewayError) and exc.code in _BEFORE_APPEND)
             await self.close(finished=False)
             raise
+        self._applied = True
 
     async def pieces(self) -> AsyncIterator[Piece]:
         assert self._stream is not None, "start() first"
@@ -125,6 +133,8 @@ class Generation:
             while event is not None:
                 if isinstance(event, Done):
                     self.done = event
+                    # the turn is committed to the session once the engine finished it
+                    finished = event.finish_reason is not FinishReason.CANCELLED
                     break
                 if event.is_prefill:
                     prompt.append(self._token(event))
@@ -146,7 +156,6 @@ class Generation:
             text = self.done.text or ""
             if text or pending:
                 yield Piece(text, pending)
-            finished = True
         finally:
             await self.close(finished=finished)
 
@@ -160,7 +169,7 @@ class Generation:
                     with contextlib.suppress(Exception):
                         await aclose()
             if self.plan.session_id is not None:
-                if not finished:
+                if not finished and self._applied:
                     await self._rewind()
                 with contextlib.suppress(GatewayError):
                     self.session_length = len(self.service.session(self.plan.session_id))
@@ -173,7 +182,9 @@ class Generation:
         )
         with contextlib.suppress(GatewayError):
             session = self.service.session(self.plan.session_id)
-            if len(session) <= self.plan.base or session.busy:
+            appended = self.plan.action.append_tokens
+            ours = tuple(session.tokens[self.plan.base : self.plan.base + len(appended)]) == appended
+            if len(session) <= self.plan.base or session.busy or not ours:
                 return
             stream = self.service.generate(self.plan.session_id, action)
             try:

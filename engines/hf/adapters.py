@@ -98,6 +98,7 @@ def load_adapter(path: Path, *, device: str, dtype: str) -> ModelAdapter:
 
         return Qwen2VLAdapter.load(path, device=device, dtype=torch_dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    model.to(device)  # type: ignore[arg-type]
     model.eval()
     return ModelAdapter(model, tokenizer, device)

@@ -316,7 +316,8 @@ class TransformersEngine:
         job.timeline = tokens
         job.generator = torch.Generator(device="cpu")
         job.generator.manual_seed(spec.seed if spec.seed is not None else int.from_bytes(np.random.bytes(7), "little"))
-        cache, cached = (None, [])
+        cache: Any = None
+        cached: list[int] = []
         if req.session_key is not None and req.session_key in self._sessions:
             cache, cached = self._sessions.pop(req.session_key)
         shared = 0
@@ -365,14 +366,10 @@ class TransformersEngine:
         needs_next = end >= n and spec.max_tokens > 0
         if needs_next:
             rows.append(end - 1 - start)
-        want_readouts = self._probe is not None and any(
-            covered(spec.readout_ranges, p) for p in range(start, end)
-        )
+        want_readouts = self._probe is not None and any(covered(spec.readout_ranges, p) for p in range(start, end))
         if self._probe is not None:
             self._probe.enabled = want_readouts
-        logits = self._adapter.forward(
-            ids, job.cache, start, job.timeline, job.request.images, rows or [len(ids) - 1]
-        )
+        logits = self._adapter.forward(ids, job.cache, start, job.timeline, job.request.images, rows or [len(ids) - 1])
         readouts = self._probe.take() if want_readouts and self._probe is not None else None
         job.cached.extend(ids)
         if end <= n:
@@ -409,7 +406,7 @@ class TransformersEngine:
     def _decode_one(self, job: _Job) -> None:
         spec = job.request.spec
         assert job.next_logits is not None and job.generator is not None
-        row = job.next_logits.to(torch.float32)
+        row = job.next_logits.to(device="cpu", dtype=torch.float32)  # the sampler's generator lives on the CPU
         token = sample(row, spec, job.generator)
         position = len(job.timeline)
         event = TokenEvent(id=token, position=position, is_prefill=False)

@@ -27,9 +27,7 @@ def sample(logits: torch.Tensor, spec: GenerateSpec, generator: torch.Generator)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def logprobs_of(
-    logits: torch.Tensor, token_id: int, top_k: int
-) -> tuple[float, list[tuple[int, float]] | None]:
+def logprobs_of(logits: torch.Tensor, token_id: int, top_k: int) -> tuple[float, list[tuple[int, float]] | None]:
     """The raw-distribution logprob of ``token_id`` and the ``top_k`` best alternatives."""
     logp = torch.log_softmax(logits, dim=-1)
     own = float(logp[token_id])

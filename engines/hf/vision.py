@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from prismgate.core.errors import invalid
 from prismgate.core.session import ImageSpan
 from prismgate.engines.base import VisionTokens
@@ -314,10 +315,12 @@ class Qwen2VLAdapter(ModelAdapter):
         if cache.get_seq_length() != start:
             raise RuntimeError(f"KV cache holds {cache.get_seq_length()} tokens, expected {start}")
         end = start + len(ids)
-        inside = [s for s in images if start <= s.start and s.end <= end]
-        split = [s for s in images if s.start < end and s.end > start and s not in inside]
-        if split:
-            raise RuntimeError(f"positions [{start}, {end}) split the image block [{split[0].start}, {split[0].end})")
+        inside = []
+        for span in images:
+            if span.start < end and span.end > start:  # overlaps the chunk: must lie wholly inside it
+                if not (start <= span.start and span.end <= end):
+                    raise RuntimeError(f"positions [{start}, {end}) split the image block [{span.start}, {span.end})")
+                inside.append(span)
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         embeds = self.model.get_input_embeddings()(input_ids)
         if inside:

@@ -46,8 +46,8 @@ import hashlib
 import json
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +66,10 @@ DEFAULT_PACK = DEFAULT_PACKS / "smollm2-135m-instruct.safetensors"
 # held-out prompts from layer ~3 on, so the layers are spread over depth to show how a concept
 # forms and fades; layer 29 (the last) is left out, its output is shaped for the unembedding.
 DEFAULT_LAYERS: tuple[int, ...] = (3, 7, 11, 15, 19, 23, 27)
+DEFAULT_LAYERS_NOTE = "layers chosen from the held-out separation report (prismgate concepts build --report-layers all)"
 
 SKIP_FIRST = 1  # tokens left out at the start of each prompt (the attention sink)
+OUTLIER_FACTOR = 3.0  # tokens above this multiple of their prompt's median norm are left out
 DEFAULT_BATCH = 16
 DEFAULT_FOLDS = 4
 
@@ -160,9 +162,7 @@ def _checked_sets(sets: Sequence[PromptSet | str | Path]) -> list[PromptSet]:
 
 def prompt_sets_digest(sets: Sequence[PromptSet]) -> str:
     """A short hash of the prompt sets' contents, recorded in the pack to tie it to its inputs."""
-    canon = json.dumps(
-        [[s.name, s.description, list(s.positive), list(s.negative)] for s in sets], ensure_ascii=False
-    )
+    canon = json.dumps([[s.name, s.description, list(s.positive), list(s.negative)] for s in sets], ensure_ascii=False)
     return hashlib.sha256(canon.encode("utf-8")).hexdigest()[:16]
 
 
@@ -203,20 +203,49 @@ def check_layers(layers: Sequence[int], n_layers: int) -> tuple[int, ...]:
     return tuple(sorted(int(x) for x in layers))
 
 
-def collect_prompt_means(
+@dataclass(frozen=True)
+class PromptMeans:
+    means: npt.NDArray[np.float64]  # [n_prompts, n_layers, hidden]
+    tokens: npt.NDArray[np.int64]  # [n_prompts] tokens eligible for the mean (after skip_first)
+    excluded: npt.NDArray[np.int64]  # [n_prompts, n_layers] of those, left out as massive-norm outliers
+
+
+def token_keep(norms: Any, valid: Any, factor: float | None) -> Any:
+    """Which tokens ``[batch, time]`` count toward a prompt's mean (torch bool tensor).
+
+    A valid token counts unless its norm exceeds ``factor`` times the lower median norm of
+    its prompt's valid tokens at that layer. Such tokens are attention sinks with massive
+    activations (SmolLM2: ' the' at layers 2-8 is ~5x the median; a second sink at position 1
+    or 2 from layer 11 on is ~150x): nearly constant vectors that would otherwise dominate a
+    prompt's mean. At least half of a prompt's valid tokens always count.
+    """
+    import torch
+
+    keep = valid.clone()
+    if factor:
+        masked = torch.where(valid, norms, torch.full_like(norms, float("nan")))
+        median = torch.nanmedian(masked, dim=1).values
+        keep &= norms <= factor * median[:, None]
+    return keep
+
+
+def _run_layers(
     model: Any,
     token_ids: Sequence[Sequence[int]],
     layers: Sequence[int],
+    on_layer: Callable[[int, list[int], Any, Any, Any], None],
     *,
-    batch_size: int = DEFAULT_BATCH,
-    skip_first: int = SKIP_FIRST,
-    pad_id: int = 0,
-) -> npt.NDArray[np.float64]:
-    """Per-prompt mean residual stream after each layer: ``[n_prompts, n_layers, hidden]`` float64.
+    batch_size: int,
+    skip_first: int,
+    outlier_factor: float | None,
+    pad_id: int,
+) -> tuple[int, ...]:
+    """Run every prompt, calling ``on_layer(slot, rows, h, keep, valid)`` after each chosen layer.
 
-    Prompts run in batches sorted by (length, ids), right-padded; the mean covers tokens
-    ``skip_first..n-1`` of each prompt. Call under :func:`_deterministic_torch` for
-    reproducible bits.
+    ``h`` is that layer's output in float64 ``[batch, time, hidden]``, ``keep`` the tokens that
+    count (:func:`token_keep`), ``valid`` those after ``skip_first`` and before padding.
+    Prompts run in batches sorted by (length, ids), right-padded (every real token keeps its
+    position and causal context); the forward stops after the deepest chosen layer.
     """
     import torch
 
@@ -229,19 +258,16 @@ def collect_prompt_means(
     short = [i for i, ids in enumerate(token_ids) if len(ids) <= skip_first]
     if short:
         raise invalid(f"{len(short)} prompt(s) have {skip_first} token(s) or fewer: nothing left to average")
-    hidden = int(model.config.get_text_config().hidden_size)
     device = next(model.parameters()).device
-    out = np.zeros((len(token_ids), len(layers), hidden), dtype=np.float64)
     order = sorted(range(len(token_ids)), key=lambda i: (len(token_ids[i]), list(token_ids[i])))
-
     state: dict[str, Any] = {}
 
     def hook_for(slot: int, last: bool) -> Any:
         def hook(_module: Any, _args: Any, output: Any) -> None:
             h = output[0] if isinstance(output, tuple) else output  # [batch, time, hidden]
-            weights = state["weights"]  # [batch, time] float64: 1/count on averaged tokens, else 0
-            means = torch.einsum("bt,bth->bh", weights, h.to(torch.float64))
-            out[state["rows"], slot] = means.cpu().numpy()
+            h64 = h.to(torch.float64)
+            keep = token_keep(h64.norm(dim=-1), state["valid"], outlier_factor)
+            on_layer(slot, state["rows"], h64, keep, state["valid"])
             if last:
                 raise _StopForward
 
@@ -254,13 +280,13 @@ def collect_prompt_means(
             width = max(len(token_ids[r]) for r in rows)
             ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
             mask = torch.zeros((len(rows), width), dtype=torch.long)
-            weights = torch.zeros((len(rows), width), dtype=torch.float64)
+            valid = torch.zeros((len(rows), width), dtype=torch.bool)
             for b, r in enumerate(rows):
                 n = len(token_ids[r])
                 ids[b, :n] = torch.tensor(list(token_ids[r]), dtype=torch.long)
                 mask[b, :n] = 1
-                weights[b, skip_first:n] = 1.0 / (n - skip_first)
-            state.update(rows=rows, weights=weights.to(device))
+                valid[b, skip_first:n] = True
+            state.update(rows=rows, valid=valid.to(device))
             try:
                 model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
             except _StopForward:
@@ -270,7 +296,90 @@ def collect_prompt_means(
     finally:
         for handle in handles:
             handle.remove()
+    return layers
+
+
+def collect_prompt_means(
+    model: Any,
+    token_ids: Sequence[Sequence[int]],
+    layers: Sequence[int],
+    *,
+    batch_size: int = DEFAULT_BATCH,
+    skip_first: int = SKIP_FIRST,
+    outlier_factor: float | None = OUTLIER_FACTOR,
+    pad_id: int = 0,
+) -> PromptMeans:
+    """Per-prompt mean residual stream after each layer (see :class:`PromptMeans`).
+
+    The mean covers tokens ``skip_first..n-1`` of each prompt, less massive-norm tokens
+    (:func:`token_keep`). Call under :func:`_deterministic_torch` for reproducible bits.
+    """
+    import torch
+
+    hidden = int(model.config.get_text_config().hidden_size)
+    out = PromptMeans(
+        means=np.zeros((len(token_ids), len(layers), hidden), dtype=np.float64),
+        tokens=np.array([max(len(ids) - skip_first, 0) for ids in token_ids], dtype=np.int64),
+        excluded=np.zeros((len(token_ids), len(layers)), dtype=np.int64),
+    )
+
+    def on_layer(slot: int, rows: list[int], h: Any, keep: Any, valid: Any) -> None:
+        kept = keep.sum(dim=1)
+        weights = keep.to(h.dtype) / kept.clamp(min=1).to(h.dtype)[:, None]
+        out.means[rows, slot] = torch.einsum("bt,bth->bh", weights, h).cpu().numpy()
+        out.excluded[rows, slot] = (valid.sum(dim=1) - kept).cpu().numpy()
+
+    _run_layers(
+        model,
+        token_ids,
+        layers,
+        on_layer,
+        batch_size=batch_size,
+        skip_first=skip_first,
+        outlier_factor=outlier_factor,
+        pad_id=pad_id,
+    )
     return out
+
+
+def collect_token_projections(
+    model: Any,
+    token_ids: Sequence[Sequence[int]],
+    layers: Sequence[int],
+    matrices: npt.NDArray[np.float64],
+    *,
+    batch_size: int = DEFAULT_BATCH,
+    skip_first: int = SKIP_FIRST,
+    outlier_factor: float | None = OUTLIER_FACTOR,
+    pad_id: int = 0,
+) -> list[npt.NDArray[np.float64]]:
+    """Per prompt, ``[kept tokens, n_layers, k]``: each counted token's state projected on ``matrices[l]`` ``[hidden, k]``.
+
+    The tokens are the same ones the means average over, so token-level scores match the pack.
+    """
+    import torch
+
+    mats = [torch.from_numpy(np.ascontiguousarray(m, dtype=np.float64)) for m in matrices]
+    parts: dict[tuple[int, int], npt.NDArray[np.float64]] = {}
+
+    def on_layer(slot: int, rows: list[int], h: Any, keep: Any, valid: Any) -> None:
+        proj = (h @ mats[slot].to(h.device)).cpu().numpy()  # [batch, time, k]
+        mask = keep.cpu().numpy()
+        for b, r in enumerate(rows):
+            parts[(r, slot)] = proj[b][mask[b]]
+
+    _run_layers(
+        model,
+        token_ids,
+        layers,
+        on_layer,
+        batch_size=batch_size,
+        skip_first=skip_first,
+        outlier_factor=outlier_factor,
+        pad_id=pad_id,
+    )
+    n = len(matrices)
+    return [np.stack([parts[(r, s)] for s in range(n)], axis=1) for r in range(len(token_ids))]
 
 
 def direction(pos: npt.NDArray[np.float64], neg: npt.NDArray[np.float64], *, what: str = "") -> npt.NDArray[np.float64]:
@@ -300,6 +409,7 @@ class Separation:
 class SeparationReport:
     folds: int
     rows: tuple[Separation, ...]
+    excluded: dict[int, float] = field(default_factory=dict)  # layer -> fraction of tokens left out as outliers
 
     @property
     def concepts(self) -> tuple[str, ...]:
@@ -324,17 +434,28 @@ class SeparationReport:
             " " * width + "".join(f"{'L' + str(layer):>11}" for layer in layers),
         ]
         for c in concepts:
-            cells = "".join(f"{self.get(c, layer).accuracy:>6.2f}/{self.get(c, layer).cohens_d:<4.1f}" for layer in layers)
+            cells = "".join(
+                f"{self.get(c, layer).accuracy:>6.2f}/{self.get(c, layer).cohens_d:<4.1f}" for layer in layers
+            )
             lines.append(f"{c:<{width}}{cells}")
         mean_acc = [np.mean([self.get(c, layer).accuracy for c in concepts]) for layer in layers]
         lines.append(f"{'mean acc':<{width}}" + "".join(f"{a:>6.2f}     " for a in mean_acc))
+        if self.excluded:
+            lines.append(f"{'outliers':<{width}}" + "".join(f"{self.excluded.get(x, 0.0):>9.1%}  " for x in layers))
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "folds": self.folds,
+            "excluded": {str(k): v for k, v in sorted(self.excluded.items())},
             "rows": [
-                {"concept": r.concept, "layer": r.layer, "accuracy": r.accuracy, "cohens_d": r.cohens_d, "heldout": r.heldout}
+                {
+                    "concept": r.concept,
+                    "layer": r.layer,
+                    "accuracy": r.accuracy,
+                    "cohens_d": r.cohens_d,
+                    "heldout": r.heldout,
+                }
                 for r in self.rows
             ],
         }
@@ -372,18 +493,31 @@ def separation(
 # -- building --------------------------------------------------------------------------------
 
 
-def _method(sets: Sequence[PromptSet], dtype: str, skip_first: int, batch_size: int, layers: Sequence[int]) -> str:
+def _method(
+    sets: Sequence[PromptSet],
+    *,
+    dtype: str,
+    skip_first: int,
+    outlier_factor: float | None,
+    batch_size: int,
+    layer_note: str,
+) -> str:
+    """The pack's ``method`` metadata: enough to know what a direction means and to rebuild it."""
     n_pos = sum(len(s.positive) for s in sets)
     n_neg = sum(len(s.negative) for s in sets)
-    return (
+    tokens = f"tokens {skip_first}..n-1 (tokens before {skip_first} left out: attention sink)"
+    if outlier_factor:
+        tokens += f", less tokens with norm > {outlier_factor:g}x the prompt's median norm (massive activations)"
+    parts = [
         "difference of means: direction = normalize(mean over positive prompts - mean over negative prompts) "
-        f"of each prompt's mean residual stream after decoder layer L over tokens {skip_first}..n-1 "
-        f"(position{'s' if skip_first != 1 else ''} <{skip_first} left out: attention sink); raw text prompts "
-        f"(no chat template), {n_pos} positive / {n_neg} negative prompts, prompt sets sha256:{prompt_sets_digest(sets)}; "
-        f"model dtype {dtype}, float64 accumulation, 1 thread, sorted right-padded batches of {batch_size}; "
-        f"layers {list(layers)} spread over depth, last layer excluded, chosen from the held-out separation report "
-        "(prismgate concepts build --report)"
-    )
+        f"of each prompt's mean residual stream after decoder layer L over {tokens}",
+        f"raw text prompts (no chat template): {n_pos} positive / {n_neg} negative, "
+        f"prompt sets sha256:{prompt_sets_digest(sets)}",
+        f"model dtype {dtype}, float64 accumulation, 1 thread, sorted right-padded batches of {batch_size}",
+    ]
+    if layer_note:
+        parts.append(layer_note)
+    return "; ".join(parts)
 
 
 def load_model(model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu") -> tuple[Any, Any]:
@@ -409,27 +543,41 @@ def build_pack_and_report(
     device: str = "cpu",
     batch_size: int = DEFAULT_BATCH,
     skip_first: int = SKIP_FIRST,
+    outlier_factor: float | None = OUTLIER_FACTOR,
     threads: int = 1,
+    layer_note: str = "",
     model: Any = None,
     tokenizer: Any = None,
 ) -> tuple[ConceptPack, SeparationReport | None]:
     """Build a pack at ``layers`` and, if ``report_layers`` is given, a held-out separation report there.
 
-    ``model``/``tokenizer`` may be passed already loaded (``dtype``/``device`` are then only
-    recorded); otherwise they are loaded from ``model_dir`` by the engine's loader.
+    ``model``/``tokenizer`` may be passed already loaded (``dtype``/``device`` are then unused);
+    otherwise they are loaded from ``model_dir`` by the engine's loader. ``layer_note`` (why
+    these layers) is appended to the pack's ``method``.
     """
     sets = _checked_sets(prompt_sets)
     if model is None or tokenizer is None:
         model, tokenizer = load_model(model_dir, dtype=dtype, device=device)
     n_layers = len(decoder_layers(model))
     layers = check_layers(layers, n_layers)
-    wanted = layers if report_layers is None else tuple(sorted(set(layers) | set(check_layers(report_layers, n_layers))))
+    wanted = (
+        layers if report_layers is None else tuple(sorted(set(layers) | set(check_layers(report_layers, n_layers))))
+    )
 
     texts = sorted({p for s in sets for p in (*s.positive, *s.negative)})
     token_ids = [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     with _deterministic_torch(threads):
-        means = collect_prompt_means(model, token_ids, wanted, batch_size=batch_size, skip_first=skip_first, pad_id=pad)
+        collected = collect_prompt_means(
+            model,
+            token_ids,
+            wanted,
+            batch_size=batch_size,
+            skip_first=skip_first,
+            outlier_factor=outlier_factor,
+            pad_id=pad,
+        )
+    means = collected.means
     row = {t: i for i, t in enumerate(texts)}
 
     def side(prompts: Sequence[str], slot: int) -> npt.NDArray[np.float64]:
@@ -448,13 +596,22 @@ def build_pack_and_report(
         layers=layers,
         concepts=tuple(s.name for s in sets),
         model_id=model_id or Path(model_dir).resolve().name,
-        method=_method(sets, str(next(model.parameters()).dtype).removeprefix("torch."), skip_first, batch_size, layers),
+        method=_method(
+            sets,
+            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            skip_first=skip_first,
+            outlier_factor=outlier_factor,
+            batch_size=batch_size,
+            layer_note=layer_note,
+        ),
         descriptions={s.name: s.description for s in sets},
     )
     report = None
     if report_layers is not None:
+        total = max(int(collected.tokens.sum()), 1)
         report = SeparationReport(
             folds=folds,
+            excluded={L: float(collected.excluded[:, slots[L]].sum()) / total for L in sorted(set(report_layers))},
             rows=tuple(
                 separation(s.name, L, side(s.positive, slots[L]), side(s.negative, slots[L]), folds)
                 for s in sets
@@ -499,8 +656,12 @@ def _parser() -> argparse.ArgumentParser:
         "mean residual stream of its positive and its negative prompts. Deterministic; runs on CPU.",
         epilog="example: OMP_NUM_THREADS=1 prismgate concepts build --out pack.safetensors --report",
     )
-    b.add_argument("--model", metavar="PATH", help="Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
-    b.add_argument("--model-id", metavar="ID", help="model id recorded in the pack (default: the model's id or folder name)")
+    b.add_argument(
+        "--model", metavar="PATH", help="Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    b.add_argument(
+        "--model-id", metavar="ID", help="model id recorded in the pack (default: the model's id or folder name)"
+    )
     b.add_argument(
         "--prompt-sets",
         nargs="+",
@@ -512,7 +673,8 @@ def _parser() -> argparse.ArgumentParser:
         "--layers",
         type=_layer_list,
         metavar="L1,L2,...",
-        help=f"decoder layers to read after, 0-based (default for the embedded model: {','.join(map(str, DEFAULT_LAYERS))})",
+        help="decoder layers to read after, 0-based (default for the embedded model: "
+        f"{','.join(map(str, DEFAULT_LAYERS))})",
     )
     b.add_argument("--out", required=True, metavar="PACK", help="where to write the pack (.safetensors)")
     b.add_argument("--report", action="store_true", help="print the held-out separation of each concept at each layer")
@@ -523,7 +685,9 @@ def _parser() -> argparse.ArgumentParser:
         help="layers to report on (default: the pack's layers; 'all' to choose layers)",
     )
     b.add_argument("--report-json", metavar="FILE", help="also write the separation report as JSON")
-    b.add_argument("--folds", type=int, default=DEFAULT_FOLDS, help="held-out folds for the report (default %(default)s)")
+    b.add_argument(
+        "--folds", type=int, default=DEFAULT_FOLDS, help="held-out folds for the report (default %(default)s)"
+    )
     b.add_argument(
         "--dtype",
         default="auto",
@@ -531,7 +695,9 @@ def _parser() -> argparse.ArgumentParser:
         help="model dtype, as the engine serves it (default %(default)s = bfloat16)",
     )
     b.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
-    b.add_argument("--batch-size", type=int, default=DEFAULT_BATCH, help="prompts per forward pass (default %(default)s)")
+    b.add_argument(
+        "--batch-size", type=int, default=DEFAULT_BATCH, help="prompts per forward pass (default %(default)s)"
+    )
     b.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s; 1 is reproducible)")
 
     s = sub.add_parser(
@@ -540,10 +706,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Print a pack's model, layers, concepts and method; with --model, check that it fits that "
         "model; with --text, print the readouts of each token of a text.",
     )
-    s.add_argument("pack", metavar="PACK", nargs="?", default=str(DEFAULT_PACK), help="pack file (default: the shipped pack)")
+    s.add_argument(
+        "pack", metavar="PACK", nargs="?", default=str(DEFAULT_PACK), help="pack file (default: the shipped pack)"
+    )
     s.add_argument("--json", action="store_true", help="print the description as JSON")
     s.add_argument("--similarity", action="store_true", help="print cosine similarity between concepts, per layer")
-    s.add_argument("--model", metavar="PATH", help="check the pack against this model folder ('default': the embedded one)")
+    s.add_argument(
+        "--model", metavar="PATH", help="check the pack against this model folder ('default': the embedded one)"
+    )
     s.add_argument("--text", help="with --model: print the per-token readouts of this text")
     return parser
 
@@ -588,6 +758,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
         rl = args.report_layers or layers
         report_layers = list(range(n_layers)) if rl == "all" else rl
     t1 = time.perf_counter()
+    note = DEFAULT_LAYERS_NOTE if is_default and tuple(layers) == DEFAULT_LAYERS else ""
     pack, report = build_pack_and_report(
         folder,
         sets,
@@ -598,6 +769,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         batch_size=args.batch_size,
         threads=args.threads,
+        layer_note=note,
         model=model,
         tokenizer=tokenizer,
     )

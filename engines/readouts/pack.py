@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
-from safetensors.numpy import load_file, save_file
 from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
 
 from prismgate.core.errors import invalid
 from prismgate.engines.base import ReadoutManifest

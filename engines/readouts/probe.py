@@ -43,9 +43,7 @@ class ReadoutProbe:
         ]  # each [hidden, n_concepts]
         self.enabled = False
         self._captured: list[torch.Tensor | None] = [None] * len(pack.layers)
-        self._handles = [
-            layers[layer].register_forward_hook(self._hook(i)) for i, layer in enumerate(pack.layers)
-        ]
+        self._handles = [layers[layer].register_forward_hook(self._hook(i)) for i, layer in enumerate(pack.layers)]
 
     def _hook(self, index: int) -> Any:
         def hook(_module: Any, _args: Any, output: Any) -> None:

@@ -17,8 +17,9 @@ Which tokens a session keeps when a generation does not finish normally:
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Protocol
 
 from prismgate.core.actions import GenerateAction, GenerateSpec, ImageInput
@@ -39,14 +40,14 @@ class GenerationMonitor(Protocol):
     """
 
     def watch(
-        self, action: GenerateAction, session_id: str, request_id: str, events: AsyncIterator[Event]
-    ) -> AsyncIterator[Event]: ...
+        self, action: GenerateAction, session_id: str, request_id: str, events: AsyncGenerator[Event, None]
+    ) -> AsyncGenerator[Event, None]: ...
 
 
 class _PassThrough:
     def watch(
-        self, action: GenerateAction, session_id: str, request_id: str, events: AsyncIterator[Event]
-    ) -> AsyncIterator[Event]:
+        self, action: GenerateAction, session_id: str, request_id: str, events: AsyncGenerator[Event, None]
+    ) -> AsyncGenerator[Event, None]:
         return events
 
 
@@ -104,19 +105,21 @@ class SessionService:
 
     # -- generation ----------------------------------------------------------------
 
-    def generate(self, session_id: str, action: GenerateAction) -> AsyncIterator[Event]:
+    def generate(self, session_id: str, action: GenerateAction) -> AsyncGenerator[Event, None]:
         """Run ``action`` on a stored session; the stream ends with exactly one Done."""
         request_id = uuid.uuid4().hex
         return self.monitor.watch(action, session_id, request_id, self._generate(session_id, action, request_id))
 
-    def run(self, action: GenerateAction, *, model: str | None = None) -> AsyncIterator[Event]:
+    def run(self, action: GenerateAction, *, model: str | None = None) -> AsyncGenerator[Event, None]:
         """Run ``action`` on a fresh timeline that is thrown away afterwards."""
         request_id = uuid.uuid4().hex
         session_id = f"ephemeral-{request_id}"
         events = self._run_ephemeral(session_id, action, model, request_id)
         return self.monitor.watch(action, session_id, request_id, events)
 
-    async def _generate(self, session_id: str, action: GenerateAction, request_id: str) -> AsyncIterator[Event]:
+    async def _generate(
+        self, session_id: str, action: GenerateAction, request_id: str
+    ) -> AsyncGenerator[Event, None]:
         session = self.store.get(session_id)
         done: Done | None = None
         with session.generation():
@@ -133,7 +136,7 @@ class SessionService:
 
     async def _run_ephemeral(
         self, session_id: str, action: GenerateAction, model: str | None, request_id: str
-    ) -> AsyncIterator[Event]:
+    ) -> AsyncGenerator[Event, None]:
         info = self.info(model)
         session = Session(id=session_id, model=info.model_id)
         async for event in self._run(session, action, None, request_id):
@@ -149,7 +152,7 @@ class SessionService:
         base = old_length if action.offset is None else action.offset
         tokens = session.tokens[:base] + list(action.append_tokens)
         images = [im for im in session.images if im.end <= base]
-        images += self._check_images(info, base, tokens, action.images)
+        images += await self._check_images(info, base, tokens, action.images)
         self._check_tokens(info, action.append_tokens)
         self._check_limits(info, len(tokens), spec)
 
@@ -171,7 +174,9 @@ class SessionService:
             images=tuple(images),
             session_key=session_key,
         )
-        text = TextStream(info.tokenizer.decode, spec.stop_strings) if (action.detokenize or spec.stop_strings) else None
+        text = (
+            TextStream(info.tokenizer.decode, spec.stop_strings) if (action.detokenize or spec.stop_strings) else None
+        )
         generated: list[int] = []
         stream = self.pool.generate(session.model, request)
         try:
@@ -184,8 +189,11 @@ class SessionService:
                     yield event
                     if text is not None and text.stopped_on is not None:
                         done = Done(
-                            prompt_tokens=len(tokens), completion_tokens=len(generated),
-                            finish_reason=FinishReason.STOP_STRING, stop_string=text.stopped_on, text="",
+                            prompt_tokens=len(tokens),
+                            completion_tokens=len(generated),
+                            finish_reason=FinishReason.STOP_STRING,
+                            stop_string=text.stopped_on,
+                            text="",
                         )
                         break
                 else:
@@ -230,7 +238,7 @@ class SessionService:
             if not 0 <= t < info.vocab_size:
                 raise invalid(f"token id {t} at append index {i} is outside the vocabulary [0, {info.vocab_size})")
 
-    def _check_images(
+    async def _check_images(
         self, info: EngineInfo, base: int, tokens: list[int], images: Sequence[ImageInput]
     ) -> list[ImageSpan]:
         vision = info.vision
@@ -249,11 +257,15 @@ class SessionService:
             if spans and image.start < spans[-1].end:
                 raise invalid(f"{where} overlaps the image at [{spans[-1].start}, {spans[-1].end})")
             run = tokens[image.start : image.end]
-            if run[0] != vision.vision_start or run[-1] != vision.vision_end or any(t != vision.image_pad for t in run[1:-1]):
-                raise invalid(
-                    f"{where} is not a <|vision_start|> + N*<|image_pad|> + <|vision_end|> run"
-                )
-            expected = self.pool.engine(info.model_id).image_tokens(image.data, image.mime)
+            if (
+                run[0] != vision.vision_start
+                or run[-1] != vision.vision_end
+                or any(t != vision.image_pad for t in run[1:-1])
+            ):
+                raise invalid(f"{where} is not a <|vision_start|> + N*<|image_pad|> + <|vision_end|> run")
+            engine = self.pool.engine(info.model_id)
+            # decoding and resizing an image takes a while: keep it off the event loop
+            expected = await asyncio.to_thread(engine.image_tokens, image.data, image.mime)
             if expected != len(run) - 2:
                 raise invalid(
                     f"{where} holds {len(run) - 2} image pad tokens but this image becomes "

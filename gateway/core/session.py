@@ -54,9 +54,7 @@ class Session:
     def check_boundary(self, position: int, what: str) -> None:
         """Reject positions past the end or inside an image block."""
         if position > len(self.tokens):
-            raise precondition(
-                f"{what} position {position} is past the session length {len(self.tokens)}"
-            )
+            raise precondition(f"{what} position {position} is past the session length {len(self.tokens)}")
         for image in self.images:
             if image.splits_at(position):
                 raise precondition(
@@ -73,9 +71,7 @@ class Session:
     def generation(self) -> Iterator[None]:
         """Hold the session for one generation; a concurrent second one is ABORTED."""
         if self.busy:
-            raise GatewayError(
-                Code.ABORTED, f"session {self.id} is busy with another generation"
-            )
+            raise GatewayError(Code.ABORTED, f"session {self.id} is busy with another generation")
         self.busy = True
         try:
             yield
@@ -127,7 +123,10 @@ class SessionStore:
         tokens = list(tokens or [])
         self.reserve(len(tokens))
         session = Session(
-            id=secrets.token_hex(16), model=model, tokens=tokens, ttl_s=self.ttl_s,
+            id=secrets.token_hex(16),
+            model=model,
+            tokens=tokens,
+            ttl_s=self.ttl_s,
             last_used=self._clock(),
         )
         self._sessions[session.id] = session

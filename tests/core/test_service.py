@@ -43,7 +43,9 @@ async def test_open_checks_the_model_name(tiny_service: Any) -> None:
 
 async def test_turns_append_and_decoded_tokens_join_the_session(tiny_service: Any) -> None:
     s = tiny_service.open("tiny-llama")
-    events, done = await collect(tiny_service, s.id, GenerateAction(append_tokens=(1, 2, 3), offset=0, spec=spec(max_tokens=4)))
+    events, done = await collect(
+        tiny_service, s.id, GenerateAction(append_tokens=(1, 2, 3), offset=0, spec=spec(max_tokens=4))
+    )
     generated = [e.id for e in events]
     assert tiny_service.dump(s.id) == [1, 2, 3, *generated]
     assert done.prompt_tokens == 3 and done.completion_tokens == 4 and done.total_tokens == 7
@@ -55,9 +57,14 @@ async def test_turns_append_and_decoded_tokens_join_the_session(tiny_service: An
 async def test_offset_drift_is_a_failed_precondition_naming_both_lengths(tiny_service: Any) -> None:
     s = tiny_service.open("tiny-llama")
     await collect(tiny_service, s.id, GenerateAction(append_tokens=(1, 2, 3), offset=0, spec=spec(max_tokens=0)))
-    err = await expect_error(Code.FAILED_PRECONDITION, tiny_service.generate(s.id, GenerateAction(append_tokens=(4,), offset=2)))
+    err = await expect_error(
+        Code.FAILED_PRECONDITION, tiny_service.generate(s.id, GenerateAction(append_tokens=(4,), offset=2))
+    )
     assert "offset 2" in err.message and "length 3" in err.message
-    err = await expect_error(Code.FAILED_PRECONDITION, tiny_service.generate(s.id, GenerateAction(append_tokens=(4,), offset=5, truncating=True)))
+    err = await expect_error(
+        Code.FAILED_PRECONDITION,
+        tiny_service.generate(s.id, GenerateAction(append_tokens=(4,), offset=5, truncating=True)),
+    )
     assert "offset 5" in err.message and "length 3" in err.message
     assert tiny_service.dump(s.id) == [1, 2, 3]  # nothing changed
 
@@ -65,15 +72,20 @@ async def test_offset_drift_is_a_failed_precondition_naming_both_lengths(tiny_se
 async def test_truncating_rewinds_then_appends(tiny_service: Any) -> None:
     s = tiny_service.open("tiny-llama")
     await collect(tiny_service, s.id, GenerateAction(append_tokens=(1, 2, 3, 4), offset=0, spec=spec(max_tokens=0)))
-    await collect(tiny_service, s.id, GenerateAction(append_tokens=(7, 8), offset=2, truncating=True, spec=spec(max_tokens=0)))
+    await collect(
+        tiny_service, s.id, GenerateAction(append_tokens=(7, 8), offset=2, truncating=True, spec=spec(max_tokens=0))
+    )
     assert tiny_service.dump(s.id) == [1, 2, 7, 8]
 
 
 async def test_prefill_only_with_ranges_and_the_no_op_refresh(tiny_service: Any) -> None:
     s = tiny_service.open("tiny-llama")
     events, done = await collect(
-        tiny_service, s.id,
-        GenerateAction(append_tokens=(1, 2, 3, 4), offset=0, spec=spec(max_tokens=0, readout_ranges=(PositionRange(1, 3),))),
+        tiny_service,
+        s.id,
+        GenerateAction(
+            append_tokens=(1, 2, 3, 4), offset=0, spec=spec(max_tokens=0, readout_ranges=(PositionRange(1, 3),))
+        ),
     )
     assert [e.position for e in events] == [1, 2] and all(e.readout is not None for e in events)
     assert done.finish_reason is FinishReason.PREFILL_ONLY
@@ -87,7 +99,7 @@ async def test_cancelled_generation_keeps_the_append_and_drops_decoded_tokens(ti
     s = tiny_service.open("tiny-llama")
     stream = tiny_service.generate(s.id, GenerateAction(append_tokens=(1, 2, 3), offset=0, spec=spec(max_tokens=300)))
     seen = 0
-    async for ev in stream:
+    async for _ in stream:
         seen += 1
         if seen == 3:
             break
@@ -124,8 +136,16 @@ async def test_context_overflow_is_resource_exhausted(tiny_service: Any) -> None
     ("action", "fragment"),
     [
         (GenerateAction(append_tokens=(1, 10**6), offset=0), "outside the vocabulary"),
-        (GenerateAction(append_tokens=(1, 2), offset=0, images=(ImageInput(b"x", "image/png", 0, 2),)), "takes no images"),
-        (GenerateAction(append_tokens=(1, 2), offset=0, spec=GenerateSpec(max_tokens=1, logprob_ranges=(PositionRange(0, 9),))), "reaches past position 3"),
+        (
+            GenerateAction(append_tokens=(1, 2), offset=0, images=(ImageInput(b"x", "image/png", 0, 2),)),
+            "takes no images",
+        ),
+        (
+            GenerateAction(
+                append_tokens=(1, 2), offset=0, spec=GenerateSpec(max_tokens=1, logprob_ranges=(PositionRange(0, 9),))
+            ),
+            "reaches past position 3",
+        ),
         (GenerateAction(offset=0, spec=GenerateSpec(max_tokens=3)), "empty timeline"),
         (GenerateAction(truncating=True), "truncating needs an offset"),
     ],
@@ -146,13 +166,21 @@ async def test_unknown_session_is_not_found(tiny_service: Any) -> None:
 
 async def test_stop_strings_end_with_stop_string_and_cut_the_text(tiny_service: Any) -> None:
     tokens = tuple(tiny_service.info().tokenizer.encode("stop string test"))
-    free = [ev async for ev in tiny_service.run(GenerateAction(append_tokens=tokens, spec=spec(max_tokens=12), detokenize=True))]
+    free = [
+        ev
+        async for ev in tiny_service.run(
+            GenerateAction(append_tokens=tokens, spec=spec(max_tokens=12), detokenize=True)
+        )
+    ]
     text = "".join(e.text or "" for e in free if isinstance(e, TokenEvent)) + (free[-1].text or "")
     stop = text[5:7]
     assert len(stop) == 2
-    cut = [ev async for ev in tiny_service.run(
-        GenerateAction(append_tokens=tokens, spec=spec(max_tokens=12, stop_strings=(stop,)), detokenize=True)
-    )]
+    cut = [
+        ev
+        async for ev in tiny_service.run(
+            GenerateAction(append_tokens=tokens, spec=spec(max_tokens=12, stop_strings=(stop,)), detokenize=True)
+        )
+    ]
     done = cut[-1]
     assert isinstance(done, Done) and done.finish_reason is FinishReason.STOP_STRING and done.stop_string == stop
     shown = "".join(e.text or "" for e in cut if isinstance(e, TokenEvent)) + (done.text or "")

@@ -38,7 +38,9 @@ def prompt(engine: Any, text: str) -> tuple[int, ...]:
     return tuple(engine.info.tokenizer.render_chat([{"role": "user", "content": text}]))
 
 
-async def run(engine: Any, tokens: tuple[int, ...], session: str | None = None, **spec: Any) -> tuple[list[TokenEvent], Done]:
+async def run(
+    engine: Any, tokens: tuple[int, ...], session: str | None = None, **spec: Any
+) -> tuple[list[TokenEvent], Done]:
     request = EngineRequest(request_id=uuid.uuid4().hex, tokens=tokens, spec=GenerateSpec(**spec), session_key=session)
     events: list[TokenEvent] = []
     async for ev in engine.generate(request):
@@ -107,7 +109,9 @@ async def test_stop_token_ids_end_generation_on_that_token(engine: Any) -> None:
     assert done.finish_reason is FinishReason.EOS
 
 
-async def test_eos_ends_generation(engine_factory: Any, engine: Any, tiny_model_dir: Path, tiny_pack: Path, tmp_path: Path) -> None:
+async def test_eos_ends_generation(
+    engine_factory: Any, engine: Any, tiny_model_dir: Path, tiny_pack: Path, tmp_path: Path
+) -> None:
     p = prompt(engine, "eos")
     free, _ = await run(engine, p, max_tokens=8, ignore_eos=True)
     ids = decoded(free)
@@ -128,8 +132,11 @@ async def test_eos_ends_generation(engine_factory: Any, engine: Any, tiny_model_
 async def test_prefill_only_reports_covered_positions(engine: Any) -> None:
     p = prompt(engine, "score me")
     events, done = await run(
-        engine, p, max_tokens=0,
-        logprob_ranges=(PositionRange(0, 3), PositionRange(10, 12)), logprob_top_k=4,
+        engine,
+        p,
+        max_tokens=0,
+        logprob_ranges=(PositionRange(0, 3), PositionRange(10, 12)),
+        logprob_top_k=4,
     )
     assert [e.position for e in events] == [0, 1, 2, 10, 11]
     assert all(e.is_prefill for e in events)
@@ -147,7 +154,9 @@ async def test_prefill_only_reports_covered_positions(engine: Any) -> None:
 async def test_decode_logprobs_are_consistent_with_rescoring(engine: Any) -> None:
     p = prompt(engine, "consistency")
     n = len(p)
-    events, _ = await run(engine, p, max_tokens=6, ignore_eos=True, logprob_ranges=(PositionRange(n, n + 6),), logprob_top_k=3)
+    events, _ = await run(
+        engine, p, max_tokens=6, ignore_eos=True, logprob_ranges=(PositionRange(n, n + 6),), logprob_top_k=3
+    )
     for e in events:
         assert e.top_logprobs is not None and e.logprob is not None
         assert e.top_logprobs[0][0] == e.id  # greedy picks the most likely token
@@ -165,7 +174,10 @@ async def test_readouts_have_the_manifest_shape_and_match_between_paths(engine: 
     n = len(p)
     shape = engine.info.readouts.shape
     events, _ = await run(
-        engine, p, max_tokens=4, ignore_eos=True,
+        engine,
+        p,
+        max_tokens=4,
+        ignore_eos=True,
         readout_ranges=(PositionRange(n - 3, n + 4),),
     )
     prefill = [e for e in events if e.is_prefill]
@@ -206,7 +218,14 @@ async def test_prefix_positions_asked_for_are_recomputed_not_missing(engine: Any
     t1 = prompt(engine, "cached prefix")
     out, _ = await run(engine, t1, session=key, max_tokens=3, ignore_eos=True)
     t2 = t1 + tuple(decoded(out)) + prompt(engine, "more")
-    events, _ = await run(engine, t2, session=key, max_tokens=0, readout_ranges=(PositionRange(2, 5),), logprob_ranges=(PositionRange(2, 5),))
+    events, _ = await run(
+        engine,
+        t2,
+        session=key,
+        max_tokens=0,
+        readout_ranges=(PositionRange(2, 5),),
+        logprob_ranges=(PositionRange(2, 5),),
+    )
     assert [e.position for e in events] == [2, 3, 4]
     assert all(e.readout is not None and e.logprob is not None for e in events)
 
@@ -216,7 +235,7 @@ async def test_release_forgets_a_session_cache(engine: Any) -> None:
     t1 = prompt(engine, "to be released")
     await run(engine, t1, session=key, max_tokens=2, ignore_eos=True)
     engine.release(key)
-    _, done = await run(engine, t1 + (65, 66), session=key, max_tokens=1, ignore_eos=True)
+    _, done = await run(engine, (*t1, 65, 66), session=key, max_tokens=1, ignore_eos=True)
     assert done.cached_tokens == 0
 
 
@@ -225,7 +244,7 @@ async def test_cancelling_the_consumer_stops_the_request(engine: Any) -> None:
     request = EngineRequest(request_id=uuid.uuid4().hex, tokens=p, spec=GenerateSpec(max_tokens=400, ignore_eos=True))
     stream = engine.generate(request)
     got = 0
-    async for ev in stream:
+    async for _ in stream:
         got += 1
         if got == 3:
             break
@@ -242,5 +261,7 @@ async def test_cancelling_the_consumer_stops_the_request(engine: Any) -> None:
 async def test_concurrent_requests_equal_their_sequential_results(engine: Any) -> None:
     prompts = [prompt(engine, f"concurrent {i}") for i in range(4)]
     sequential = [decoded((await run(engine, p, max_tokens=6, ignore_eos=True))[0]) for p in prompts]
-    results = await asyncio.gather(*(run(engine, p, session=uuid.uuid4().hex, max_tokens=6, ignore_eos=True) for p in prompts))
+    results = await asyncio.gather(
+        *(run(engine, p, session=uuid.uuid4().hex, max_tokens=6, ignore_eos=True) for p in prompts)
+    )
     assert [decoded(ev) for ev, _ in results] == sequential

@@ -25,7 +25,9 @@ async def smol() -> Any:
     await engine.close()
 
 
-async def run(engine: Any, tokens: tuple[int, ...], session: str | None = None, **spec: Any) -> tuple[list[TokenEvent], Done]:
+async def run(
+    engine: Any, tokens: tuple[int, ...], session: str | None = None, **spec: Any
+) -> tuple[list[TokenEvent], Done]:
     request = EngineRequest(uuid.uuid4().hex, tokens, GenerateSpec(**spec), session_key=session)
     events: list[TokenEvent] = []
     async for ev in engine.generate(request):
@@ -67,7 +69,9 @@ async def test_session_delta_prefill_equals_full_recompute(
     first = chat(smol, "Name three primary colours.")
     out1, _ = await run(smol, first, session=key, max_tokens=20)
     history = first + tuple(e.id for e in out1)
-    follow = chat(smol, "Name three primary colours.", smol.info.tokenizer.decode([e.id for e in out1]), "Which one is warmest?")
+    follow = chat(
+        smol, "Name three primary colours.", smol.info.tokenizer.decode([e.id for e in out1]), "Which one is warmest?"
+    )
     # the follow-up turn as a client would send it: the history, then the new user turn
     turn = history + follow[len(chat(smol, "Name three primary colours.")) + len(out1) :]
     n = len(turn)

@@ -25,7 +25,8 @@ async def test_readouts_equal_directions_dot_hidden_states(tiny_model_dir: Path,
         tokens = tuple(engine.info.tokenizer.render_chat([{"role": "user", "content": "independent check"}]))
         n = len(tokens)
         request = EngineRequest(
-            uuid.uuid4().hex, tokens,
+            uuid.uuid4().hex,
+            tokens,
             GenerateSpec(max_tokens=5, ignore_eos=True, readout_ranges=(PositionRange(0, n + 5),)),
         )
         events = [e async for e in engine.generate(request) if isinstance(e, TokenEvent)]

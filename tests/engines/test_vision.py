@@ -19,15 +19,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
 from prismgate.core.actions import GenerateAction, GenerateSpec, ImageInput, PositionRange
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, Event, TokenEvent
 from prismgate.core.service import SessionService
 from prismgate.core.session import ImageSpan, SessionStore
 from prismgate.engines.hf.engine import TransformersEngine
+from prismgate.engines.hf.vision import Qwen2VLAdapter
 from prismgate.engines.pool import EnginePool
 from prismgate.engines.readouts.pack import ConceptPack
-
 from tests.vision_model import (
     IM_END,
     IM_START,
@@ -91,10 +92,16 @@ def service(engine: TransformersEngine) -> SessionService:
 
 @pytest.fixture(scope="module")
 def reference(engine: TransformersEngine) -> Any:
-    return engine._adapter.model
+    return vl(engine).model
 
 
 # -- helpers ------------------------------------------------------------------------------
+
+
+def vl(engine: TransformersEngine) -> Qwen2VLAdapter:
+    adapter = engine._adapter
+    assert isinstance(adapter, Qwen2VLAdapter)
+    return adapter
 
 
 def run(loop: asyncio.AbstractEventLoop, stream: Any) -> tuple[list[TokenEvent], Done]:
@@ -173,6 +180,13 @@ def hf_greedy(
     return out
 
 
+def readouts(events: list[TokenEvent]) -> np.ndarray:
+    """``[positions, layers, concepts]``; every event must carry a readout."""
+    rows = [e.readout for e in events]
+    assert all(r is not None for r in rows)
+    return np.stack([r for r in rows if r is not None])
+
+
 def spans_of(prompt: Prompt) -> list[ImageSpan]:
     return [ImageSpan.of(im.start, im.end, im.data, im.mime) for im in prompt.images]
 
@@ -213,7 +227,7 @@ def smart_resize_tokens(width: int, height: int) -> int:
 def test_image_tokens_match_the_processor(engine: TransformersEngine, width: int, height: int, fmt: str) -> None:
     data = image_bytes(width, height, fmt=fmt, seed=width)
     n = engine.image_tokens(data, f"image/{fmt.lower()}")
-    processor = engine._adapter.images.processor
+    processor = vl(engine).images.processor
     from PIL import Image
 
     grid = processor(images=[Image.open(io.BytesIO(data))], return_tensors="pt")["image_grid_thw"][0]
@@ -246,7 +260,7 @@ def test_bad_images_are_invalid_argument(
 
 
 def test_image_size_limits(engine: TransformersEngine) -> None:
-    preparer = engine._adapter.images
+    preparer = vl(engine).images
     data = image_bytes(200, 100, seed=5)
     old = (preparer.max_bytes, preparer.max_pixels)
     try:
@@ -270,7 +284,7 @@ def test_image_run_generates_and_the_image_matters(
     first, second = image_bytes(100, 60, seed=1), image_bytes(100, 60, seed=2)
     n = engine.image_tokens(first, PNG)
     assert engine.image_tokens(second, PNG) == n
-    results = []
+    results: list[list[float]] = []
     for data in (first, second):
         session = service.open(MODEL)
         prompt = Prompt().text(IM_START, 117, 10).image(data, n).text(104, 105, IM_END, 10, IM_START, 97, 10)
@@ -280,7 +294,8 @@ def test_image_run_generates_and_the_image_matters(
         assert done.completion_tokens == 6 and done.prompt_tokens == len(prompt.tokens)
         assert [e.position for e in events] == list(range(len(prompt.tokens), len(prompt.tokens) + 6))
         assert len(service.session(session.id)) == len(prompt.tokens) + 6
-        results.append([e.logprob for e in events])
+        results.append([e.logprob for e in events if e.logprob is not None])
+        assert len(results[-1]) == 6
     # same tokens, different pixels: the vision features reach the language model
     assert max(abs(a - b) for a, b in zip(results[0], results[1], strict=True)) > 1e-3
 
@@ -302,17 +317,24 @@ def test_wrong_pad_count_names_the_expected_count(
 def test_matches_transformers_with_two_images(
     loop: asyncio.AbstractEventLoop, service: SessionService, engine: TransformersEngine, reference: Any
 ) -> None:
-    a, b = image_bytes(100, 60, seed=11), image_bytes(60, 140, seed=12)
+    a, b = image_bytes(112, 112, seed=11), image_bytes(60, 140, seed=12)
+    assert engine.image_tokens(a, PNG) == 16  # its block (18 tokens) is longer than a prefill chunk (16)
     prompt = (
-        Prompt().text(IM_START, 117, 10).image(a, engine.image_tokens(a, PNG)).text(32, 97, 110, 100, 32)
+        Prompt().text(IM_START, 117, 10).image(a, 16).text(32, 97, 110, 100, 32)
         .image(b, engine.image_tokens(b, PNG)).text(IM_END, 10, IM_START, 97, 10)
     )  # fmt: skip
-    assert len(prompt.tokens) > 16  # crosses prefill chunk boundaries, which must move around the images
+    # chunks of 16 would end inside both blocks: the first chunk stops before block a, the
+    # next one holds all of it (18 tokens), the one after stops before block b
+    adapter = engine._adapter
+    assert adapter is not None
+    spans = spans_of(prompt)
+    assert adapter.chunk_end(spans, 0, 16) == 3 and adapter.chunk_end(spans, 3, 19) == 21
+    assert adapter.chunk_end(spans, 21, 37) == spans[1].start
     session = service.open(MODEL)
     events, done = run(
         loop, service.generate(session.id, action(prompt, greedy(8, logprobs_from=len(prompt.tokens)), offset=0))
     )
-    processor = engine._adapter.images.processor
+    processor = vl(engine).images.processor
     assert_same_run(events, hf_greedy(reference, processor, prompt.tokens, spans_of(prompt), 8))
     assert done.prefilled_tokens == len(prompt.tokens)
 
@@ -369,7 +391,7 @@ def test_replacing_an_image_of_the_same_size_recomputes_it(
     )
     assert done.cached_tokens <= 3  # restarted at (or before) the image, not after it
     prompt = head.tokens + swapped.tokens
-    processor = engine._adapter.images.processor
+    processor = vl(engine).images.processor
     assert_same_run(events, hf_greedy(reference, processor, prompt, spans_of(swapped), 5))
 
 
@@ -398,7 +420,7 @@ def test_truncating_rewind_to_an_image_boundary(
     stored = service.session(session.id)
     assert [im.digest for im in stored.images] == [s.digest for s in spans_of(turn1) + spans_of(turn3)]
     assert done.cached_tokens == base  # the first image's turn was reused
-    processor = engine._adapter.images.processor
+    processor = vl(engine).images.processor
     want = hf_greedy(reference, processor, turn1.tokens + turn3.tokens, spans_of(turn1) + spans_of(turn3), 4)
     assert_same_run(events, want)
 
@@ -441,12 +463,12 @@ def test_readouts_for_an_image_session(
     spec = GenerateSpec(max_tokens=2, ignore_eos=True, readout_ranges=(PositionRange(0, len(prompt.tokens) + 2),))
     events, _ = run(loop, service.generate(session.id, action(prompt, spec, offset=0)))
     assert [e.position for e in events] == list(range(len(prompt.tokens) + 2))
-    got = np.stack([e.readout for e in events[: len(prompt.tokens)]])
+    got = readouts(events[: len(prompt.tokens)])
     assert got.shape == (len(prompt.tokens), 2, 3)
     # layer 0's residual stream, from transformers' own path
     from PIL import Image
 
-    processor = engine._adapter.images.processor
+    processor = vl(engine).images.processor
     pixels = processor(images=[Image.open(io.BytesIO(data))], return_tensors="pt")
     ids = torch.tensor([prompt.tokens])
     with torch.inference_mode():
@@ -464,7 +486,7 @@ def test_readouts_for_an_image_session(
     length = len(service.session(session.id))
     spec2 = GenerateSpec(max_tokens=1, ignore_eos=True, readout_ranges=(PositionRange(0, length),))
     again, _ = run(loop, service.generate(session.id, action(Prompt(length).text(IM_END), spec2, offset=length)))
-    np.testing.assert_allclose(np.stack([e.readout for e in again[: len(prompt.tokens)]]), got, atol=1e-4)
+    np.testing.assert_allclose(readouts(again[: len(prompt.tokens)]), got, atol=1e-4)
 
 
 # -- a text-only model ---------------------------------------------------------------------------

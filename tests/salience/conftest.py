@@ -56,7 +56,7 @@ def rpc_error(fn: Any, *args: Any, **kwargs: Any) -> grpc.RpcError:
     """The RpcError a call fails with (streams are drained so their status arrives)."""
     try:
         result = fn(*args, **kwargs)
-        if hasattr(result, "__iter__") and not isinstance(result, (bytes, str)):
+        if hasattr(result, "__next__"):  # a server stream: its status comes at the end
             list(result)
     except grpc.RpcError as exc:
         return exc

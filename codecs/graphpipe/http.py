@@ -1,0 +1,180 @@
+"""The GraphPipe HTTP endpoint: body in, flatbuffer (or error) out.
+
+* POST: the body is a raw flatbuffer ``Request`` whatever the Content-Type says (the
+  Python client sends none, libcurl clients send a form type and ``Expect:
+  100-continue``); InferRequest -> InferResponse, any other type -> MetadataResponse.
+* GET: the metadata as JSON in the reference servers' key style.
+* ``control/is_ready`` (only once the model is loaded) and ``control/is_alive``: ``ok``.
+
+A body larger than ``graphpipe_max_body_bytes`` is refused from its Content-Length before
+a byte of it is read (so an ``Expect: 100-continue`` client never sends it), or as soon
+as a chunked body crosses the limit. Errors follow ``graphpipe_error_status``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from prismgate.auth import check_bearer
+from prismgate.codecs.graphpipe import wire
+from prismgate.codecs.graphpipe.infer import run_plan
+from prismgate.codecs.graphpipe.mapping import RowResult, assemble, make_plan
+from prismgate.codecs.graphpipe.metadata import describe
+from prismgate.core.errors import Code, GatewayError
+from prismgate.core.service import SessionService
+from prismgate.settings import Settings
+
+log = logging.getLogger(__name__)
+
+OCTET = "application/octet-stream"
+HTTP_STATUS = {  # the usual gRPC -> HTTP mapping
+    Code.CANCELLED: 499,
+    Code.INVALID_ARGUMENT: 400,
+    Code.NOT_FOUND: 404,
+    Code.RESOURCE_EXHAUSTED: 429,
+    Code.FAILED_PRECONDITION: 400,
+    Code.ABORTED: 409,
+    Code.INTERNAL: 500,
+    Code.UNAVAILABLE: 503,
+    Code.UNAUTHENTICATED: 401,
+}
+
+
+class BodyTooLarge(GatewayError):
+    """RESOURCE_EXHAUSTED, sent as 413 when errors go out as HTTP statuses."""
+
+    def __init__(self, limit: int, declared: int | None) -> None:
+        size = f"{declared} bytes" if declared is not None else "more than that"
+        super().__init__(
+            Code.RESOURCE_EXHAUSTED,
+            f"request body is {size}; this server accepts at most {limit} bytes (graphpipe_max_body_bytes)",
+        )
+
+
+def http_status(error: GatewayError) -> int:
+    return 413 if isinstance(error, BodyTooLarge) else HTTP_STATUS.get(error.code, 500)
+
+
+def wants_http_errors(policy: str, request: Request) -> bool:
+    """The status policy: see ``graphpipe_error_status`` and docs/graphpipe.md."""
+    if policy == "auto":
+        return request.headers.get("user-agent", "").startswith("Go-http-client/")
+    return policy == "http"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            length = int(declared)
+        except ValueError:
+            raise GatewayError(Code.INVALID_ARGUMENT, f"Content-Length {declared[:40]!r} is not a number") from None
+        if length > limit:
+            raise BodyTooLarge(limit, length)
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise BodyTooLarge(limit, None)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone away (only call after the body is read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class GraphPipeEndpoint:
+    def __init__(self, service: SessionService, settings: Settings) -> None:
+        self.service = service
+        self.settings = settings
+        self._metadata: tuple[object, wire.Metadata] | None = None
+
+    def metadata(self) -> wire.Metadata:
+        if not self.service.pool.ready:
+            raise GatewayError(Code.UNAVAILABLE, "the model is still loading; retry once control/is_ready answers ok")
+        info = self.service.info()
+        if self._metadata is None or self._metadata[0] is not info:
+            self._metadata = (info, describe(info))
+        return self._metadata[1]
+
+    async def handle(self, request: Request) -> Response:
+        if request.method == "GET":
+            return await self.get(request)
+        return await self.post(request)
+
+    async def get(self, request: Request) -> Response:
+        try:
+            check_bearer(self.settings.auth_token, request.headers.get("authorization"))
+            return JSONResponse(wire.metadata_json(self.metadata()))
+        except GatewayError as exc:
+            return JSONResponse({"error": exc.message, "code": int(exc.code)}, status_code=http_status(exc))
+
+    async def post(self, request: Request) -> Response:
+        try:
+            check_bearer(self.settings.auth_token, request.headers.get("authorization"))
+            body = await read_body(request, self.settings.graphpipe_max_body_bytes)
+            return Response(await self.answer(body, request), media_type=OCTET)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except GatewayError as exc:
+            return self.error(exc, request)
+        except Exception as exc:  # a bug: still answer with a message, keep serving
+            log.exception("graphpipe request failed")
+            return self.error(GatewayError(Code.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"), request)
+
+    async def answer(self, body: bytes, request: Request) -> bytes:
+        call = wire.decode_request(body)
+        if call is None:
+            return wire.encode_metadata(self.metadata())
+        if not self.service.pool.ready:
+            raise GatewayError(Code.UNAVAILABLE, "the model is still loading; retry once control/is_ready answers ok")
+        info = self.service.info()
+        plan = await asyncio.to_thread(make_plan, call, info, self.settings.graphpipe_max_batch)
+        results = await _unless_disconnected(request, lambda: run_plan(self.service, plan))
+        return wire.encode_outputs(assemble(plan, results, info.readouts))
+
+    def error(self, exc: GatewayError, request: Request) -> Response:
+        log.info("graphpipe error %s: %s", exc.code.name, exc.message)
+        if wants_http_errors(self.settings.graphpipe_error_status, request):
+            return PlainTextResponse(exc.message + "\n", status_code=http_status(exc))
+        return Response(wire.encode_errors([(int(exc.code), exc.message)]), media_type=OCTET)
+
+
+async def _unless_disconnected(
+    request: Request, work: Callable[[], Awaitable[list[RowResult]]]
+) -> list[RowResult]:
+    """Run ``work`` but cancel it (CANCELLED) if the client disconnects first."""
+    task = asyncio.ensure_future(work())
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise GatewayError(Code.CANCELLED, "the client went away before the answer was ready")
+    return task.result()
+
+
+async def is_alive(_request: Request) -> Response:
+    return PlainTextResponse("ok\n")
+
+
+def is_ready_endpoint(service: SessionService) -> Callable[[Request], Awaitable[Response]]:
+    async def is_ready(_request: Request) -> Response:
+        if service.pool.ready:
+            return PlainTextResponse("ok\n")
+        return PlainTextResponse("not ready\n", status_code=503)
+
+    return is_ready

@@ -1,0 +1,253 @@
+"""The HTTP endpoints: auth, body, plan, run, and JSON or Server-Sent Events out.
+
+Cancellation: when the client goes away the generation is cancelled, so the engine
+stops decoding for nobody. Streaming responses get this from ``sse-starlette``
+(it cancels the body iterator on ``http.disconnect``); the wait for the first event
+and non-streaming requests race the work against ``http.disconnect`` themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from prismgate.auth import check_bearer
+from prismgate.codecs.openai.errors import OpenAIError, bad_request, from_gateway, to_openai
+from prismgate.codecs.openai.formats import ChatFormat, CompletionFormat, Format
+from prismgate.codecs.openai.generation import Generation, Piece, Plan, plan_chat, plan_completion
+from prismgate.codecs.openai.request import Common, parse_chat, parse_completion
+from prismgate.codecs.openai.tokens import TokenTexts
+from prismgate.core.errors import GatewayError
+from prismgate.core.service import SessionService
+from prismgate.engines.base import EngineInfo
+from prismgate.settings import Settings
+
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never seen by the client
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+def error_response(exc: BaseException) -> Response:
+    err = to_openai(exc)
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it (and raising ClientGone) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+        # let cancelled work run its cleanup (closing the engine stream) before we go on
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+class OpenAIEndpoints:
+    def __init__(self, service: SessionService, settings: Settings) -> None:
+        self.service = service
+        self.settings = settings
+        self.created = int(time.time())
+        self._texts: dict[str, TokenTexts] = {}
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _auth(self, request: Request) -> None:
+        check_bearer(self.settings.auth_token, request.headers.get("authorization"))
+
+    @staticmethod
+    async def _body(request: Request) -> Any:
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise bad_request(f"the request body is not valid JSON: {exc}") from None
+
+    def _token_texts(self, info: EngineInfo) -> TokenTexts:
+        texts = self._texts.get(info.model_id)
+        if texts is None or texts.tokenizer is not info.tokenizer:
+            texts = self._texts[info.model_id] = TokenTexts(info.tokenizer)
+        return texts
+
+    # -- completions ---------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: Request, *, chat: bool) -> Response:
+        try:
+            self._auth(request)
+            body = await self._body(request)
+            common: Common
+            plan: Plan
+            if chat:
+                req = parse_chat(body)
+                common = req.common
+                plan, info = plan_chat(self.service, self.settings, req)
+            else:
+                creq = parse_completion(body)
+                common = creq.common
+                plan, info = plan_completion(self.service, self.settings, creq)
+            generation = Generation(self.service, plan, self._token_texts(info), info)
+            await unless_disconnected(request, generation.start())
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        except Exception as exc:
+            return error_response(exc)
+        fmt: Format = (ChatFormat if chat else CompletionFormat)(plan, common.include_usage)
+        if common.stream:
+            return EventSourceResponse(self._events(generation, fmt), sep="\n", ping=15)
+        try:
+            pieces = await unless_disconnected(request, _collect(generation))
+            assert generation.done is not None
+            return JSONResponse(fmt.response(pieces, generation.done, generation.session_length))
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        except Exception as exc:
+            return error_response(exc)
+
+    @staticmethod
+    async def _events(generation: Generation, fmt: Format) -> AsyncIterator[str]:
+        pieces = generation.pieces()
+        try:
+            for chunk in fmt.head():
+                yield dumps(chunk)
+            async for piece in pieces:
+                for chunk in fmt.piece(piece):
+                    yield dumps(chunk)
+            assert generation.done is not None
+            for chunk in fmt.tail(generation.done, generation.session_length):
+                yield dumps(chunk)
+            yield "[DONE]"
+        except Exception as exc:  # after the 200 went out, an error is the stream's last event
+            yield dumps(to_openai(exc).body())
+        finally:
+            await pieces.aclose()  # type: ignore[attr-defined]
+
+    # -- models ----------------------------------------------------------------------------
+
+    def _model(self, model_id: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": model_id, "object": "model", "created": self.created, "owned_by": "prismgate"}
+        with contextlib.suppress(GatewayError):  # still loading: no details yet
+            info = self.service.info(model_id)
+            ext: dict[str, Any] = {"engine": info.engine_name, "max_model_len": info.max_model_len}
+            if info.readouts is not None:
+                m = info.readouts
+                ext["readouts"] = {
+                    "layers": list(m.layers), "concepts": list(m.concepts), "hidden_size": m.hidden_size,
+                    "dtype": m.dtype, "layer_convention": m.layer_convention,
+                }
+            out["prismgate"] = ext
+        return out
+
+    async def list_models(self, request: Request) -> Response:
+        try:
+            self._auth(request)
+        except GatewayError as exc:
+            return error_response(exc)
+        return JSONResponse({"object": "list", "data": [self._model(m) for m in self.service.pool.models]})
+
+    async def get_model(self, request: Request) -> Response:
+        try:
+            self._auth(request)
+            model = request.path_params["model"]
+            if model not in self.service.pool.models:
+                raise OpenAIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+        except Exception as exc:
+            return error_response(exc)
+        return JSONResponse(self._model(model))
+
+    # -- sessions (prismgate extension) -----------------------------------------------------
+
+    def _session(self, session_id: str) -> dict[str, Any]:
+        try:
+            session = self.service.session(session_id)
+        except GatewayError as exc:
+            raise from_gateway(exc, param="session_id", code="session_not_found") from None
+        return {
+            "id": session.id, "object": "session", "model": session.model, "length": len(session),
+            "busy": session.busy, "ttl_s": session.ttl_s,
+        }
+
+    async def open_session(self, request: Request) -> Response:
+        try:
+            self._auth(request)
+            raw = await request.body()
+            body = await self._body(request) if raw.strip() else {}
+            if not isinstance(body, dict):
+                raise bad_request("the request body must be a JSON object")
+            model = body.get("model", self.service.pool.default_model)
+            if not isinstance(model, str):
+                raise bad_request("'model' must be a string", "model")
+            if model not in self.service.pool.models:
+                raise OpenAIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+            session = self.service.open(model)
+            return JSONResponse({**self._session(session.id), "created": int(time.time())})
+        except Exception as exc:
+            return error_response(exc)
+
+    async def get_session(self, request: Request) -> Response:
+        try:
+            self._auth(request)
+            return JSONResponse(self._session(request.path_params["session_id"]))
+        except Exception as exc:
+            return error_response(exc)
+
+    async def delete_session(self, request: Request) -> Response:
+        try:
+            self._auth(request)
+            session_id = request.path_params["session_id"]
+            self._session(session_id)  # 404 when unknown
+            self.service.close(session_id)
+            return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True})
+        except Exception as exc:
+            return error_response(exc)
+
+    async def not_found(self, request: Request) -> Response:
+        try:
+            self._auth(request)
+        except GatewayError as exc:
+            return error_response(exc)
+        return error_response(
+            OpenAIError(404, f"Unknown endpoint {request.method} {request.url.path} (this server implements "
+                        "/v1/chat/completions, /v1/completions, /v1/models and /v1/sessions)", code="unknown_url")
+        )
+
+
+async def _collect(generation: Generation) -> list[Piece]:
+    return [piece async for piece in generation.pieces()]
+
+
+Handler = Callable[[Request], Awaitable[Response]]

@@ -1,0 +1,235 @@
+"""Pieces -> OpenAI JSON: chat completions and (legacy) text completions.
+
+Each format knows its ``object`` names, where text goes (``message.content`` /
+``delta.content`` vs ``text``), and its logprobs shape:
+
+* chat: ``logprobs.content[] = {token, logprob, bytes, top_logprobs[]}``;
+* completions: parallel arrays ``tokens``, ``token_logprobs``, ``top_logprobs``
+  (one ``{token: logprob}`` map per token) and ``text_offset`` (character offset of
+  each token in the returned text).
+
+prismgate extensions live under one key, ``"prismgate"``, and appear only when a
+request asked for them (readouts, a session): per choice the readouts of the tokens
+that choice (or chunk) carries, at the top level what those numbers mean (layers and
+concepts) and the session's id and length.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from prismgate.codecs.openai.errors import OpenAIError
+from prismgate.codecs.openai.generation import Piece, Plan, Token
+from prismgate.core.events import Done, FinishReason
+
+_FINISH = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP_STRING: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.PREFILL_ONLY: "length",
+}
+
+
+def finish_reason(done: Done) -> str:
+    reason = _FINISH.get(done.finish_reason)
+    if reason is None:  # CANCELLED with the client still there: the server is stopping
+        raise OpenAIError(503, "the generation was cancelled: the server is shutting down", type="server_error",
+                          code="cancelled")
+    return reason
+
+
+def usage(done: Done) -> dict[str, Any]:
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+    }
+
+
+def _readouts(tokens: Sequence[Token]) -> list[dict[str, Any]]:
+    return [
+        {"position": t.position, "id": t.id, "token": t.text, "values": t.readout}
+        for t in tokens
+        if t.readout is not None
+    ]
+
+
+class Format:
+    """What chat and completions share: ids, timestamps, the prismgate block, usage chunks."""
+
+    object_name = ""
+    chunk_object_name = ""
+    id_prefix = ""
+
+    def __init__(self, plan: Plan, include_usage: bool) -> None:
+        self.plan = plan
+        self.include_usage = include_usage
+        self.id = self.id_prefix + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.text_offset = 0
+
+    # -- shared pieces -----------------------------------------------------------------
+
+    def extension(self, session_length: int | None = None) -> dict[str, Any] | None:
+        ext: dict[str, Any] = {}
+        if self.plan.axes is not None:
+            ext["readouts"] = self.plan.axes.describe()
+        if self.plan.session_id is not None:
+            ext["session_id"] = self.plan.session_id
+            if session_length is not None:
+                ext["session_length"] = session_length
+        return ext or None
+
+    def envelope(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id, "object": obj, "created": self.created, "model": self.plan.model, "choices": choices
+        }
+        out.update({k: v for k, v in extra.items() if v is not None})
+        return out
+
+    def choice_extension(self, choice: dict[str, Any], tokens: Sequence[Token]) -> dict[str, Any]:
+        if self.plan.axes is not None:
+            choice["prismgate"] = {"readouts": _readouts(tokens)}
+        return choice
+
+    def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        out = self.envelope(self.chunk_object_name, choices, **extra)
+        if self.include_usage:
+            out["usage"] = None  # as OpenAI: every chunk but the last carries a null usage
+        return out
+
+    def usage_chunk(self, done: Done, session_length: int | None) -> dict[str, Any]:
+        out = self.envelope(self.chunk_object_name, [], prismgate=self.extension(session_length))
+        out["usage"] = usage(done)
+        return out
+
+    # -- per format ----------------------------------------------------------------------
+
+    def head(self) -> list[dict[str, Any]]:
+        return []
+
+    def piece(self, piece: Piece) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def tail(self, done: Done, session_length: int | None) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def response(self, pieces: Sequence[Piece], done: Done, session_length: int | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class ChatFormat(Format):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def _logprobs(self, tokens: Sequence[Token]) -> dict[str, Any] | None:
+        if not self.plan.want_logprobs:
+            return None
+        content = [
+            {
+                "token": t.text,
+                "logprob": t.logprob,
+                "bytes": t.bytes,
+                "top_logprobs": [{"token": s, "logprob": lp, "bytes": b} for s, b, lp in (t.top or [])],
+            }
+            for t in tokens
+        ]
+        return {"content": content, "refusal": None}
+
+    def head(self) -> list[dict[str, Any]]:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return [self.chunk([choice], prismgate=self.extension())]
+
+    def piece(self, piece: Piece) -> list[dict[str, Any]]:
+        choice = {"index": 0, "delta": {"content": piece.text}, "logprobs": self._logprobs(piece.tokens),
+                  "finish_reason": None}
+        return [self.chunk([self.choice_extension(choice, piece.tokens)])]
+
+    def tail(self, done: Done, session_length: int | None) -> list[dict[str, Any]]:
+        choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(done)}
+        out = [self.chunk([choice], prismgate=self.extension(session_length))]
+        if self.include_usage:
+            out.append(self.usage_chunk(done, session_length))
+        return out
+
+    def response(self, pieces: Sequence[Piece], done: Done, session_length: int | None) -> dict[str, Any]:
+        tokens = [t for p in pieces for t in p.tokens]
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": "".join(p.text for p in pieces), "refusal": None},
+            "logprobs": self._logprobs(tokens),
+            "finish_reason": finish_reason(done),
+        }
+        return self.envelope(
+            self.object_name, [self.choice_extension(choice, tokens)], usage=usage(done),
+            prismgate=self.extension(session_length),
+        )
+
+
+class CompletionFormat(Format):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+    id_prefix = "cmpl-"
+    _described = False
+
+    def _logprobs(self, pieces: Sequence[Piece]) -> dict[str, Any] | None:
+        """Completions logprobs; advances ``text_offset`` over the pieces' text."""
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        for piece in pieces:
+            start, end = self.text_offset, self.text_offset + len(piece.text)
+            at = start
+            for t in piece.tokens:
+                offsets.append(min(at, end))
+                at += len(t.text)
+                tokens.append(t.text)
+                token_logprobs.append(t.logprob)
+                if t.logprob is None:
+                    top_logprobs.append(None)
+                elif t.top:
+                    top_logprobs.append({s: lp for s, _, lp in t.top})
+                else:
+                    top_logprobs.append({t.text: t.logprob})
+            self.text_offset = end
+        if not self.plan.want_logprobs:
+            return None
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+    def piece(self, piece: Piece) -> list[dict[str, Any]]:
+        choice = {"index": 0, "text": piece.text, "logprobs": self._logprobs([piece]), "finish_reason": None}
+        return [self.chunk([self.choice_extension(choice, piece.tokens)], prismgate=self._first_extension())]
+
+    def _first_extension(self) -> dict[str, Any] | None:
+        """The readout axes and session ride on the first chunk (completions have no role chunk)."""
+        if self._described:
+            return None
+        self._described = True
+        return self.extension()
+
+    def tail(self, done: Done, session_length: int | None) -> list[dict[str, Any]]:
+        choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason(done)}
+        out = [self.chunk([choice], prismgate=self.extension(session_length))]
+        if self.include_usage:
+            out.append(self.usage_chunk(done, session_length))
+        return out
+
+    def response(self, pieces: Sequence[Piece], done: Done, session_length: int | None) -> dict[str, Any]:
+        tokens = [t for p in pieces for t in p.tokens]
+        choice = {
+            "index": 0,
+            "text": "".join(p.text for p in pieces),
+            "logprobs": self._logprobs(pieces),
+            "finish_reason": finish_reason(done),
+        }
+        return self.envelope(
+            self.object_name, [self.choice_extension(choice, tokens)], usage=usage(done),
+            prismgate=self.extension(session_length),
+        )

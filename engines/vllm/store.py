@@ -1,0 +1,89 @@
+"""What the vLLM engine remembers per session: readouts and logprobs it already computed.
+
+vLLM's prefix cache keeps keys and values, not hidden states or logits: a position it
+serves from the cache is never run through the model again, so no hook sees it. The
+engine therefore keeps, per session, every readout the worker sent for that session's
+timeline and every logprob it reported, so that a later turn asking about an earlier
+position is answered from here instead of turning the prefix cache off.
+
+Entries are validated against the request's tokens: a value at position ``p`` depends on
+tokens ``0..p`` only, so it stays valid for as long as the new timeline shares that prefix
+(a rewound or forked session keeps what still applies). The store is an LRU capped by the
+number of positions it holds.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+LogprobEntry = tuple[int, float, list[tuple[int, float]]]  # top-k it was computed with, logprob, top list
+
+
+@dataclass
+class SessionValues:
+    tokens: list[int] = field(default_factory=list)
+    readouts: dict[int, npt.NDArray[np.float32]] = field(default_factory=dict)
+    logprobs: dict[int, LogprobEntry] = field(default_factory=dict)
+    computed: int = 0  # positions [0, computed) were run through the model for this session (cache may hold them)
+
+    @property
+    def size(self) -> int:
+        return len(self.readouts) + len(self.logprobs)
+
+    def valid_for(self, tokens: Sequence[int]) -> SessionValues:
+        """The entries that still hold for ``tokens`` (the shared prefix)."""
+        shared = 0
+        for a, b in zip(self.tokens, tokens, strict=False):
+            if a != b:
+                break
+            shared += 1
+        return SessionValues(
+            tokens=list(tokens[:shared]),
+            readouts={p: v for p, v in self.readouts.items() if p < shared},
+            logprobs={p: v for p, v in self.logprobs.items() if p < shared},
+            computed=min(self.computed, shared),
+        )
+
+    def logprob(self, position: int, top_k: int) -> LogprobEntry | None:
+        entry = self.logprobs.get(position)
+        if entry is None or entry[0] < top_k:
+            return None
+        return (top_k, entry[1], entry[2][:top_k])
+
+
+class ValueStore:
+    """Per-session values, least recently used first out, capped in positions held."""
+
+    def __init__(self, max_positions: int = 1 << 18) -> None:
+        self.max_positions = max_positions
+        self._sessions: OrderedDict[str, SessionValues] = OrderedDict()
+        self._held = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def lookup(self, key: str | None, tokens: Sequence[int]) -> SessionValues:
+        if key is None or key not in self._sessions:
+            return SessionValues()
+        self._sessions.move_to_end(key)
+        return self._sessions[key].valid_for(tokens)
+
+    def put(self, key: str, values: SessionValues) -> None:
+        self.release(key)
+        if values.size > self.max_positions:
+            return
+        self._sessions[key] = values
+        self._held += values.size
+        while self._held > self.max_positions and len(self._sessions) > 1:
+            _, dropped = self._sessions.popitem(last=False)
+            self._held -= dropped.size
+
+    def release(self, key: str) -> None:
+        old = self._sessions.pop(key, None)
+        if old is not None:
+            self._held -= old.size
