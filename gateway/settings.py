@@ -77,6 +77,21 @@ class Settings:
 
     # -- per-protocol settings (each block owned by its codec) --------------------------
 
+    # -- evergreen (owned by codecs/evergreen and gateway/playground) -------------------------
+    evergreen_max_nodes: int = setting(10_000, "Evergreen: nodes one session may hold (abort past it).")
+    evergreen_max_bytes: int = setting(64 * 1024 * 1024, "Evergreen: bytes of node data one session may hold.")
+    evergreen_max_depth: int = setting(32, "Evergreen: deepest nesting of nodes allowed in one session.")
+    evergreen_max_tokens: int = setting(
+        256, "Evergreen: max_tokens for a GENERATE whose config sets none (capped by what is left of the context)."
+    )
+    evergreen_file_root: str | None = setting(
+        None, "Evergreen: folder that file:// chunk refs may read from (unset: file:// refs are refused)."
+    )
+    evergreen_http_refs: bool = setting(False, "Evergreen: fetch http(s):// chunk refs (off: refused).")
+    evergreen_ref_max_bytes: int = setting(16 * 1024 * 1024, "Evergreen: largest payload a file/http(s) ref may hold.")
+    evergreen_ref_timeout_s: float = setting(10.0, "Evergreen: time limit for fetching one http(s) ref.")
+    playground: bool = setting(True, "Serve the browser playground at /playground (it talks Evergreen).")
+
     # -- openai (owned by codecs/openai: the OpenAI-compatible /v1 API) --------------------
     openai_default_max_tokens: int | None = setting(
         None, "OpenAI API: max_tokens for requests that set none (unset: the rest of the context, as OpenAI does)."

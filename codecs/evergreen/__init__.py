@@ -1,16 +1,57 @@
-"""The evergreen codec (being written)."""
+"""The Evergreen codec: evergreen.v2 sessions over WebSocket (``/evergreen``) and gRPC.
+
+One connection (or one ``StartSession`` stream) is one session: a node store, a core
+session whose timeline is the running conversation, and the actions GENERATE, DROP and
+CANCEL. The browser playground (``/playground``) rides on it. See docs/evergreen.md.
+"""
 
 from __future__ import annotations
 
 import grpc
+from starlette.routing import BaseRoute, WebSocketRoute
 
+from prismgate.codecs.evergreen import grpc_service
+from prismgate.codecs.evergreen.nodes import Limits
+from prismgate.codecs.evergreen.payloads import RefPolicy
+from prismgate.codecs.evergreen.session import EvergreenSession, Options
+from prismgate.codecs.evergreen.websocket import EvergreenEndpoint
 from prismgate.core.service import SessionService
 from prismgate.settings import Settings
 
+__all__ = ["EvergreenSession", "Options", "add_to_server", "options_from", "routes"]
+
+WEBSOCKET_PATH = "/evergreen"
+
+
+def options_from(settings: Settings) -> Options:
+    return Options(
+        limits=Limits(
+            max_nodes=settings.evergreen_max_nodes,
+            max_bytes=settings.evergreen_max_bytes,
+            max_depth=settings.evergreen_max_depth,
+        ),
+        refs=RefPolicy(
+            file_root=settings.evergreen_file_root,
+            http=settings.evergreen_http_refs,
+            max_bytes=settings.evergreen_ref_max_bytes,
+            timeout_s=settings.evergreen_ref_timeout_s,
+        ),
+        default_max_tokens=settings.evergreen_max_tokens,
+    )
+
+
+def routes(service: SessionService, settings: Settings) -> list[BaseRoute]:
+    """The WebSocket endpoint, and the playground unless it is turned off."""
+    out: list[BaseRoute] = [
+        WebSocketRoute(WEBSOCKET_PATH, EvergreenEndpoint(service, options_from(settings), settings.auth_token).handle)
+    ]
+    if settings.playground:
+        from prismgate.playground import routes as playground_routes
+
+        out += playground_routes(service, settings)
+    return out
+
 
 def add_to_server(server: grpc.aio.Server, service: SessionService, settings: Settings) -> list[str]:
-    return []
-
-
-def routes(service: SessionService, settings: Settings) -> list["BaseRoute"]:  # noqa: F821
-    return []
+    """Register evergreen.v2.EvergreenService; return its full name."""
+    return [grpc_service.add(server, service, options_from(settings), settings.auth_token)]

@@ -12,6 +12,7 @@ Unknown fields are errors in both (a typo must not silently change decoding).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from google.protobuf import any_pb2, json_format, struct_pb2, unknown_fields
@@ -35,7 +36,7 @@ def parse_configs(configs: Sequence[any_pb2.Any], where: str) -> gpb.GenerateCon
         config = gpb.GenerateConfig()
         try:
             config.ParseFromString(packed.value)
-        except Exception as exc:  # noqa: BLE001 - any decode failure is the client's
+        except Exception as exc:
             raise invalid(f"{where}: GenerateConfig does not decode: {exc}") from None
         extra = unknown_fields.UnknownFieldSet(config)
         if len(extra):
@@ -48,7 +49,10 @@ def parse_configs(configs: Sequence[any_pb2.Any], where: str) -> gpb.GenerateCon
             struct.ParseFromString(packed.value)
             return json_format.ParseDict(json_format.MessageToDict(struct), gpb.GenerateConfig())
         except json_format.ParseError as exc:
-            raise invalid(f"{where}: config: {exc}") from None
-        except Exception as exc:  # noqa: BLE001
+            unknown = re.search(r'has no field named "([^"]+)"', str(exc))
+            if unknown:
+                raise invalid(f"{where}: unknown config field {unknown.group(1)!r}") from None
+            raise invalid(f"{where}: config: {str(exc).splitlines()[0]}") from None
+        except Exception as exc:
             raise invalid(f"{where}: config Struct does not decode: {exc}") from None
     raise invalid(f"{where}: unknown config type {packed.type_url!r}; use {CONFIG_TYPE_URL} or {STRUCT_TYPE_URL}")

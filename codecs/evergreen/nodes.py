@@ -28,7 +28,7 @@ import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from prismgate.core.errors import Code, GatewayError, exhausted, invalid, not_found, precondition
+from prismgate.core.errors import Code, exhausted, invalid, not_found, precondition
 from prismgate.schemas import evergreen_pb2 as pb
 
 
@@ -133,7 +133,7 @@ class NodeStore:
             if missing is None:
                 return
             if self._closed:
-                raise precondition(f"node {missing!r} (under {root!r}) never completed before the client closed the stream")
+                raise precondition(f"node {missing!r} (under {root!r}) never completed before the input ended")
             if self._changed is None:
                 self._changed = asyncio.Event()
             self._changed.clear()
@@ -196,9 +196,8 @@ class NodeStore:
             node.leaf = kind
         if not fragment.continued:
             node.final_seq = fragment.seq
-        if has_chunk and fragment.chunk_fragment.HasField("metadata"):
-            if node.metadata is None or fragment.seq == 0:
-                node.metadata, node.metadata_seq = fragment.chunk_fragment.metadata, fragment.seq
+        if has_chunk and fragment.chunk_fragment.HasField("metadata") and (node.metadata is None or fragment.seq == 0):
+            node.metadata, node.metadata_seq = fragment.chunk_fragment.metadata, fragment.seq
         for child in fragment.child_ids:
             self._nodes.setdefault(child, Node(child))
             self._parents.setdefault(child, set()).add(node_id)
@@ -225,7 +224,7 @@ class NodeStore:
         for child in children:
             if child == parent or self._reaches(child, parent):
                 raise invalid(f"node {parent!r}: child {child!r} would make a cycle (a node cannot contain itself)")
-        below = 1 + max(self._height(c, heights) for c in children)
+        below = max(self._height(c, heights) for c in children)
         above = self._depth_above(parent, {})
         if above + below > self.limits.max_depth:
             raise invalid(

@@ -82,17 +82,17 @@ async def _http(ref: str, policy: RefPolicy, where: str) -> bytes:
     if not policy.http:
         raise precondition(f"{where}: http(s) refs are disabled on this server (evergreen_http_refs is off)")
     try:
-        async with httpx.AsyncClient(timeout=policy.timeout_s, follow_redirects=True, max_redirects=3) as client:
-            async with client.stream("GET", ref) as response:
-                if response.status_code != 200:
-                    raise precondition(f"{where}: fetching {ref!r} answered HTTP {response.status_code}")
-                body = bytearray()
-                async for piece in response.aiter_bytes():
-                    body += piece
-                    if len(body) > policy.max_bytes:
-                        raise exhausted(f"{where}: {ref!r} is larger than the limit {policy.max_bytes} bytes")
-                return bytes(body)
+        client = httpx.AsyncClient(timeout=policy.timeout_s, follow_redirects=True, max_redirects=3)
+        async with client, client.stream("GET", ref) as response:
+            if response.status_code != 200:
+                raise precondition(f"{where}: fetching {ref!r} answered HTTP {response.status_code}")
+            body = bytearray()
+            async for piece in response.aiter_bytes():
+                body += piece
+                if len(body) > policy.max_bytes:
+                    raise exhausted(f"{where}: {ref!r} is larger than the limit {policy.max_bytes} bytes")
+            return bytes(body)
     except httpx.TimeoutException:
-        raise GatewayError(Code.UNAVAILABLE, f"{where}: fetching {ref!r} took longer than {policy.timeout_s}s") from None
+        raise GatewayError(Code.UNAVAILABLE, f"{where}: fetching {ref!r} took over {policy.timeout_s}s") from None
     except httpx.HTTPError as exc:
         raise GatewayError(Code.UNAVAILABLE, f"{where}: fetching {ref!r} failed: {exc}") from None

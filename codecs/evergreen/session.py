@@ -107,7 +107,9 @@ class EvergreenSession:
         self.service = service
         self.options = options or Options()
         self.store = NodeStore(self.options.limits)
-        self.outbox: asyncio.Queue[pb.SessionMessage] = asyncio.Queue()
+        # What to send, in order; ``None`` marks the end (after a failure, or when the input
+        # ended and every action finished): the transport stops there.
+        self.outbox: asyncio.Queue[pb.SessionMessage | None] = asyncio.Queue()
         self.failed: asyncio.Future[GatewayError] = asyncio.get_running_loop().create_future()
         self.model = service.check_model(self.options.model or service.pool.default_model)
         self.core_id = service.open(self.model).id
@@ -135,7 +137,8 @@ class EvergreenSession:
             pending = [r.task for r in self._runs if r.task is not None and not r.task.done()]
             if not pending or self.failed.done():
                 return
-            await asyncio.wait([*pending, self.failed], return_when=asyncio.FIRST_COMPLETED)
+            waits: list[asyncio.Future[Any]] = [*pending, self.failed]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
 
     async def close(self) -> None:
         """End the session: cancel running actions, release the core session."""
@@ -147,8 +150,17 @@ class EvergreenSession:
         self.service.close(self.core_id)
 
     def fail(self, error: GatewayError) -> None:
+        """Abort the session: the transport sends what is queued, then reports ``error``."""
         if not self.failed.done():
             self.failed.set_result(error)
+            self.outbox.put_nowait(None)
+
+    async def finish(self) -> None:
+        """After the client half-closed: let the actions end, then mark the end of the output."""
+        self.finish_input()
+        await self.wait_idle()
+        if not self.failed.done():
+            self.outbox.put_nowait(None)
 
     # -- actions ---------------------------------------------------------------------
 
@@ -237,7 +249,7 @@ class EvergreenSession:
                 raise
         except GatewayError as exc:
             self.fail(GatewayError(exc.code, _prefixed(run.label, exc.message)))
-        except Exception as exc:  # noqa: BLE001 - a bug must end this session, not the server
+        except Exception as exc:
             log.exception("%s failed", run.label)
             self.fail(GatewayError(Code.INTERNAL, f"{run.label}: internal error ({type(exc).__name__})"))
         finally:
@@ -252,9 +264,7 @@ class EvergreenSession:
         self.store.drop(ids, busy=busy)
 
     async def _run_generate(self, run: Run, root: str, config: gpb.GenerateConfig) -> None:
-        outs = {
-            key: _Output(node_id, *_mime_of(key)) for key, node_id in run.outputs.items()
-        }
+        outs = {key: _Output(node_id, *_mime_of(key)) for key, node_id in run.outputs.items()}
         usage: dict[str, Any] = {}
         try:
             await self.store.wait_complete(root)
@@ -292,19 +302,30 @@ class EvergreenSession:
             room = info.max_model_len - prompt_len
             max_tokens = min(self.options.default_max_tokens, room) if room > 0 else self.options.default_max_tokens
         spec = _spec(
-            config, max_tokens=max_tokens, prompt_len=prompt_len,
-            logprobs="logprobs" in outs, readouts="readouts" in outs,
+            config,
+            max_tokens=max_tokens,
+            prompt_len=prompt_len,
+            logprobs="logprobs" in outs,
+            readouts="readouts" in outs,
         )
         action = GenerateAction(
-            append_tokens=plan.tokens, images=plan.images, offset=plan.offset, truncating=plan.truncating,
-            spec=spec, detokenize=True, origin=ORIGIN,
+            append_tokens=plan.tokens,
+            images=plan.images,
+            offset=plan.offset,
+            truncating=plan.truncating,
+            spec=spec,
+            detokenize=True,
+            origin=ORIGIN,
         )
         usage.update(promptTokens=prompt_len, reusedTokens=plan.offset, appendedTokens=len(plan.tokens))
         if "readouts" in outs and info.readouts is not None:
             m = info.readouts
             header = {
-                "model": info.model_id, "concepts": list(m.concepts), "layers": list(m.layers),
-                "layerConvention": m.layer_convention, "shape": ["layers", "concepts"],
+                "model": info.model_id,
+                "concepts": list(m.concepts),
+                "layers": list(m.layers),
+                "layerConvention": m.layer_convention,
+                "shape": ["layers", "concepts"],
             }
             self._emit([outs["readouts"].chunk(_line(header))], run)
         generated: list[int] = []
@@ -321,19 +342,38 @@ class EvergreenSession:
                     fragments.append(outs["text"].chunk(event.text.encode()))
                 if "readouts" in outs and event.readout is not None:
                     values = [[_num(v) for v in row] for row in event.readout.tolist()]
-                    fragments.append(outs["readouts"].chunk(_line({
-                        "index": index, "position": event.position, "tokenId": event.id,
-                        "text": event.text or "", "values": values,
-                    })))
+                    fragments.append(
+                        outs["readouts"].chunk(
+                            _line(
+                                {
+                                    "index": index,
+                                    "position": event.position,
+                                    "tokenId": event.id,
+                                    "text": event.text or "",
+                                    "values": values,
+                                }
+                            )
+                        )
+                    )
                 if "logprobs" in outs and event.logprob is not None:
                     top = [
                         {"tokenId": t, "text": tokenizer.token_text(t), "logprob": _num(lp)}
                         for t, lp in (event.top_logprobs or [])
                     ]
-                    fragments.append(outs["logprobs"].chunk(_line({
-                        "index": index, "position": event.position, "tokenId": event.id,
-                        "text": event.text or "", "logprob": _num(event.logprob), "top": top,
-                    })))
+                    fragments.append(
+                        outs["logprobs"].chunk(
+                            _line(
+                                {
+                                    "index": index,
+                                    "position": event.position,
+                                    "tokenId": event.id,
+                                    "text": event.text or "",
+                                    "logprob": _num(event.logprob),
+                                    "top": top,
+                                }
+                            )
+                        )
+                    )
                 if fragments:
                     self._emit(fragments, run)
             elif isinstance(event, Done):
@@ -422,4 +462,3 @@ def _num(value: float) -> float | None:
 
 def _prefixed(label: str, message: str) -> str:
     return message if message.startswith(label) else f"{label}: {message}"
-

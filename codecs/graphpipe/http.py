@@ -49,7 +49,7 @@ class BodyTooLarge(GatewayError):
     """RESOURCE_EXHAUSTED, sent as 413 when errors go out as HTTP statuses."""
 
     def __init__(self, limit: int, declared: int | None) -> None:
-        size = f"{declared} bytes" if declared is not None else "more than that"
+        size = f"{declared} bytes" if declared is not None else f"over {limit} bytes (sent chunked)"
         super().__init__(
             Code.RESOURCE_EXHAUSTED,
             f"request body is {size}; this server accepts at most {limit} bytes (graphpipe_max_body_bytes)",
@@ -149,9 +149,7 @@ class GraphPipeEndpoint:
         return Response(wire.encode_errors([(int(exc.code), exc.message)]), media_type=OCTET)
 
 
-async def _unless_disconnected(
-    request: Request, work: Callable[[], Awaitable[list[RowResult]]]
-) -> list[RowResult]:
+async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[list[RowResult]]]) -> list[RowResult]:
     """Run ``work`` but cancel it (CANCELLED) if the client disconnects first."""
     task = asyncio.ensure_future(work())
     watch = asyncio.ensure_future(_disconnected(request))

@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 ORIGIN = "graphpipe"
 
 
-async def run_row(service: SessionService, index: int, tokens: Sequence[int], spec: GenerateSpec, detokenize: bool) -> RowResult:
+async def run_row(
+    service: SessionService, index: int, tokens: Sequence[int], spec: GenerateSpec, detokenize: bool
+) -> RowResult:
     action = GenerateAction(append_tokens=tuple(tokens), spec=spec, detokenize=detokenize, origin=ORIGIN)
     result = RowResult()
     try:

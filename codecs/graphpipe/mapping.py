@@ -108,6 +108,8 @@ def parse_config(raw: bytes) -> Config:
     for key in ("max_tokens", "top_k", "logprobs"):
         if key in data:
             values[key] = _int(key, data[key])
+    if not 0 <= values.get("logprobs", 0) <= MAX_TOP_LOGPROBS:
+        raise invalid(f"config.logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {values['logprobs']}")
     for key in ("temperature", "top_p"):
         if key in data:
             values[key] = _number(key, data[key])
@@ -286,8 +288,14 @@ def make_plan(call: InferCall, info: EngineInfo, max_batch: int) -> Plan:
         )
     if not rows:  # still validate the config's numbers against the spec's rules
         GenerateSpec(
-            max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-            seed=config.seed, stop_token_ids=config.stop_token_ids, stop_strings=config.stop, logprob_top_k=top_k,
+            max_tokens=config.max_tokens,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k,
+            seed=config.seed,
+            stop_token_ids=config.stop_token_ids,
+            stop_strings=config.stop,
+            logprob_top_k=top_k,
         )
     return Plan(rows, specs, outputs, detokenize="text" in outputs, top_k=top_k, layers=layers)
 

@@ -34,8 +34,15 @@ def describe(info: EngineInfo) -> Metadata:
         ),
     )
     outputs = [
-        IOSpec("text", "Default output. The generated text of each row (UTF-8), stop string excluded.", (-1,), Type.String),
-        IOSpec("tokens", f"Generated token ids [batch, m], m = the longest row; padded with {PAD_ID}.", (-1, -1), Type.Int32),
+        IOSpec(
+            "text", "Default output. The generated text of each row (UTF-8), stop string excluded.", (-1,), Type.String
+        ),
+        IOSpec(
+            "tokens",
+            f"Generated token ids [batch, m], m = the longest row; padded with {PAD_ID}.",
+            (-1, -1),
+            Type.Int32,
+        ),
         IOSpec("lengths", "Generated tokens per row [batch].", (-1,), Type.Int32),
         IOSpec(
             "logprobs",

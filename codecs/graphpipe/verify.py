@@ -88,7 +88,9 @@ class _Verifier:
         if offset == 0:
             return None
         if offset < 4 or offset + size > table.size:
-            raise self._fail(what, f"field at table offset {offset} (+{size} bytes) lies outside its {table.size}-byte table")
+            raise self._fail(
+                what, f"field at table offset {offset} (+{size} bytes) lies outside its {table.size}-byte table"
+            )
         return table.pos + offset
 
     def _target(self, field_pos: int, what: str) -> int:

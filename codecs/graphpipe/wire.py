@@ -10,7 +10,7 @@ all three; it never writes Type Null.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import flatbuffers
@@ -88,10 +88,10 @@ def decode_request(body: bytes) -> InferCall | None:
     )
 
 
-def _names(get: object, count: int, what: str) -> list[str]:
+def _names(get: Callable[[int], bytes], count: int, what: str) -> list[str]:
     names = []
     for i in range(count):
-        raw = get(i)  # type: ignore[operator]
+        raw = get(i)
         try:
             names.append(raw.decode("utf-8"))
         except UnicodeDecodeError:
@@ -192,7 +192,9 @@ def _write_tensor(b: flatbuffers.Builder, t: OutTensor) -> int:
 
 
 def _size_hint(tensors: Sequence[OutTensor]) -> int:
-    return 1024 + sum((t.array.nbytes if t.array is not None else 0) + sum(len(s) + 8 for s in t.strings) for t in tensors)
+    return 1024 + sum(
+        (t.array.nbytes if t.array is not None else 0) + sum(len(s) + 8 for s in t.strings) for t in tensors
+    )
 
 
 def encode_outputs(tensors: Sequence[OutTensor]) -> bytes:

@@ -166,8 +166,11 @@ class OpenAIEndpoints:
             if info.readouts is not None:
                 m = info.readouts
                 ext["readouts"] = {
-                    "layers": list(m.layers), "concepts": list(m.concepts), "hidden_size": m.hidden_size,
-                    "dtype": m.dtype, "layer_convention": m.layer_convention,
+                    "layers": list(m.layers),
+                    "concepts": list(m.concepts),
+                    "hidden_size": m.hidden_size,
+                    "dtype": m.dtype,
+                    "layer_convention": m.layer_convention,
                 }
             out["prismgate"] = ext
         return out
@@ -197,8 +200,12 @@ class OpenAIEndpoints:
         except GatewayError as exc:
             raise from_gateway(exc, param="session_id", code="session_not_found") from None
         return {
-            "id": session.id, "object": "session", "model": session.model, "length": len(session),
-            "busy": session.busy, "ttl_s": session.ttl_s,
+            "id": session.id,
+            "object": "session",
+            "model": session.model,
+            "length": len(session),
+            "busy": session.busy,
+            "ttl_s": session.ttl_s,
         }
 
     async def open_session(self, request: Request) -> Response:
@@ -241,8 +248,12 @@ class OpenAIEndpoints:
         except GatewayError as exc:
             return error_response(exc)
         return error_response(
-            OpenAIError(404, f"Unknown endpoint {request.method} {request.url.path} (this server implements "
-                        "/v1/chat/completions, /v1/completions, /v1/models and /v1/sessions)", code="unknown_url")
+            OpenAIError(
+                404,
+                f"Unknown endpoint {request.method} {request.url.path} (this server implements "
+                "/v1/chat/completions, /v1/completions, /v1/models and /v1/sessions)",
+                code="unknown_url",
+            )
         )
 
 

@@ -32,7 +32,12 @@ class OpenAIError(Exception):
     """A failure already phrased for the OpenAI wire: status, type, param and code."""
 
     def __init__(
-        self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
         code: str | None = None,
     ) -> None:
         super().__init__(message)

@@ -23,7 +23,12 @@ def get_bool(body: Mapping[str, Any], name: str, default: bool, *, path: str | N
 
 
 def get_int(
-    body: Mapping[str, Any], name: str, default: int | None, *, lo: int | None = None, hi: int | None = None,
+    body: Mapping[str, Any],
+    name: str,
+    default: int | None,
+    *,
+    lo: int | None = None,
+    hi: int | None = None,
     path: str | None = None,
 ) -> int | None:
     value = body.get(name)

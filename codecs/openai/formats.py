@@ -36,8 +36,9 @@ _FINISH = {
 def finish_reason(done: Done) -> str:
     reason = _FINISH.get(done.finish_reason)
     if reason is None:  # CANCELLED with the client still there: the server is stopping
-        raise OpenAIError(503, "the generation was cancelled: the server is shutting down", type="server_error",
-                          code="cancelled")
+        raise OpenAIError(
+            503, "the generation was cancelled: the server is shutting down", type="server_error", code="cancelled"
+        )
     return reason
 
 
@@ -86,7 +87,11 @@ class Format:
 
     def envelope(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "id": self.id, "object": obj, "created": self.created, "model": self.plan.model, "choices": choices
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.plan.model,
+            "choices": choices,
         }
         out.update({k: v for k, v in extra.items() if v is not None})
         return out
@@ -146,8 +151,12 @@ class ChatFormat(Format):
         return [self.chunk([choice], prismgate=self.extension())]
 
     def piece(self, piece: Piece) -> list[dict[str, Any]]:
-        choice = {"index": 0, "delta": {"content": piece.text}, "logprobs": self._logprobs(piece.tokens),
-                  "finish_reason": None}
+        choice = {
+            "index": 0,
+            "delta": {"content": piece.text},
+            "logprobs": self._logprobs(piece.tokens),
+            "finish_reason": None,
+        }
         return [self.chunk([self.choice_extension(choice, piece.tokens)])]
 
     def tail(self, done: Done, session_length: int | None) -> list[dict[str, Any]]:
@@ -166,7 +175,9 @@ class ChatFormat(Format):
             "finish_reason": finish_reason(done),
         }
         return self.envelope(
-            self.object_name, [self.choice_extension(choice, tokens)], usage=usage(done),
+            self.object_name,
+            [self.choice_extension(choice, tokens)],
+            usage=usage(done),
             prismgate=self.extension(session_length),
         )
 
@@ -194,14 +205,21 @@ class CompletionFormat(Format):
                 if t.logprob is None:
                     top_logprobs.append(None)
                 elif t.top:
-                    top_logprobs.append({s: lp for s, _, lp in t.top})
+                    best: dict[str, float] = {}
+                    for s, _, lp in t.top:  # best first; tokens whose text collides keep the likelier
+                        best.setdefault(s, lp)
+                    top_logprobs.append(best)
                 else:
                     top_logprobs.append({t.text: t.logprob})
             self.text_offset = end
         if not self.plan.want_logprobs:
             return None
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": offsets,
+        }
 
     def piece(self, piece: Piece) -> list[dict[str, Any]]:
         choice = {"index": 0, "text": piece.text, "logprobs": self._logprobs([piece]), "finish_reason": None}
@@ -230,6 +248,8 @@ class CompletionFormat(Format):
             "finish_reason": finish_reason(done),
         }
         return self.envelope(
-            self.object_name, [self.choice_extension(choice, tokens)], usage=usage(done),
+            self.object_name,
+            [self.choice_extension(choice, tokens)],
+            usage=usage(done),
             prismgate=self.extension(session_length),
         )

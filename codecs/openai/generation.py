@@ -23,8 +23,8 @@ import numpy as np
 from prismgate.codecs.openai.errors import OpenAIError, bad_request, from_gateway
 from prismgate.codecs.openai.request import ChatRequest, Common, CompletionRequest, ReadoutRequest, select
 from prismgate.codecs.openai.tokens import TokenTexts
-from prismgate.core.actions import GenerateAction, GenerateSpec, PositionRange
-from prismgate.core.chat import render_continuation, render_messages
+from prismgate.core.actions import GenerateAction, GenerateSpec, ImageInput, PositionRange
+from prismgate.core.chat import render, render_continuation
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, Event, FinishReason, TokenEvent
 from prismgate.core.service import SessionService
@@ -33,8 +33,16 @@ from prismgate.settings import Settings
 
 ORIGIN = "openai"
 # core errors raised while an action is validated, before it changes the session
-_BEFORE_APPEND = frozenset({Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION, Code.ABORTED,
-                            Code.RESOURCE_EXHAUSTED, Code.UNAUTHENTICATED})
+_BEFORE_APPEND = frozenset(
+    {
+        Code.INVALID_ARGUMENT,
+        Code.NOT_FOUND,
+        Code.FAILED_PRECONDITION,
+        Code.ABORTED,
+        Code.RESOURCE_EXHAUSTED,
+        Code.UNAUTHENTICATED,
+    }
+)
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a probability that underflows; JSON has no -inf
 
 
@@ -177,9 +185,7 @@ class Generation:
     async def _rewind(self) -> None:
         """Undo this request's append, so a failed or abandoned turn leaves the session as it was."""
         assert self.plan.session_id is not None
-        action = GenerateAction(
-            offset=self.plan.base, truncating=True, spec=GenerateSpec(max_tokens=0), origin=ORIGIN
-        )
+        action = GenerateAction(offset=self.plan.base, truncating=True, spec=GenerateSpec(max_tokens=0), origin=ORIGIN)
         with contextlib.suppress(GatewayError):
             session = self.service.session(self.plan.session_id)
             appended = self.plan.action.append_tokens
@@ -216,11 +222,16 @@ def _finite(value: float) -> float:
 
 def plan_chat(service: SessionService, settings: Settings, req: ChatRequest) -> tuple[Plan, EngineInfo]:
     info, session_tokens = _resolve(service, req.common)
-    if req.common.session_id is None:
-        append = render_messages(info, req.messages)
-    else:
-        append = render_continuation(info, session_tokens, req.messages)
-    return _plan(settings, info, req.common, len(session_tokens), append, None), info
+    try:
+        if req.common.session_id is None:
+            prompt = render(service, req.messages, model=info.model_id)
+        else:
+            prompt = render_continuation(service, session_tokens, req.messages, model=info.model_id)
+    except GatewayError:
+        raise
+    except Exception as exc:  # a template that raises (roles out of order, say) was given bad input
+        raise bad_request(f"the model's chat template rejected the messages: {exc}", "messages") from None
+    return _plan(settings, info, req.common, len(session_tokens), prompt.tokens, None, prompt.images), info
 
 
 def plan_completion(service: SessionService, settings: Settings, req: CompletionRequest) -> tuple[Plan, EngineInfo]:
@@ -232,18 +243,22 @@ def plan_completion(service: SessionService, settings: Settings, req: Completion
         append = list(req.prompt)
         bad = [t for t in append if not 0 <= t < info.vocab_size]
         if bad:
-            raise bad_request(f"token id {bad[0]} in 'prompt' is outside the vocabulary [0, {info.vocab_size})", "prompt")
+            raise bad_request(
+                f"token id {bad[0]} in 'prompt' is outside the vocabulary [0, {info.vocab_size})", "prompt"
+            )
         echo = info.tokenizer.decode(append)
-    return _plan(settings, info, req.common, len(session_tokens), append, echo if req.echo else None), info
+    return _plan(settings, info, req.common, len(session_tokens), append, echo if req.echo else None, ()), info
 
 
 def _resolve(service: SessionService, common: Common) -> tuple[EngineInfo, list[int]]:
     """The model's info and the session's current tokens (empty without a session)."""
     if common.model not in service.pool.models:
         raise OpenAIError(
-            404, f"The model '{common.model}' does not exist; this server serves "
+            404,
+            f"The model '{common.model}' does not exist; this server serves "
             + ", ".join(repr(m) for m in service.pool.models),
-            param="model", code="model_not_found",
+            param="model",
+            code="model_not_found",
         )
     info = service.info(common.model)
     if common.session_id is None:
@@ -260,7 +275,13 @@ def _resolve(service: SessionService, common: Common) -> tuple[EngineInfo, list[
 
 
 def _plan(
-    settings: Settings, info: EngineInfo, common: Common, base: int, append: Sequence[int], echo: str | None
+    settings: Settings,
+    info: EngineInfo,
+    common: Common,
+    base: int,
+    append: Sequence[int],
+    echo: str | None,
+    images: tuple[ImageInput, ...],
 ) -> Plan:
     prompt_len = base + len(append)
     limit = info.max_model_len
@@ -294,14 +315,21 @@ def _plan(
     )
     action = GenerateAction(
         append_tokens=tuple(append),
+        images=images,
         offset=base if common.session_id is not None else None,
         spec=spec,
         detokenize=True,
         origin=ORIGIN,
     )
     return Plan(
-        model=common.model, action=action, session_id=common.session_id, base=base, prompt_len=prompt_len,
-        echo_text=echo, axes=axes, want_logprobs=common.top_logprobs is not None,
+        model=common.model,
+        action=action,
+        session_id=common.session_id,
+        base=base,
+        prompt_len=prompt_len,
+        echo_text=echo,
+        axes=axes,
+        want_logprobs=common.top_logprobs is not None,
     )
 
 
@@ -314,6 +342,8 @@ def _axes(info: EngineInfo, wanted: ReadoutRequest | None) -> ReadoutAxes | None
     li = select(manifest.layers, wanted.layers, "layers", "readouts.layers")
     ci = select(manifest.concepts, wanted.concepts, "concepts", "readouts.concepts")
     return ReadoutAxes(
-        layers=tuple(manifest.layers[i] for i in li), concepts=tuple(manifest.concepts[i] for i in ci),
-        layer_index=li, concept_index=ci,
+        layers=tuple(manifest.layers[i] for i in li),
+        concepts=tuple(manifest.concepts[i] for i in ci),
+        layer_index=li,
+        concept_index=ci,
     )

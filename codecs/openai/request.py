@@ -14,6 +14,9 @@ Policy on fields (documented in docs/openai.md):
 
 from __future__ import annotations
 
+import base64
+import binascii
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,13 +24,14 @@ from typing import Any
 from prismgate.codecs.openai.errors import bad_request
 from prismgate.codecs.openai.fields import get_bool, get_float, get_int, get_object, get_str
 from prismgate.core.actions import MAX_TOP_LOGPROBS
-from prismgate.engines.base import ChatMessage
+from prismgate.core.chat import ImagePart, Message, Part, TextPart
 
 MAX_STOP_STRINGS = 16
 INT64 = 2**63
 
 # role on the wire -> role given to the chat template
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_DATA_URL = re.compile(r"^data:(image/[A-Za-z0-9.+-]+);base64,(.*)$", re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +63,7 @@ class Common:
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
     common: Common
-    messages: tuple[ChatMessage, ...]
+    messages: tuple[Message, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +178,7 @@ def _readouts(value: Any) -> ReadoutRequest | None:
     if value is True:
         return ReadoutRequest(None, None)
     if not isinstance(value, dict):
-        raise bad_request("'readouts' must be true or an object {\"layers\": [...], \"concepts\": [...]}", "readouts")
+        raise bad_request('\'readouts\' must be true or an object {"layers": [...], "concepts": [...]}', "readouts")
     layers = value.get("layers")
     if layers is not None and (
         not isinstance(layers, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
@@ -186,12 +190,10 @@ def _readouts(value: Any) -> ReadoutRequest | None:
     unknown = sorted(set(value) - {"layers", "concepts"})
     if unknown:
         raise bad_request(f"'readouts' has unknown keys {unknown}; it takes 'layers' and 'concepts'", "readouts")
-    return ReadoutRequest(
-        None if layers is None else tuple(layers), None if concepts is None else tuple(concepts)
-    )
+    return ReadoutRequest(None if layers is None else tuple(layers), None if concepts is None else tuple(concepts))
 
 
-def _messages(value: Any) -> tuple[ChatMessage, ...]:
+def _messages(value: Any) -> tuple[Message, ...]:
     if value is None:
         raise bad_request("you must provide a 'messages' parameter", "messages")
     if not isinstance(value, list) or not value:
@@ -199,7 +201,7 @@ def _messages(value: Any) -> tuple[ChatMessage, ...]:
     return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(value))
 
 
-def _message(value: Any, where: str) -> ChatMessage:
+def _message(value: Any, where: str) -> Message:
     if not isinstance(value, dict):
         raise bad_request(f"'{where}' must be an object with 'role' and 'content'", where)
     role = value.get("role")
@@ -211,30 +213,53 @@ def _message(value: Any, where: str) -> ChatMessage:
         )
     if value.get("tool_calls") or value.get("function_call"):
         raise bad_request(f"'{where}' carries tool calls, which this server does not support", f"{where}.tool_calls")
-    return {"role": _ROLES[role], "content": _content(value.get("content"), role, f"{where}.content")}
+    return Message(_ROLES[role], _content(value.get("content"), role, f"{where}.content"))
 
 
-def _content(value: Any, role: str, where: str) -> str:
-    """A string, or an array of text parts joined in order (images are not supported here)."""
+def _content(value: Any, role: str, where: str) -> list[Part]:
+    """A string, or an array of text and image parts in order."""
     if value is None:
         if role == "assistant":
-            return ""
+            return [TextPart("")]
         raise bad_request(f"'{where}' is required for {role} messages", where)
     if isinstance(value, str):
-        return value
+        return [TextPart(value)]
     if not isinstance(value, list):
         raise bad_request(f"'{where}' must be a string or an array of content parts", where)
-    texts = []
+    parts: list[Part] = []
     for j, part in enumerate(value):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
+        at = f"{where}[{j}]"
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append(TextPart(part["text"]))
+        elif kind == "image_url" and role == "user":
+            parts.append(_image(part.get("image_url"), f"{at}.image_url"))
+        else:
             raise bad_request(
-                f"'{where}[{j}]' must be a text part {{'type': 'text', 'text': ...}}; got type {kind!r} "
-                "(only text content is supported by this endpoint)",
-                f"{where}[{j}]",
+                f"'{at}' must be a text part {{'type': 'text', 'text': ...}}"
+                + (" or (in user messages) an image_url part" if role == "user" else "")
+                + f"; got type {kind!r}",
+                at,
             )
-        texts.append(part["text"])
-    return "".join(texts)
+    return parts
+
+
+def _image(value: Any, where: str) -> ImagePart:
+    """An ``image_url`` part: only inline ``data:`` URLs (this server fetches nothing)."""
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str):
+        raise bad_request(f"'{where}.url' must be a string", f"{where}.url")
+    match = _DATA_URL.match(url)
+    if match is None:
+        raise bad_request(
+            f"'{where}.url' must be a base64 data URL (data:image/png;base64,...); this server does not fetch URLs",
+            f"{where}.url",
+        )
+    try:
+        data = base64.b64decode(match.group(2), validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request(f"'{where}.url' holds invalid base64", f"{where}.url") from None
+    return ImagePart(data=data, mime=match.group(1))
 
 
 def _prompt(value: Any) -> str | tuple[int, ...]:

@@ -17,7 +17,7 @@ ORIGIN = "salience"
 
 _Finish = pb.GenerateDone.FinishReason
 
-FINISH_REASONS: dict[FinishReason, int] = {
+FINISH_REASONS: dict[FinishReason, pb.GenerateDone.FinishReason] = {
     FinishReason.EOS: _Finish.FINISH_REASON_EOS,
     FinishReason.LENGTH: _Finish.FINISH_REASON_LENGTH,
     FinishReason.CANCELLED: _Finish.FINISH_REASON_CANCELLED,
@@ -54,8 +54,7 @@ def spec_from_request(request: pb.GenerateRequest) -> GenerateSpec:
 def action_from_request(request: pb.GenerateRequest) -> GenerateAction:
     """A GenerateRequest as a core action; the offset is always checked (Salience sessions are shared)."""
     images = tuple(
-        ImageInput(data=im.bytes, mime=im.mime, start=im.pad_range_start, end=im.pad_range_end)
-        for im in request.images
+        ImageInput(data=im.bytes, mime=im.mime, start=im.pad_range_start, end=im.pad_range_end) for im in request.images
     )
     return GenerateAction(
         append_tokens=tuple(request.append_tokens),

@@ -6,12 +6,12 @@ Errors are raised as :class:`GatewayError` and turned into statuses by the guard
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
 
 from prismgate.codecs.salience import convert
+from prismgate.codecs.salience.status import closing
 from prismgate.core.events import TokenEvent
 from prismgate.core.service import SessionService
 from prismgate.schemas import salience_pb2 as pb
@@ -22,7 +22,9 @@ class SalienceServicer(pb_grpc.SalienceServicer):
     def __init__(self, service: SessionService) -> None:
         self.service = service
 
-    async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.OpenSessionResponse:
+    async def OpenSession(
+        self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.OpenSessionResponse:
         self.service.check_model(request.model)
         info = self.service.info(request.model)  # before open(): a loading model must not leak a session
         session = self.service.open(request.model)
@@ -34,7 +36,9 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         self.service.close(request.session_id)
         return pb.CloseSessionResponse()
 
-    async def ForkSession(self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext) -> pb.ForkSessionResponse:
+    async def ForkSession(
+        self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ForkSessionResponse:
         child = self.service.fork(request.session_id, request.at_position)
         return pb.ForkSessionResponse(session_id=child.id)
 
@@ -42,7 +46,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateEvent]:
         action = convert.action_from_request(request)
-        async with contextlib.aclosing(self.service.generate(request.session_id, action)) as events:
+        async with closing(self.service.generate(request.session_id, action)) as events:
             async for event in events:
                 if isinstance(event, TokenEvent):
                     yield convert.token_event(event)
@@ -54,5 +58,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
     ) -> pb.ReadoutManifest:
         return convert.manifest(self.service.info().readouts)
 
-    async def DumpSession(self, request: pb.DumpSessionRequest, context: grpc.aio.ServicerContext) -> pb.DumpSessionResponse:
+    async def DumpSession(
+        self, request: pb.DumpSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DumpSessionResponse:
         return pb.DumpSessionResponse(tokens=self.service.dump(request.session_id))

@@ -13,13 +13,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import grpc
 
 from prismgate.auth import check_bearer
 from prismgate.core.errors import GatewayError
+from prismgate.logs import log_context
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +34,34 @@ def grpc_status(error: GatewayError) -> grpc.StatusCode:
     return grpc.StatusCode[error.code.name]
 
 
-def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+T = TypeVar("T")
+
+
+@contextlib.asynccontextmanager
+async def closing(stream: AsyncIterator[T]) -> AsyncGenerator[AsyncIterator[T], None]:
+    """Close ``stream`` when the block ends, however it ends.
+
+    A cancelled or failed handler must release the session (its busy flag, the engine
+    request) at once, not whenever the garbage collector finalises the generator.
+    """
+    try:
+        yield stream
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def _metadata(context: grpc.aio.ServicerContext, name: str) -> str | None:
     for key, value in context.invocation_metadata() or ():
-        if key.lower() == "authorization":
+        if key.lower() == name:
             return value if isinstance(value, str) else value.decode("latin-1")
     return None
+
+
+def _log_fields(context: grpc.aio.ServicerContext, method: str) -> dict[str, str]:
+    request_id = _metadata(context, "x-request-id") or uuid.uuid4().hex
+    return {"protocol": "salience", "rpc": method, "request_id": request_id}
 
 
 async def _fail(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
@@ -50,8 +75,9 @@ async def _fail(context: grpc.aio.ServicerContext, method: str, exc: Exception) 
 def _guard_unary(method: str, behavior: Unary, token: str | None) -> Unary:
     async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            check_bearer(token, _authorization(context))
-            return await behavior(request, context)
+            with log_context(**_log_fields(context, method)):
+                check_bearer(token, _metadata(context, "authorization"))
+                return await behavior(request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:
@@ -63,10 +89,11 @@ def _guard_unary(method: str, behavior: Unary, token: str | None) -> Unary:
 def _guard_streaming(method: str, behavior: Streaming, token: str | None) -> Streaming:
     async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            check_bearer(token, _authorization(context))
-            async with contextlib.aclosing(behavior(request, context)) as events:
-                async for event in events:
-                    yield event
+            with log_context(**_log_fields(context, method)):
+                check_bearer(token, _metadata(context, "authorization"))
+                async with closing(behavior(request, context)) as events:
+                    async for event in events:
+                        yield event
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:

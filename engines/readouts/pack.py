@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 from safetensors import safe_open
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from prismgate.core.errors import invalid
 from prismgate.engines.base import ReadoutManifest
@@ -66,20 +66,18 @@ class ConceptPack:
             raise invalid(f"concept pack layers {bad} do not exist in a model of {n_layers} layers")
 
     def save(self, path: str | Path) -> None:
-        save_file(
-            {"directions": np.ascontiguousarray(self.directions, dtype=np.float32)},
-            str(path),
-            metadata={
-                "format": FORMAT,
-                "model_id": self.model_id,
-                "layers": json.dumps(list(self.layers)),
-                "concepts": json.dumps(list(self.concepts)),
-                "hidden_size": str(self.hidden_size),
-                "layer_convention": LAYER_CONVENTION,
-                "method": self.method,
-                "descriptions": json.dumps(self.descriptions, sort_keys=True),
-            },
-        )
+        """Write the pack; the same pack always gives the same bytes (so rebuilds diff clean)."""
+        metadata = {
+            "format": FORMAT,
+            "model_id": self.model_id,
+            "layers": json.dumps(list(self.layers)),
+            "concepts": json.dumps(list(self.concepts)),
+            "hidden_size": str(self.hidden_size),
+            "layer_convention": LAYER_CONVENTION,
+            "method": self.method,
+            "descriptions": json.dumps(self.descriptions, sort_keys=True),
+        }
+        Path(path).write_bytes(_safetensors_bytes(np.ascontiguousarray(self.directions, dtype="<f4"), metadata))
 
     @classmethod
     def load(cls, path: str | Path) -> ConceptPack:
@@ -101,3 +99,20 @@ class ConceptPack:
             method=meta.get("method", ""),
             descriptions=json.loads(meta.get("descriptions", "{}")),
         )
+
+
+def _safetensors_bytes(directions: npt.NDArray[np.float32], metadata: dict[str, str]) -> bytes:
+    """One float32 tensor in the safetensors layout, header keys sorted.
+
+    safetensors' own writer orders metadata differently from run to run; the layout
+    (8-byte little-endian header size, JSON header padded to 8 bytes, raw data) is
+    simple enough to write directly and keep byte-for-byte reproducible.
+    """
+    data = directions.tobytes()
+    header = {
+        "__metadata__": dict(sorted(metadata.items())),
+        "directions": {"dtype": "F32", "shape": list(directions.shape), "data_offsets": [0, len(data)]},
+    }
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw + data

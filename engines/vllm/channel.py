@@ -62,7 +62,10 @@ def encode_step(packet: StepPacket) -> list[bytes]:
                 "key": req.key,
                 "n": int(req.positions.shape[0]),
                 "ro": None if req.readouts is None else list(req.readouts.shape),
-                "lp": [[int(t), float(v), [int(i) for i in ids], [float(x) for x in vals]] for t, v, ids, vals in req.logprobs],
+                "lp": [
+                    [int(t), float(v), [int(i) for i in ids], [float(x) for x in vals]]
+                    for t, v, ids, vals in req.logprobs
+                ],
             }
         )
         frames.append(req.positions.astype("<i8").tobytes())

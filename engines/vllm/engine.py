@@ -23,9 +23,16 @@ values are merged before the first event is sent, so no value is ever missing or
 The residual stream of the last generated token is only computed by the step that would
 sample the token after it. A request that wants a readout at a decoded position therefore
 runs one step past its end ("look-ahead"): vLLM is told ``max_tokens + 1`` and no stop ids,
-the engine applies stops itself, waits for the last readout and aborts the request. One
-position of vLLM's context is reserved for that, so ``info.max_model_len`` is one less
-than vLLM's.
+the engine applies stops itself, waits for the last readout and aborts the request. vLLM's
+context is configured one position longer than ``info.max_model_len`` for that (and so
+that a prefill-only call, which vLLM runs as one sampled token, fits at the full length).
+
+Prefix-cache scope (``cache_scope``): ``"session"`` (default) salts every request's cache
+keys with its session (``cache_salt``), so a session reuses only its own history, exactly
+like the transformers engine: one tenant's prompts never warm (or reveal timing about)
+another's, ``release()`` really forgets, and ephemeral requests never hit. ``"global"``
+shares identical prefixes (a common system prompt) across sessions; then a needed value
+vLLM served from another session's blocks is recomputed by the rescoring path above.
 """
 
 from __future__ import annotations
@@ -36,13 +43,12 @@ import itertools
 import json
 import logging
 import os
+import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from prismgate.core.actions import GenerateSpec, PositionRange, covered
 from prismgate.core.errors import Code, GatewayError, invalid
@@ -104,6 +110,7 @@ class VLLMEngine:
         tensor_parallel_size: int = 1,
         max_num_seqs: int | None = None,
         keep_session_readouts: bool = True,
+        cache_scope: str = "session",
         max_stored_positions: int = 1 << 18,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
@@ -117,15 +124,21 @@ class VLLMEngine:
         self._tp = tensor_parallel_size
         self._max_num_seqs = max_num_seqs
         self._keep_session_readouts = keep_session_readouts
+        if cache_scope not in {"session", "global"}:
+            raise invalid(f"cache_scope must be 'session' or 'global', got {cache_scope!r}")
+        self._cache_scope = cache_scope
+        self._salts: dict[str, str] = {}
         self._engine_kwargs = dict(engine_kwargs or {})
         self._store = ValueStore(max_stored_positions)
         self._llm: Any = None
         self._receiver: Receiver | None = None
         self._counter = itertools.count()
-        self._active: dict[str, asyncio.Task[Any] | None] = {}
+        self._active: set[str] = set()
+        self._drained = asyncio.Event()
         self._closing = False
         self._pack: ConceptPack | None = None
         self._images: ImageCounter | None = None
+        self._cache_block = 16
         self.info: EngineInfo = None  # type: ignore[assignment]  # set by start()
         self.stats = {"prefilled_tokens": 0, "reused_tokens": 0, "decoded_tokens": 0, "rescored": 0, "cache_skips": 0}
 
@@ -145,11 +158,18 @@ class VLLMEngine:
             self._pack = ConceptPack.load(self._pack_path)
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.executor import Executor
 
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(self.model_path))
-        args = AsyncEngineArgs(**self._engine_args())
-        self._llm = AsyncLLM.from_engine_args(args)
+        config = await asyncio.to_thread(self._vllm_config, AsyncEngineArgs)
+        self._llm = AsyncLLM(
+            vllm_config=config,
+            executor_class=Executor.get_class(config),
+            log_stats=False,
+            usage_context=UsageContext.ENGINE_CONTEXT,
+        )
         try:
             self._receiver = Receiver()
             self._receiver.start()
@@ -158,9 +178,35 @@ class VLLMEngine:
             )
             log.info("vLLM worker hooks installed: %s", shape)
             self.info = self._build_info(tokenizer)
+            self._cache_block = int(self._llm.vllm_config.cache_config.block_size)
         except BaseException:
             await self._shutdown_llm()
             raise
+
+    def _vllm_config(self, args_cls: Any) -> Any:
+        """vLLM's config with one position beyond the served context, for the look-ahead step.
+
+        The extra position only ever holds a sampled token that is thrown away: no position
+        at or past the model's own limit is run through the model, so allowing the longer
+        length (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``, set only while the config is built) is safe.
+        """
+        from vllm.usage.usage_lib import UsageContext
+
+        kwargs = self._engine_args()
+        derived = int(args_cls(**kwargs).create_engine_config(UsageContext.ENGINE_CONTEXT).model_config.max_model_len)
+        limit = self._max_model_len or derived
+        if limit > derived:
+            raise invalid(f"max_model_len {limit} is longer than this model's context of {derived}")
+        kwargs["max_model_len"] = limit + 1
+        saved = os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+        os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+        try:
+            return args_cls(**kwargs).create_engine_config(UsageContext.ENGINE_CONTEXT)
+        finally:
+            if saved is None:
+                os.environ.pop("VLLM_ALLOW_LONG_MAX_MODEL_LEN", None)
+            else:
+                os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = saved
 
     def _engine_args(self) -> dict[str, Any]:
         from vllm.platforms import current_platform
@@ -182,8 +228,6 @@ class VLLMEngine:
             "disable_log_stats": True,
             "seed": 0,
         }
-        if self._max_model_len is not None:
-            kwargs["max_model_len"] = self._max_model_len + 1  # one position for the look-ahead step
         if block is not None:
             kwargs["block_size"] = block
         if not on_cpu:
@@ -240,14 +284,13 @@ class VLLMEngine:
         if self._llm is None:
             return
         keys = list(self._active)
-        if keys:
+        if keys:  # each stream gets vLLM's final "abort" output and ends with Done(CANCELLED)
             with contextlib.suppress(Exception):
                 await self._llm.abort(keys)
-        for task in [t for t in self._active.values() if t is not None]:
-            task.cancel()
-        deadline = time.monotonic() + 5
-        while self._active and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        if self._active:
+            self._drained.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), 5)
         await self._shutdown_llm()
 
     async def _shutdown_llm(self) -> None:
@@ -255,6 +298,11 @@ class VLLMEngine:
         if llm is not None:
             with contextlib.suppress(Exception):
                 await llm.collective_rpc("prismgate_shutdown", timeout=10)
+            handler = getattr(llm, "output_handler", None)
+            if handler is not None:  # stop reading before the engine goes away (else it logs a dead engine)
+                handler.cancel()
+                with contextlib.suppress(BaseException):
+                    await handler
             await asyncio.to_thread(llm.shutdown)
         if self._receiver is not None:
             await self._receiver.close()
@@ -269,6 +317,23 @@ class VLLMEngine:
 
     def release(self, session_key: str) -> None:
         self._store.release(session_key)
+        self._salts.pop(session_key, None)  # a new salt: vLLM's blocks for it can never be hit again
+
+    def in_flight(self) -> int:
+        """Generations this engine is running now."""
+        return len(self._active)
+
+    @property
+    def cache_block_size(self) -> int:
+        """Granularity of prefix reuse: vLLM caches whole blocks of this many tokens."""
+        return self._cache_block
+
+    def _salt(self, session_key: str | None) -> str | None:
+        if self._cache_scope == "global":
+            return None
+        if session_key is None:
+            return secrets.token_hex(8)  # ephemeral: never shares, never hits
+        return self._salts.setdefault(session_key, secrets.token_hex(8))
 
     def unfinished_requests(self) -> int:
         """Requests vLLM still tracks (for tests and health checks)."""
@@ -290,10 +355,11 @@ class VLLMEngine:
         plan = self._plan(request)
         key = f"pg{next(self._counter)}"
         tracker = self._receiver.open(key)
-        self._active[key] = asyncio.current_task()
+        self._active.add(key)
         skip = self._must_skip_cache(plan, spec)
         stream = self._submit(key, request, plan, skip)
         generated: list[int] = []
+        decoded_lp: dict[int, tuple[int, float, list[tuple[int, float]]]] = {}
         cached = 0
         finish: FinishReason | None = None
         try:
@@ -301,6 +367,9 @@ class VLLMEngine:
             async for out in stream:
                 if first:
                     first = False
+                    if _aborted(out):
+                        finish = FinishReason.CANCELLED
+                        break
                     cached = self._check_prompt(out, n)
                     for event in await self._prefill_events(request, plan, tracker, cached):
                         yield event
@@ -317,6 +386,8 @@ class VLLMEngine:
                             event.logprob, event.top_logprobs = _decode_logprob(
                                 completion.logprobs[j], int(token), spec.logprob_top_k
                             )
+                            if event.logprob is not None:
+                                decoded_lp[position] = (spec.logprob_top_k, event.logprob, event.top_logprobs or [])
                         if int(token) in plan.stop_ids:
                             finish = FinishReason.EOS
                         elif len(generated) >= spec.max_tokens:
@@ -337,7 +408,7 @@ class VLLMEngine:
             self.stats["prefilled_tokens"] += n - cached
             self.stats["reused_tokens"] += cached
             self.stats["decoded_tokens"] += len(generated)
-            yield Done(
+            done = Done(
                 prompt_tokens=n,
                 completion_tokens=len(generated),
                 finish_reason=finish,
@@ -354,9 +425,15 @@ class VLLMEngine:
         finally:
             with contextlib.suppress(Exception):
                 await stream.aclose()  # aborts the vLLM request if it is still running
-            self._commit(request, plan, tracker, generated)
-            self._receiver.drop(key) if self._receiver is not None else None
-            self._active.pop(key, None)
+            self._commit(request, plan, tracker, generated, decoded_lp)
+            if self._receiver is not None:
+                self._receiver.drop(key)
+            self._active.discard(key)
+            if not self._active:
+                self._drained.set()
+        # Done goes out only once vLLM has let go of the request: a consumer that stops
+        # reading at Done leaves nothing running behind it.
+        yield done
 
     # -- planning ------------------------------------------------------------------
 
@@ -402,15 +479,22 @@ class VLLMEngine:
         )
 
     def _must_skip_cache(self, plan: _Plan, spec: GenerateSpec) -> bool:
-        """Skip the prefix cache when a needed value lies where this session's cache may answer."""
+        """Skip the prefix cache when a needed value lies where this session's cache may answer.
+
+        vLLM caches whole blocks of computed tokens and always recomputes the last prompt
+        token, so what this session can hit is its computed prefix rounded down to a block.
+        """
         ro, lp = plan.missing(spec.logprob_top_k)
         first = min([*ro, *(p - 1 for p in lp)], default=plan.n)
-        if first < min(plan.values.computed, plan.n - 1):
+        cacheable = min(plan.values.computed, plan.n - 1) // self._cache_block * self._cache_block
+        if first < cacheable:
             self.stats["cache_skips"] += 1
             return True
         return False
 
-    def _wants(self, key: str, request: EngineRequest, plan: _Plan, top_k: int, lp: Sequence[int]) -> dict[str, Any] | None:
+    def _wants(
+        self, key: str, request: EngineRequest, plan: _Plan, top_k: int, lp: Sequence[int]
+    ) -> dict[str, Any] | None:
         ship_readouts = self._pack is not None and (
             bool(plan.ro_prompt) or plan.lookahead or (self._keep_session_readouts and request.session_key is not None)
         )
@@ -419,7 +503,7 @@ class VLLMEngine:
             return None
         return {"key": key, "ro": int(ship_readouts), "lp": lp_ranges, "k": top_k}
 
-    def _submit(self, key: str, request: EngineRequest, plan: _Plan, skip_cache: bool) -> AsyncIterator[Any]:
+    def _submit(self, key: str, request: EngineRequest, plan: _Plan, skip_cache: bool) -> AsyncGenerator[Any, None]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -445,15 +529,18 @@ class VLLMEngine:
             skip_reading_prefix_cache=skip_cache,
             extra_args={EXTRA_KEY: wants} if wants else None,
         )
-        prompt = self._prompt(request)
+        prompt = self._prompt(request, self._salt(request.session_key))
         assert self._llm is not None
-        return self._llm.generate(prompt, params, request_id=key, priority=spec.priority)  # type: ignore[no-any-return]
+        stream: AsyncGenerator[Any, None] = self._llm.generate(prompt, params, request_id=key, priority=spec.priority)
+        return stream
 
-    def _prompt(self, request: EngineRequest) -> Any:
+    def _prompt(self, request: EngineRequest, salt: str | None) -> Any:
         from vllm.inputs import TokensPrompt
 
         ids = collapse(request.tokens, request.images, self.info.vision)
         prompt = TokensPrompt(prompt_token_ids=ids)
+        if salt is not None:
+            prompt["cache_salt"] = salt
         if request.images:
             prompt["multi_modal_data"] = {"image": [decode_image(im.data, im.mime) for im in request.images]}
         return prompt
@@ -537,8 +624,10 @@ class VLLMEngine:
             skip_reading_prefix_cache=True,
             extra_args={EXTRA_KEY: wants},
         )
-        sub = EngineRequest(request.request_id, request.tokens[:end], spec, tuple(i for i in request.images if i.end <= end))
-        stream = self._llm.generate(self._prompt(sub), params, request_id=key, priority=spec.priority)
+        images = tuple(i for i in request.images if i.end <= end)
+        sub = EngineRequest(request.request_id, request.tokens[:end], spec, images)
+        salt = self._salt(request.session_key)
+        stream = self._llm.generate(self._prompt(sub, salt), params, request_id=key, priority=spec.priority)
         try:
             async for _ in stream:
                 break
@@ -563,7 +652,14 @@ class VLLMEngine:
             raise GatewayError(Code.INTERNAL, f"the vLLM worker did not deliver the readout of position {position}")
         return tracker.readouts[position]
 
-    def _commit(self, request: EngineRequest, plan: _Plan, tracker: Tracker, generated: list[int]) -> None:
+    def _commit(
+        self,
+        request: EngineRequest,
+        plan: _Plan,
+        tracker: Tracker,
+        generated: list[int],
+        decoded_lp: dict[int, tuple[int, float, list[tuple[int, float]]]],
+    ) -> None:
         """Keep what this turn learnt about the session's positions for later turns."""
         key = request.session_key
         if key is None:
@@ -577,6 +673,7 @@ class VLLMEngine:
         for p, row in tracker.logprobs.items():
             if p < limit:
                 logprobs[p] = (len(row[2]), row[1], list(zip(row[2], row[3], strict=True)))
+        logprobs.update(decoded_lp)
         computed = max([values.computed, *(p + 1 for p in tracker.computed if p < limit)], default=0)
         if generated:  # vLLM computed at least every prompt position and all but the last token
             computed = max(computed, len(timeline) - 1)
@@ -630,6 +727,6 @@ def _map_error(exc: Exception) -> GatewayError:
     return GatewayError(Code.INTERNAL, f"vLLM engine error: {name}: {exc}")
 
 
-def readout_array(rows: Sequence[Any]) -> np.ndarray:
-    """Stack readouts (tests and tools)."""
-    return np.stack([np.asarray(r, dtype=np.float32) for r in rows])
+def _aborted(out: Any) -> bool:
+    completion = out.outputs[0] if out.outputs else None
+    return bool(out.finished) and (completion is None or str(completion.finish_reason) == "abort")

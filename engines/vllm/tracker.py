@@ -37,7 +37,9 @@ class Tracker:
         self.computed: set[int] = set()
         self._changed = asyncio.Event()
 
-    def feed(self, positions: npt.NDArray[np.int64], readouts: npt.NDArray[np.float32] | None, rows: list[LogprobRow]) -> None:
+    def feed(
+        self, positions: npt.NDArray[np.int64], readouts: npt.NDArray[np.float32] | None, rows: list[LogprobRow]
+    ) -> None:
         pos = positions.tolist()
         self.computed.update(pos)
         if readouts is not None:
@@ -47,9 +49,9 @@ class Tracker:
             self.logprobs[row[0]] = row
         self._changed.set()
 
-    async def wait(self, ready: Callable[[], bool], timeout: float) -> bool:
-        """Wait until ``ready()`` holds; False when ``timeout`` seconds pass first."""
-        deadline = time.monotonic() + timeout
+    async def wait(self, ready: Callable[[], bool], limit_s: float) -> bool:
+        """Wait until ``ready()`` holds; False when ``limit_s`` seconds pass first."""
+        deadline = time.monotonic() + limit_s
         while not ready():
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -55,7 +55,7 @@ def find_decoder_layers(model: Any) -> Any:
 class _RequestPlan:
     """What one request in this step wants, and where its rows lie in the flat batch."""
 
-    __slots__ = ("key", "lo", "hi", "positions", "readouts", "lp_ranges", "lp_k", "prompt")
+    __slots__ = ("hi", "key", "lo", "lp_k", "lp_ranges", "positions", "prompt", "readouts")
 
     def __init__(self, key: str, lo: int, hi: int, positions: np.ndarray, want: dict[str, Any], prompt: Any) -> None:
         self.key = key
@@ -100,8 +100,8 @@ class _Tap:
         if directions is not None:
             device = next(self.model.parameters()).device
             self.directions = [
-                torch.from_numpy(np.ascontiguousarray(directions[i])).to(device=device, dtype=torch.float32).T.contiguous()
-                for i in range(len(layers))
+                torch.from_numpy(np.ascontiguousarray(d)).to(device=device, dtype=torch.float32).T.contiguous()
+                for d in directions
             ]  # each [hidden, n_concepts]
             for i, layer in enumerate(layers):
                 self.handles.append(decoder[layer].register_forward_hook(self._layer_hook(i)))
@@ -142,7 +142,8 @@ class _Tap:
             lo, hi = int(qsl[i]), int(qsl[i + 1])
             if hi <= lo:
                 continue
-            plan = _RequestPlan(str(want["key"]), lo, hi, positions[lo:hi], want, getattr(state, "prompt_token_ids", None))
+            prompt = getattr(state, "prompt_token_ids", None)
+            plan = _RequestPlan(str(want["key"]), lo, hi, positions[lo:hi], want, prompt)
             self.plans.append(plan)
             self.any_readouts = self.any_readouts or plan.readouts
         self.n_rows = total
@@ -197,7 +198,7 @@ class _Tap:
                 if k > 0:
                     values, ids = torch.topk(logp, k, dim=-1)
                     top_v, top_i = values.to("cpu").tolist(), ids.to("cpu").tolist()
-                for j, (plan, (_, target, token)) in enumerate(rows):
+                for j, (plan, (_, target, _token)) in enumerate(rows):
                     kk = plan.lp_k
                     scored.setdefault(plan.key, []).append((target, float(own[j]), top_i[j][:kk], top_v[j][:kk]))
         for plan in self.plans:
@@ -213,6 +214,8 @@ class _Tap:
 
 class PrismgateWorkerExtension:
     """Methods vLLM adds to its worker class; the gateway calls them by name."""
+
+    _prismgate_tap: _Tap | None = None
 
     def prismgate_setup(self, address: str, pack_path: str | None) -> dict[str, Any]:
         """Install the hooks and connect the side channel; returns the model's shape."""
@@ -236,7 +239,7 @@ class PrismgateWorkerExtension:
             directions, layers = pack.directions, list(pack.layers)
         rank = int(getattr(self, "rank", 0))
         sender = Sender(address) if rank == 0 else _NullSender()
-        self._prismgate_tap = _Tap(runner, directions, layers, sender, rank)  # type: ignore[attr-defined]
+        self._prismgate_tap = _Tap(runner, directions, layers, sender, rank)
         return {"n_layers": n_layers, "hidden_size": hidden, "rank": rank}
 
     def prismgate_shutdown(self) -> None:
@@ -244,7 +247,7 @@ class PrismgateWorkerExtension:
         if tap is not None:
             tap.remove()
             tap.sender.close()
-            self._prismgate_tap = None  # type: ignore[attr-defined]
+            self._prismgate_tap = None
 
 
 class _NullSender:

@@ -217,3 +217,74 @@ def plan_append(session_tokens: Sequence[int], session_images: Sequence[ImageSpa
         tokens=tuple(prompt.tokens[keep:]),
         images=tuple(im for im in prompt.images if im.start >= keep),
     )
+
+
+# -- continuing a session by new messages only (used by the OpenAI codec's session_id) ----------
+
+_PROBE_USER = Message("user", [TextPart("probe")])
+_PROBE_REPLIES = ("probe reply 1", "probe reply 2")
+
+
+def render_continuation(
+    service: SessionService,
+    timeline: Sequence[int],
+    messages: Sequence[Message],
+    *,
+    model: str | None = None,
+    add_generation_prompt: bool = True,
+) -> Prompt:
+    """The tokens to append to ``timeline`` (earlier turns) so that it continues with ``messages``.
+
+    For clients that send only a conversation's new messages. Derived from the chat
+    template itself, not from knowledge of any one format: a probe conversation
+    ``[user, assistant]`` is rendered with and without the new messages after it, and
+    the difference is how the new messages look after a finished assistant turn
+    (without, say, the default system prompt some templates add only at the start).
+    The closing tokens of an assistant turn (ChatML's ``<|im_end|>\\n``) come from two
+    probes that differ only in the reply's text; whatever part of them the timeline
+    does not already end with (a reply that stopped on EOS holds ``<|im_end|>`` but not
+    the newline, one cut off by ``max_tokens`` neither) goes first. Image positions in
+    the returned prompt are absolute (they start at ``len(timeline)`` or later). An
+    empty timeline is a new conversation: the whole rendering.
+    """
+    if not timeline:
+        return render(service, messages, model=model, add_generation_prompt=add_generation_prompt)
+    if not messages:
+        raise invalid("a chat turn needs at least one new message")
+    probe = [_PROBE_USER, Message("assistant", [TextPart(_PROBE_REPLIES[0])])]
+    before = render(service, probe, model=model, add_generation_prompt=False).tokens
+    after = render(service, [*probe, *messages], model=model, add_generation_prompt=add_generation_prompt)
+    if after.tokens[: len(before)] != before:
+        raise invalid(
+            f"the chat template of {service.info(model).model_id!r} does not render new messages as an append to "
+            "earlier turns; send the whole conversation without a session"
+        )
+    closer = assistant_closer(service, model=model)
+    missing = closer[_already_closed(timeline, closer) :]
+    shift = len(timeline) + len(missing) - len(before)
+    images = tuple(
+        ImageInput(data=im.data, mime=im.mime, start=im.start + shift, end=im.end + shift) for im in after.images
+    )
+    return Prompt(tuple(missing) + after.tokens[len(before) :], images)
+
+
+def assistant_closer(service: SessionService, *, model: str | None = None) -> tuple[int, ...]:
+    """The tokens the chat template puts after an assistant message's text (e.g. ``<|im_end|>\\n``)."""
+    a, b = (
+        render(
+            service, [_PROBE_USER, Message("assistant", [TextPart(reply)])], model=model, add_generation_prompt=False
+        ).tokens
+        for reply in _PROBE_REPLIES
+    )
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return a[len(a) - n :]
+
+
+def _already_closed(timeline: Sequence[int], closer: Sequence[int]) -> int:
+    """How many leading tokens of ``closer`` the timeline already ends with."""
+    for k in range(min(len(closer), len(timeline)), 0, -1):
+        if list(timeline[-k:]) == list(closer[:k]):
+            return k
+    return 0

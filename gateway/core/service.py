@@ -156,10 +156,10 @@ class SessionService:
         self._check_tokens(info, action.append_tokens)
         self._check_limits(info, len(tokens), spec)
 
+        if action.append_tokens and session_key is not None:
+            self.store.reserve(len(action.append_tokens) - (old_length - base))
         if base < old_length:
             session.truncate(base)
-        if action.append_tokens and session_key is not None:
-            self.store.reserve(len(action.append_tokens))
         session.tokens.extend(action.append_tokens)
         session.images = images
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import grpc
 import pytest
-from prismgate.schemas import salience_images_pb2_grpc, salience_pb2, salience_pb2_grpc
 
+from prismgate.schemas import salience_images_pb2_grpc, salience_pb2, salience_pb2_grpc
 from tests.conftest import TINY_MODEL_ID
 
 pb = salience_pb2
@@ -40,9 +40,7 @@ class Client:
 
 def connect(target: str, **options: Any) -> Client:
     channel = grpc.insecure_channel(target, options=list(options.items()))
-    return Client(
-        channel, salience_pb2_grpc.SalienceStub(channel), salience_images_pb2_grpc.ImageTokensStub(channel)
-    )
+    return Client(channel, salience_pb2_grpc.SalienceStub(channel), salience_images_pb2_grpc.ImageTokensStub(channel))
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from prismgate.codecs.salience import convert
 from prismgate.core.actions import PositionRange
 from prismgate.core.errors import Code, GatewayError
@@ -22,8 +23,14 @@ def test_zero_sampling_fields_take_the_documented_defaults() -> None:
 
 def test_sampling_fields_are_copied_when_set() -> None:
     request = pb.GenerateRequest(
-        temperature=0.5, top_p=0.25, top_k=7, stop_token_ids=[5, 9], priority=10, logprob_top_k=4,
-        logprobs_ranges=[pb.PositionRange(start=1, end=3)], readout_ranges=[pb.PositionRange(start=0, end=2)],
+        temperature=0.5,
+        top_p=0.25,
+        top_k=7,
+        stop_token_ids=[5, 9],
+        priority=10,
+        logprob_top_k=4,
+        logprobs_ranges=[pb.PositionRange(start=1, end=3)],
+        readout_ranges=[pb.PositionRange(start=0, end=2)],
     )
     spec = convert.spec_from_request(request)
     assert spec.temperature == 0.5 and spec.top_p == 0.25 and spec.top_k == 7
@@ -33,7 +40,9 @@ def test_sampling_fields_are_copied_when_set() -> None:
 
 def test_action_carries_offset_truncation_images_and_origin() -> None:
     request = pb.GenerateRequest(
-        append_tokens=[1, 2, 3], offset=7, truncating=True,
+        append_tokens=[1, 2, 3],
+        offset=7,
+        truncating=True,
         images=[pb.ImageAttachment(bytes=b"png", mime="image/png", pad_range_start=7, pad_range_end=10)],
     )
     action = convert.action_from_request(request)

@@ -10,10 +10,10 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+
 from prismgate.core.actions import GenerateAction, GenerateSpec, PositionRange
 from prismgate.core.events import TokenEvent
 from prismgate.schemas import salience_pb2 as pb
-
 from tests.salience.conftest import Client, connect, ranges, rpc_error
 
 Finish = pb.GenerateDone.FinishReason
@@ -47,7 +47,7 @@ def test_multi_turn_conversation_matches_the_clients_own_accounting(client: Clie
     tokens, done = client.generate(
         session_id=sid, append_tokens=[99], offset=offset, truncating=True, max_tokens=2, **GREEDY
     )
-    mine = mine[:offset] + [99] + decoded(tokens)
+    mine = [*mine[:offset], 99, *decoded(tokens)]
     assert done.prompt_tokens == offset + 1
     assert client.dump(sid) == mine
 
@@ -76,9 +76,7 @@ def test_stop_token_ids_end_with_eos_and_keep_the_stop_token(client: Client) -> 
     stop = greedy[2]
     first = greedy.index(stop)
     fork = client.salience.ForkSession(pb.ForkSessionRequest(session_id=sid, at_position=len(PROMPT))).session_id
-    tokens, done = client.generate(
-        session_id=fork, offset=len(PROMPT), max_tokens=8, stop_token_ids=[stop], **GREEDY
-    )
+    tokens, done = client.generate(session_id=fork, offset=len(PROMPT), max_tokens=8, stop_token_ids=[stop], **GREEDY)
     assert decoded(tokens) == greedy[: first + 1]
     assert done.finish_reason == Finish.FINISH_REASON_EOS
     assert client.dump(fork) == PROMPT + greedy[: first + 1]
@@ -88,8 +86,13 @@ def test_prefill_only_scores_the_covered_positions(client: Client) -> None:
     sid = client.open()
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
     tokens, done = client.generate(
-        session_id=sid, append_tokens=prompt, offset=0, max_tokens=0,
-        logprobs_ranges=ranges((0, 3)), logprob_top_k=3, readout_ranges=ranges((2, 5)),
+        session_id=sid,
+        append_tokens=prompt,
+        offset=0,
+        max_tokens=0,
+        logprobs_ranges=ranges((0, 3)),
+        logprob_top_k=3,
+        readout_ranges=ranges((2, 5)),
     )
     assert [t.position for t in tokens] == [0, 1, 2, 3, 4]
     assert all(t.is_prefill for t in tokens)
@@ -117,7 +120,7 @@ def test_prefill_only_scores_the_covered_positions(client: Client) -> None:
 
 def test_logprob_top_k_0_gives_only_the_sampled_logprob(client: Client) -> None:
     sid = client.open()
-    tokens, done = client.generate(
+    tokens, _ = client.generate(
         session_id=sid, append_tokens=PROMPT, offset=0, max_tokens=3, logprobs_ranges=ranges((2, 7)), **GREEDY
     )
     covered = [t for t in tokens if 2 <= t.position < 7]
@@ -126,8 +129,13 @@ def test_logprob_top_k_0_gives_only_the_sampled_logprob(client: Client) -> None:
     # With top-k 1 the sampled token is the argmax, so asking for alternatives must agree.
     sid2 = client.open()
     again, _ = client.generate(
-        session_id=sid2, append_tokens=PROMPT, offset=0, max_tokens=3, logprobs_ranges=ranges((4, 7)),
-        logprob_top_k=2, **GREEDY,
+        session_id=sid2,
+        append_tokens=PROMPT,
+        offset=0,
+        max_tokens=3,
+        logprobs_ranges=ranges((4, 7)),
+        logprob_top_k=2,
+        **GREEDY,
     )
     for token in (t for t in again if not t.is_prefill):
         assert token.logprobs[0].id == token.id
@@ -140,17 +148,25 @@ async def _core_events(service: Any, action: GenerateAction) -> list[Any]:
 
 def test_readouts_equal_what_the_core_returns(client: Client, live_server: Any) -> None:
     sid = client.open()
-    first, _ = client.generate(session_id=sid, append_tokens=PROMPT, offset=0, max_tokens=3, **GREEDY)
+    client.generate(session_id=sid, append_tokens=PROMPT, offset=0, max_tokens=3, **GREEDY)
     timeline = client.dump(sid)
     tokens, _ = client.generate(
-        session_id=sid, append_tokens=[40, 41], offset=len(timeline), max_tokens=2,
-        readout_ranges=ranges((1, len(timeline) + 4)), logprobs_ranges=ranges((1, len(timeline) + 4)), **GREEDY,
+        session_id=sid,
+        append_tokens=[40, 41],
+        offset=len(timeline),
+        max_tokens=2,
+        readout_ranges=ranges((1, len(timeline) + 4)),
+        logprobs_ranges=ranges((1, len(timeline) + 4)),
+        **GREEDY,
     )
     wire = {t.position: t for t in tokens}
     n_layers, n_concepts = 2, 3
     spec = GenerateSpec(
-        max_tokens=2, top_k=1, temperature=1.0,
-        readout_ranges=(PositionRange(1, len(timeline) + 4),), logprob_ranges=(PositionRange(1, len(timeline) + 4),),
+        max_tokens=2,
+        top_k=1,
+        temperature=1.0,
+        readout_ranges=(PositionRange(1, len(timeline) + 4),),
+        logprob_ranges=(PositionRange(1, len(timeline) + 4),),
     )
     action = GenerateAction(append_tokens=(*timeline, 40, 41), spec=spec)
     core = [e for e in live_server.call(_core_events(live_server.service, action)) if isinstance(e, TokenEvent)]
@@ -209,8 +225,10 @@ def test_context_overflow_is_resource_exhausted_and_changes_nothing(client: Clie
         ({"append_tokens": [1, 2], "logprobs_ranges": ranges((2, 1))}, "ends before"),
         ({"max_tokens": 3}, "empty"),
         (
-            {"append_tokens": [1, 2, 3], "images": [pb.ImageAttachment(bytes=b"x", mime="image/png",
-                                                                      pad_range_start=0, pad_range_end=3)]},
+            {
+                "append_tokens": [1, 2, 3],
+                "images": [pb.ImageAttachment(bytes=b"x", mime="image/png", pad_range_start=0, pad_range_end=3)],
+            },
             "no images",
         ),
     ],
@@ -234,8 +252,14 @@ SLOW_READER = {"grpc.http2.lookahead_bytes": 1024, "grpc.http2.bdp_probe": 0}
 def long_request(sid: str, offset: int, append: list[int], max_tokens: int = 480) -> pb.GenerateRequest:
     end = offset + len(append) + max_tokens
     return pb.GenerateRequest(
-        session_id=sid, append_tokens=append, offset=offset, max_tokens=max_tokens, top_k=1,
-        readout_ranges=ranges((0, end)), logprobs_ranges=ranges((0, end)), logprob_top_k=20,
+        session_id=sid,
+        append_tokens=append,
+        offset=offset,
+        max_tokens=max_tokens,
+        top_k=1,
+        readout_ranges=ranges((0, end)),
+        logprobs_ranges=ranges((0, end)),
+        logprob_top_k=20,
     )
 
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import grpc
 import numpy as np
-from prismgate.schemas import salience_pb2 as pb
 
+from prismgate.schemas import salience_pb2 as pb
 from tests.conftest import TINY_MODEL_ID
 from tests.salience.conftest import Client, rpc_error
 

@@ -1,0 +1,134 @@
+"""Evergreen over WebSocket at ``/evergreen``: one connection is one session.
+
+Frames: a text frame holds one ``SessionMessage`` in proto3 JSON (camelCase), a binary
+frame one ``SessionMessage`` in protobuf binary (a binary frame that starts with ``{`` is
+read as JSON). Replies use the form of the client's first frame. Auth: the shared bearer
+token in the ``Authorization`` header or, for browsers (which cannot set headers on a
+WebSocket), the ``access_token`` query parameter. Aborts close the socket with the code
+and reason of :mod:`prismgate.codecs.evergreen.errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from prismgate.auth import check_bearer
+from prismgate.codecs.evergreen.errors import close_code, close_reason
+from prismgate.codecs.evergreen.session import EvergreenSession, Options
+from prismgate.core.errors import Code, GatewayError, invalid
+from prismgate.core.service import SessionService
+from prismgate.schemas import evergreen_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+def decode_frame(message: Mapping[str, Any], frame: int) -> tuple[pb.SessionMessage, bool]:
+    """(message, is_json) from one ASGI websocket.receive event."""
+    text = message.get("text")
+    raw = message.get("bytes")
+    if isinstance(raw, bytes) and raw.lstrip()[:1] == b"{":
+        text, raw = raw.decode("utf-8", errors="replace"), None
+    if isinstance(text, str):
+        try:
+            return json_format.Parse(text, pb.SessionMessage()), True
+        except json_format.ParseError as exc:
+            raise invalid(f"frame {frame}: not a SessionMessage in proto3 JSON: {exc}") from None
+    if isinstance(raw, bytes):
+        out = pb.SessionMessage()
+        try:
+            out.ParseFromString(raw)
+        except DecodeError as exc:
+            raise invalid(f"frame {frame}: not a SessionMessage in protobuf binary: {exc}") from None
+        return out, False
+    raise invalid(f"frame {frame}: empty WebSocket message")
+
+
+def encode(message: pb.SessionMessage, as_json: bool) -> str | bytes:
+    if as_json:
+        return json_format.MessageToJson(message, indent=None)
+    return message.SerializeToString()
+
+
+class EvergreenEndpoint:
+    def __init__(self, service: SessionService, options: Options, auth_token: str | None) -> None:
+        self.service = service
+        self.options = options
+        self.auth_token = auth_token
+
+    async def handle(self, websocket: WebSocket) -> None:
+        await websocket.accept()
+        try:
+            authorization = websocket.headers.get("authorization")
+            token = websocket.query_params.get("access_token")
+            check_bearer(self.auth_token, authorization or (f"Bearer {token}" if token else None))
+            if not self.service.pool.ready:
+                raise GatewayError(Code.UNAVAILABLE, "the model is still loading; retry once the server reports ready")
+            session = EvergreenSession(self.service, self.options)
+        except GatewayError as exc:
+            await _close(websocket, close_code(exc), close_reason(exc))
+            return
+        try:
+            await self._serve(websocket, session)
+        finally:
+            await session.close()
+
+    async def _serve(self, websocket: WebSocket, session: EvergreenSession) -> None:
+        form: list[bool] = []  # the client's first frame form: True = JSON
+
+        async def read() -> None:
+            frame = 0
+            while True:
+                message = await websocket.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                frame += 1
+                try:
+                    decoded, is_json = decode_frame(message, frame)
+                    if not form:
+                        form.append(is_json)
+                    session.feed(decoded)
+                except GatewayError as exc:
+                    session.fail(exc)
+                    return
+
+        async def write() -> None:
+            while True:
+                message = await session.outbox.get()
+                if message is None:
+                    return
+                payload = encode(message, form[0] if form else True)
+                if isinstance(payload, str):
+                    await websocket.send_text(payload)
+                else:
+                    await websocket.send_bytes(payload)
+
+        reader = asyncio.create_task(read())
+        writer = asyncio.create_task(write())
+        try:
+            await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            if session.failed.done():
+                error = session.failed.result()
+                reader.cancel()
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await asyncio.wait_for(writer, timeout=30)  # send what came before the failure
+                log.info("evergreen session aborted: %s", error)
+                await _close(websocket, close_code(error), close_reason(error))
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            pass
+        finally:
+            for task in (reader, writer):
+                task.cancel()
+            await asyncio.gather(reader, writer, return_exceptions=True)
+
+
+async def _close(websocket: WebSocket, code: int, reason: str) -> None:
+    with contextlib.suppress(Exception):
+        await websocket.close(code=code, reason=reason)

@@ -1,0 +1,269 @@
+"""Graceful shutdown: in-flight streams finish within the grace period, the rest are cancelled, exit 0.
+
+Two levels: the Gateway in-process (exact state during the drain), and the real
+``prismgate serve`` command in a subprocess, stopped with SIGTERM while an
+OpenAI-compatible stream is running over a real socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from prismgate.core.errors import Code, GatewayError
+from prismgate.core.events import Done, FinishReason
+from tests.ops.helpers import action, collect, scrape, value
+
+# -- in-process ---------------------------------------------------------------------------
+
+
+async def consume(stream: Any, first: threading.Event) -> tuple[int, Done]:
+    decoded = 0
+    async for event in stream:
+        if isinstance(event, Done):
+            return decoded, event
+        if not event.is_prefill:
+            decoded += 1
+            first.set()
+    raise AssertionError("no Done")
+
+
+def test_stop_lets_in_flight_generations_finish(server_factory: Any) -> None:
+    with server_factory(shutdown_grace_s=20.0, max_active=1) as server:
+        gateway, service = server.gateway, server.service
+        first = threading.Event()
+        long = action([1, 2, 3], max_tokens=480, ignore_eos=True, origin="ops-drain")
+        running = asyncio.run_coroutine_threadsafe(consume(service.run(long), first), server.loop)
+        queued = asyncio.run_coroutine_threadsafe(consume(service.run(long), threading.Event()), server.loop)
+        assert first.wait(30)
+        assert gateway.monitor.in_flight == 2  # one decoding, one waiting for the only engine slot
+        started = time.monotonic()
+        stopping = asyncio.run_coroutine_threadsafe(gateway.stop(), server.loop)
+        deadline = time.monotonic() + 5
+        while not gateway.monitor.draining and time.monotonic() < deadline:
+            time.sleep(0.005)
+        # draining: not ready, new work refused with a clear error, running work goes on
+        assert not service.pool.ready
+        with pytest.raises(GatewayError) as refused:
+            server.call(collect(service.run(action([1], max_tokens=1, origin="ops-drain"))))
+        assert refused.value.code is Code.UNAVAILABLE and "shutting down" in refused.value.message
+        for future in (running, queued):
+            decoded, done = future.result(30)
+            assert done.finish_reason is FinishReason.LENGTH and decoded == 480
+        stopping.result(30)
+        assert time.monotonic() - started < 20
+        assert gateway.monitor.in_flight == 0
+
+
+def test_stop_cancels_what_outlives_the_grace_period(server_factory: Any) -> None:
+    with server_factory(shutdown_grace_s=0.3, max_active=1) as server:
+        gateway, service = server.gateway, server.service
+        first = threading.Event()
+        long = action([1, 2, 3], max_tokens=480, ignore_eos=True, origin="ops-cut")
+        futures = [asyncio.run_coroutine_threadsafe(consume(service.run(long), first), server.loop) for _ in range(3)]
+        assert first.wait(30)
+        http_url = server.http_url
+        before = scrape(http_url)
+        assert value(before, "prismgate_active_sessions", protocol="ops-cut") == 3
+        started = time.monotonic()
+        server.call(gateway.stop())
+        elapsed = time.monotonic() - started
+        assert elapsed < 0.3 + 3.0, f"stop took {elapsed:.2f}s for a 0.3s grace period"
+        for future in futures:
+            with pytest.raises((asyncio.CancelledError, concurrent.futures.CancelledError)):
+                future.result(10)
+        assert gateway.monitor.in_flight == 0
+        assert len(service.store) == 0
+        counted = gateway.metrics.finished.labels("ops-cut", "cancelled")._value.get()
+        assert counted == 3
+
+
+def test_stop_closes_sessions(server_factory: Any) -> None:
+    with server_factory() as server:
+        service = server.service
+        released: list[str] = []
+        service.store.on_release(released.append)
+        ids = [service.open(service.pool.default_model).id for _ in range(3)]
+        server.call(server.gateway.stop())
+        assert sorted(released) == sorted(ids)
+        assert len(service.store) == 0
+
+
+# -- the real command, SIGTERM ------------------------------------------------------------------
+
+
+@dataclass
+class Served:
+    process: subprocess.Popen[str]
+    http_url: str
+    grpc_target: str
+    port_file: Path
+    log_path: Path
+
+    def logs(self) -> list[dict[str, Any]]:
+        """The server's stderr, one JSON object per line (--log-json); progress bars are not log lines."""
+        out = []
+        for line in self.log_path.read_text().splitlines():
+            if line.startswith("{"):
+                out.append(json.loads(line))
+        return out
+
+
+@contextlib.contextmanager
+def serve(tmp_path: Path, model_dir: Path, *args: str) -> Iterator[Served]:
+    port_file = tmp_path / "ports.json"
+    log_path = tmp_path / "server.log"
+    command = [
+        str(Path(sys.executable).parent / "prismgate"), "serve",
+        "--model", str(model_dir), "--model-name", "tiny-llama", "--concept-pack", "none", "--threads", "1",
+        "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
+        "--port-file", str(port_file), "--log-json", *args,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not port_file.exists():
+            assert process.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "the server never wrote its port file"
+            time.sleep(0.05)
+        ports = json.loads(port_file.read_text())
+        assert ports["pid"] == process.pid
+        served = Served(process, f"http://127.0.0.1:{ports['http_port']}", f"127.0.0.1:{ports['grpc_port']}",
+                        port_file, log_path)
+        while httpx.get(served.http_url + "/readyz", timeout=5).status_code != 200:
+            assert process.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "the server never became ready"
+            time.sleep(0.1)
+        yield served
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+def grpc_health(target: str) -> int:
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return int(stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status)
+
+
+def stream_completion(http_url: str, max_tokens: int, on_first: Any) -> dict[str, Any]:
+    """A streamed OpenAI completion over SSE; calls ``on_first`` once the first token arrived."""
+    body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": max_tokens, "stream": True, "temperature": 0}
+    chunks, finish, done = 0, None, False
+    with httpx.stream("POST", http_url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                done = True
+                break
+            choice = json.loads(data)["choices"][0]
+            if choice["text"]:
+                chunks += 1
+                if chunks == 1:
+                    on_first()
+            finish = choice["finish_reason"] or finish
+    return {"chunks": chunks, "finish_reason": finish, "done": done}
+
+
+def test_sigterm_lets_streams_finish_and_exits_0(tmp_path: Path, tiny_model_dir: Path) -> None:
+    with serve(tmp_path, tiny_model_dir, "--shutdown-grace-s", "20", "--max-active", "1") as served:
+        assert grpc_health(served.grpc_target) == health_pb2.HealthCheckResponse.SERVING
+        signalled = threading.Event()
+
+        def sigterm() -> None:
+            if not signalled.is_set():
+                signalled.set()
+                served.process.send_signal(signal.SIGTERM)
+
+        results: list[dict[str, Any]] = []
+        # two streams and one engine slot: at SIGTERM one is decoding and one is queued; both must finish
+        other = threading.Thread(target=lambda: results.append(stream_completion(served.http_url, 500, lambda: None)))
+        other.start()
+        results.append(stream_completion(served.http_url, 500, sigterm))
+        other.join(60)
+        code = served.process.wait(30)
+        assert code == 0, served.log_path.read_text()
+        assert len(results) == 2
+        for result in results:
+            assert result["done"] and result["finish_reason"] in {"length", "stop"}, result
+        logs = served.logs()
+        messages = [line["message"] for line in logs]
+        shutting = messages.index(next(m for m in messages if m.startswith("shutting down")))
+        drained = logs[messages.index("drained")]
+        assert drained["in_flight_at_stop"] >= 1
+        finished = [line for line in logs if line["message"] == "generation finished"]
+        assert len(finished) == 2 and all(line["protocol"] == "openai" for line in finished)
+        assert any(logs.index(line) > shutting for line in finished), "no stream was still running at SIGTERM"
+        assert all(line["finish_reason"] != "cancelled" for line in finished)
+        assert logs[-1]["message"] == "stopped" and logs[-1]["cancelled"] == 0
+        assert not served.port_file.exists()
+
+
+def test_sigterm_cancels_streams_past_the_grace_period(tmp_path: Path, tiny_model_dir: Path) -> None:
+    with serve(tmp_path, tiny_model_dir, "--shutdown-grace-s", "0.2", "--max-active", "1") as served:
+        results: list[Any] = []
+
+        def run() -> None:
+            try:
+                results.append(stream_completion(served.http_url, 500, lambda: None))
+            except httpx.HTTPError as exc:  # the connection closes mid-stream
+                results.append(exc)
+
+        threads = [threading.Thread(target=run) for _ in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while value(scrape(served.http_url), "prismgate_active_sessions", protocol="openai") < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        started = time.monotonic()
+        served.process.send_signal(signal.SIGTERM)
+        code = served.process.wait(30)
+        assert code == 0, served.log_path.read_text()
+        assert time.monotonic() - started < 10
+        for t in threads:
+            t.join(30)
+        incomplete = [r for r in results if not (isinstance(r, dict) and r["done"])]
+        assert incomplete, "every stream finished: the grace period did not cut anything"
+        logs = served.logs()
+        assert any(line["message"] == "grace period over" for line in logs)
+        cancelled = [line for line in logs if line.get("finish_reason") == "cancelled"]
+        assert len(cancelled) == len(incomplete)
+        assert logs[-1]["message"] == "stopped"
+
+
+def test_sigterm_before_any_request_and_json_logs(tmp_path: Path, tiny_model_dir: Path) -> None:
+    with serve(tmp_path, tiny_model_dir) as served:
+        served.process.send_signal(signal.SIGTERM)
+        assert served.process.wait(30) == 0
+        text = served.log_path.read_text()
+        logs = served.logs()
+        assert {"ts", "level", "logger", "message"} <= set(logs[0])
+        started = next(line for line in logs if line["message"].startswith("HTTP on"))
+        assert started["http_port"] == int(served.http_url.rsplit(":", 1)[1])
+        assert any(line["message"].startswith("ready:") and line["load_s"] > 0 for line in logs)
+        assert logs[-1]["message"] == "stopped"
+        assert "Traceback" not in text
