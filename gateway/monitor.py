@@ -63,6 +63,7 @@ class GatewayMonitor:
         self.service = service
         self.draining = False
         self._in_flight: dict[str, asyncio.Task[object] | None] = {}
+        self._cut: set[asyncio.Task[object]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -98,8 +99,21 @@ class GatewayMonitor:
         except GatewayError as exc:
             error = exc
             raise
-        except (asyncio.CancelledError, GeneratorExit):
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            ours = task is not None and task in self._cut
+            self._cut.discard(task)  # type: ignore[arg-type]
+            if ours and task is not None and task.uncancel() == 0:
+                # our own cancellation at the end of the grace period: the codec reports it as an error on its wire
+                error = GatewayError(
+                    Code.UNAVAILABLE,
+                    f"the server shut down before this generation finished (grace period "
+                    f"{self.settings.shutdown_grace_s:g}s); retry on another replica",
+                )
+                raise error from None
             raise  # the client went away: a cancelled generation, not an error
+        except GeneratorExit:
+            raise  # the caller closed the stream early: cancelled, not an error
         except Exception as exc:
             error = GatewayError(Code.INTERNAL, f"{type(exc).__name__}: {exc}")
             raise
@@ -148,6 +162,8 @@ class GatewayMonitor:
             m.errors.labels(p, error.code.name).inc()
             fields.update(code=error.code.name, error=error.message, duration_s=round(duration, 4))
             level = logging.INFO if error.code in _CLIENT_CODES else logging.ERROR
+            if error.code is Code.UNAVAILABLE:
+                level = logging.WARNING  # overload or shutdown: ours, but not a fault
             log.log(level, "generation failed", extra=fields)
             return
         done = g.done
@@ -199,10 +215,17 @@ class GatewayMonitor:
                 w.cancel()
         return self._idle.is_set()
 
-    def cancel_all(self) -> int:
-        """Cancel the tasks still consuming a generation (the grace period is over)."""
+    def cut_off(self) -> int:
+        """The grace period is over: end every generation still running with UNAVAILABLE.
+
+        The consuming tasks are cancelled, and the monitor turns that cancellation into
+        a GatewayError where the generation is waiting on the engine, so each codec
+        tells its client on its own wire (HTTP 503, an SSE error, a gRPC status, an
+        Evergreen abort) instead of the connection just dropping.
+        """
         tasks = {t for t in self._in_flight.values() if t is not None and not t.done()}
         for task in tasks:
+            self._cut.add(task)
             task.cancel("the gateway is shutting down")
         return len(tasks)
 

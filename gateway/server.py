@@ -44,7 +44,7 @@ from prismgate.settings import Settings
 log = logging.getLogger(__name__)
 
 EVICTION_PERIOD_S = 30.0
-UNWIND_S = 5.0  # after cancelling what outlived the grace period, how long to wait for it to unwind
+CUT_OFF_S = 2.0  # after the grace period: time for cut-off generations to send their errors and unwind
 
 
 class _Uvicorn(uvicorn.Server):
@@ -193,13 +193,13 @@ class Gateway:
         if self._uvicorn is not None:
             for listener in self._uvicorn.servers:
                 listener.close()
-        grpc_stop = asyncio.ensure_future(self._grpc.stop(grace)) if self._grpc is not None else None
+        # gRPC refuses new calls from now on; its own cut-off comes after ours (step 3), so that
+        # generations end with a status rather than a dropped call
+        grpc_stop = asyncio.ensure_future(self._grpc.stop(grace + CUT_OFF_S)) if self._grpc is not None else None
 
         # 2. let in-flight generations finish
         in_flight = self.monitor.in_flight
         drained = await self.monitor.wait_idle(deadline - loop.time(), abort=self._skip_grace)
-        if self._skip_grace.is_set():
-            deadline = loop.time()
         log.info(
             "drained" if drained else "grace period over",
             extra={
@@ -209,18 +209,20 @@ class Gateway:
             },
         )
 
-        # 3. close connections; cancel what outlived the grace period
+        # 3. end what outlived the grace period (each codec reports UNAVAILABLE on its wire),
+        #    then close connections: idle keep-alives and WebSockets (1012) go at once
+        cut = self.monitor.cut_off() if not drained else 0
+        if cut:
+            await self.monitor.wait_idle(CUT_OFF_S)
         if self._uvicorn is not None and self._uvicorn_task is not None:
-            self._uvicorn.config.timeout_graceful_shutdown = math.ceil(max(0.0, deadline - loop.time()))
+            # responses still being written get a moment; uvicorn cancels what remains after it
+            self._uvicorn.config.timeout_graceful_shutdown = math.ceil(CUT_OFF_S) if cut else 1
             self._uvicorn.should_exit = True
             await asyncio.gather(self._uvicorn_task, return_exceptions=True)
-        if grpc_stop is not None:
-            if self._skip_grace.is_set() and self._grpc is not None:
-                await self._grpc.stop(0)
+        if grpc_stop is not None and self._grpc is not None:
+            # calls still open (idle bidi streams, health watches) get one more second, then CANCELLED
+            await self._grpc.stop(0 if self._skip_grace.is_set() else 1.0)
             await asyncio.gather(grpc_stop, return_exceptions=True)
-        cancelled = self.monitor.cancel_all()
-        if cancelled:
-            await self.monitor.wait_idle(UNWIND_S)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -233,7 +235,7 @@ class Gateway:
                 os.remove(self.settings.port_file)
         log.info(
             "stopped",
-            extra={"sessions_closed": sessions, "cancelled": cancelled, "shutdown_s": round(loop.time() - t0, 3)},
+            extra={"sessions_closed": sessions, "cut_off": cut, "shutdown_s": round(loop.time() - t0, 3)},
         )
         self._stopped.set()
 

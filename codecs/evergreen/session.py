@@ -279,6 +279,8 @@ class EvergreenSession:
             if task is not None:
                 task.uncancel()
             usage["finishReason"] = FinishReason.CANCELLED.value
+            text_node = outs["text"].id
+            usage["completionTokens"] = len(self.store.get(text_node).tokens or []) if text_node in self.store else 0
             self._close_outputs(outs, usage)
 
     async def _decode(

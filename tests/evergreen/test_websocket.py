@@ -421,7 +421,7 @@ async def test_cancel_stops_an_action_and_the_session_goes_on(live_server) -> No
         await ws.send(
             msg(
                 actions=[
-                    generate("p", "r", config={"maxTokens": 400, "ignoreEos": True}, extra_outputs={"usage": "u"})
+                    generate("p", "r", config={"maxTokens": 470, "ignoreEos": True}, extra_outputs={"usage": "u"})
                 ],
                 fragments=[text_leaf("p", "Go on forever")],
             )
@@ -433,7 +433,7 @@ async def test_cancel_stops_an_action_and_the_session_goes_on(live_server) -> No
         outs = await c.until_complete("r", "u")
         usage = outs["u"].lines[0]
         assert usage["finishReason"] == "cancelled"
-        assert len(outs["r"].fragments) < 400
+        assert usage["completionTokens"] < 470 and len(outs["r"].fragments) < 470
         # cancelling again (a race with the end) is not an error, and the session still works
         await ws.send(
             msg(

@@ -42,16 +42,20 @@ def long_prompt(client: openai.OpenAI, model: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def long_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """A gateway on a tiny model with a 4k context, so that a generation runs for seconds.
+def long_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny model with a 4k context, so that a generation can run for seconds.
 
     The session-wide tiny model decodes its whole 512-token context in well under a
     second, too fast to disconnect from in the middle reliably.
     """
     folder = tmp_path_factory.mktemp("long-model")
     model_dir = build_tiny_llama(folder / TINY_MODEL_ID, max_len=LONG_CONTEXT)
-    pack = build_random_pack(folder, model_dir)
-    with run_server(tiny_settings(Path(model_dir), pack)) as server:
+    return Path(model_dir), build_random_pack(folder, model_dir)
+
+
+@pytest.fixture(scope="module")
+def long_server(long_model: tuple[Path, Path]) -> Iterator[LiveServer]:
+    with run_server(tiny_settings(*long_model)) as server:
         yield server
 
 

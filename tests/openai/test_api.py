@@ -348,3 +348,38 @@ def test_auth(server_factory: Any, model: str) -> None:
             assert good.models.list().data[0].id == model
             r = good.chat.completions.create(model=model, messages=USER, max_tokens=2)
             assert r.usage.completion_tokens >= 1
+
+
+async def test_async_client_streams(live_server: Any, model: str) -> None:
+    async with openai.AsyncOpenAI(base_url=live_server.http_url + "/v1", api_key="x", max_retries=0) as c:
+        stream = await c.chat.completions.create(
+            model=model,
+            messages=USER,
+            max_tokens=8,
+            temperature=0,
+            stream=True,  # type: ignore[arg-type]
+        )
+        text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+        full = await c.chat.completions.create(model=model, messages=USER, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    assert text == full.choices[0].message.content
+
+
+def test_streaming_errors_before_the_first_token_are_http_errors(client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.NotFoundError):
+        chat(client, "gpt-5", max_tokens=2, stream=True)
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, model, max_tokens=10_000, stream=True)
+    assert e.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+
+
+def test_metrics_count_openai_requests(live_server: Any, client: openai.OpenAI, model: str) -> None:
+    def count() -> float:
+        text = httpx.get(live_server.http_url + "/metrics").text
+        for line in text.splitlines():
+            if line.startswith('prismgate_requests_total{protocol="openai"}'):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    before = count()
+    chat(client, model, max_tokens=2)
+    assert count() == before + 1

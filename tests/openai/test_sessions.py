@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -11,6 +13,7 @@ import openai
 import pytest
 
 from prismgate.core.chat import Message, TextPart, render
+from tests.conftest import run_server, tiny_settings
 from tests.openai.conftest import EOS_FREE, LONG_CONTEXT
 
 MAX_TOKENS = LONG_CONTEXT - 100  # seconds of decoding on the long-context tiny model
@@ -152,11 +155,10 @@ def test_busy_session_is_409_and_cancel_rewinds(
     }
     with httpx.stream("POST", long_server.http_url + "/v1/chat/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
+        lines = resp.iter_lines()  # kept referenced: dropping a half-read iterator closes the connection
         seen = 0
-        for line in resp.iter_lines():
-            seen += line.startswith("data: {")
-            if seen >= 2:  # the role chunk, then the first token: the generation is under way
-                break
+        while seen < 2:  # the role chunk, then the first token: the generation is under way
+            seen += next(lines).startswith("data: {")
         assert session_info(long_server, sid).json()["busy"] is True
         with pytest.raises(openai.ConflictError) as e:
             long_client.chat.completions.create(
@@ -199,12 +201,17 @@ def test_disconnect_while_waiting_for_a_non_streaming_answer(
     long_server: Any, model: str, eos_free_prompt: str
 ) -> None:
     assert engine_idle(long_server)
+    sid = open_session(long_server, model)
     before = decoded(long_server)
-    body = b'{"model": "%s", "messages": [{"role": "user", "content": "%s"}], "max_tokens": %d, "temperature": 0}' % (
-        model.encode(),
-        eos_free_prompt.encode(),
-        MAX_TOKENS,
-    )
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": eos_free_prompt}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "session_id": sid,
+        }
+    ).encode()
     port = int(long_server.http_url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.sendall(
@@ -214,5 +221,29 @@ def test_disconnect_while_waiting_for_a_non_streaming_answer(
         deadline = time.monotonic() + 10
         while decoded(long_server) == before and time.monotonic() < deadline:
             time.sleep(0.002)
+    # the socket is closed: the server notices while waiting for the answer and cancels it
     assert engine_idle(long_server)
     assert 0 < decoded(long_server) - before < EOS_FREE
+    info = session_info(long_server, sid).json()
+    assert info["busy"] is False and info["length"] == 0, "an abandoned turn leaves the session as it was"
+
+
+def test_overload_is_503(long_model: tuple[Path, Path], model: str, eos_free_prompt: str) -> None:
+    """With one engine slot and no queue, a second concurrent request is turned away (and may retry)."""
+    with run_server(tiny_settings(*long_model, max_active=1, max_queued=0)) as server:
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": eos_free_prompt}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "stream": True,
+        }
+        with httpx.stream("POST", server.http_url + "/v1/chat/completions", json=body, timeout=60) as resp:
+            lines = resp.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass
+            c = openai.OpenAI(base_url=server.http_url + "/v1", api_key="x", max_retries=0)
+            with c, pytest.raises(openai.InternalServerError) as e:
+                c.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+            assert e.value.status_code == 503
+            assert e.value.body["type"] == "server_error"  # type: ignore[index]

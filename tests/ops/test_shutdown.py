@@ -8,7 +8,6 @@ OpenAI-compatible stream is running over a real socket.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import json
 import os
@@ -86,13 +85,13 @@ def test_stop_cancels_what_outlives_the_grace_period(server_factory: Any) -> Non
         server.call(gateway.stop())
         elapsed = time.monotonic() - started
         assert elapsed < 0.3 + 3.0, f"stop took {elapsed:.2f}s for a 0.3s grace period"
-        for future in futures:
-            with pytest.raises((asyncio.CancelledError, concurrent.futures.CancelledError)):
+        for future in futures:  # the queued ones too: each caller gets a clear, retryable error
+            with pytest.raises(GatewayError) as cut:
                 future.result(10)
+            assert cut.value.code is Code.UNAVAILABLE and "retry on another replica" in cut.value.message
         assert gateway.monitor.in_flight == 0
         assert len(service.store) == 0
-        counted = gateway.metrics.finished.labels("ops-cut", "cancelled")._value.get()
-        assert counted == 3
+        assert gateway.metrics.errors.labels("ops-cut", "UNAVAILABLE")._value.get() == 3
 
 
 def test_stop_closes_sessions(server_factory: Any) -> None:
@@ -169,23 +168,33 @@ def grpc_health(target: str) -> int:
 def stream_completion(http_url: str, max_tokens: int, on_first: Any) -> dict[str, Any]:
     """A streamed OpenAI completion over SSE; calls ``on_first`` once the first token arrived."""
     body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": max_tokens, "stream": True, "temperature": 0}
-    chunks, finish, done = 0, None, False
-    with httpx.stream("POST", http_url + "/v1/completions", json=body, timeout=60) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: ") :]
-            if data == "[DONE]":
-                done = True
-                break
-            choice = json.loads(data)["choices"][0]
-            if choice["text"]:
-                chunks += 1
-                if chunks == 1:
-                    on_first()
-            finish = choice["finish_reason"] or finish
-    return {"chunks": chunks, "finish_reason": finish, "done": done}
+    out: dict[str, Any] = {"status": None, "chunks": 0, "finish_reason": None, "done": False, "error": None}
+    try:
+        with httpx.stream("POST", http_url + "/v1/completions", json=body, timeout=60) as response:
+            out["status"] = response.status_code
+            if response.status_code != 200:
+                out["error"] = json.loads(response.read())["error"]
+                return out
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    out["done"] = True
+                    break
+                payload = json.loads(data)
+                if "error" in payload:
+                    out["error"] = payload["error"]
+                    continue
+                choice = payload["choices"][0]
+                if choice["text"]:
+                    out["chunks"] += 1
+                    if out["chunks"] == 1:
+                        on_first()
+                out["finish_reason"] = choice["finish_reason"] or out["finish_reason"]
+    except httpx.HTTPError as exc:  # the connection dropped mid-stream
+        out["error"] = repr(exc)
+    return out
 
 
 def test_sigterm_lets_streams_finish_and_exits_0(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -218,21 +227,17 @@ def test_sigterm_lets_streams_finish_and_exits_0(tmp_path: Path, tiny_model_dir:
         assert len(finished) == 2 and all(line["protocol"] == "openai" for line in finished)
         assert any(logs.index(line) > shutting for line in finished), "no stream was still running at SIGTERM"
         assert all(line["finish_reason"] != "cancelled" for line in finished)
-        assert logs[-1]["message"] == "stopped" and logs[-1]["cancelled"] == 0
+        assert logs[-1]["message"] == "stopped" and logs[-1]["cut_off"] == 0
         assert not served.port_file.exists()
 
 
-def test_sigterm_cancels_streams_past_the_grace_period(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_sigterm_cuts_off_streams_past_the_grace_period(tmp_path: Path, tiny_model_dir: Path) -> None:
     with serve(tmp_path, tiny_model_dir, "--shutdown-grace-s", "0.2", "--max-active", "1") as served:
-        results: list[Any] = []
-
-        def run() -> None:
-            try:
-                results.append(stream_completion(served.http_url, 500, lambda: None))
-            except httpx.HTTPError as exc:  # the connection closes mid-stream
-                results.append(exc)
-
-        threads = [threading.Thread(target=run) for _ in range(3)]
+        results: list[dict[str, Any]] = []
+        threads = [
+            threading.Thread(target=lambda: results.append(stream_completion(served.http_url, 500, lambda: None)))
+            for _ in range(3)
+        ]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 30
@@ -246,13 +251,18 @@ def test_sigterm_cancels_streams_past_the_grace_period(tmp_path: Path, tiny_mode
         assert time.monotonic() - started < 10
         for t in threads:
             t.join(30)
-        incomplete = [r for r in results if not (isinstance(r, dict) and r["done"])]
-        assert incomplete, "every stream finished: the grace period did not cut anything"
+        assert len(results) == 3
+        cut = [r for r in results if r["error"] is not None]
+        assert cut, "every stream finished: the grace period cut nothing"
+        for r in cut:  # a clear, retryable error on the wire: 503 before the stream began, an error event after
+            assert r["status"] in {200, 503} and not r["done"] or r["status"] == 200, r
+            assert "shut down before this generation finished" in json.dumps(r["error"]), r
         logs = served.logs()
         assert any(line["message"] == "grace period over" for line in logs)
-        cancelled = [line for line in logs if line.get("finish_reason") == "cancelled"]
-        assert len(cancelled) == len(incomplete)
-        assert logs[-1]["message"] == "stopped"
+        failed = [line for line in logs if line["message"] == "generation failed"]
+        assert len(failed) == len(cut) and all(line["code"] == "UNAVAILABLE" for line in failed)
+        assert logs[-1]["message"] == "stopped" and logs[-1]["cut_off"] == len(cut)
+        assert "Exception in ASGI application" not in served.log_path.read_text()
 
 
 def test_sigterm_before_any_request_and_json_logs(tmp_path: Path, tiny_model_dir: Path) -> None:
