@@ -1,0 +1,218 @@
+"""What every benchmark shares: a gateway in a background thread, models, timing, results.
+
+The machines these run on are noisy, so each benchmark measures the things it compares
+side by side in one process and one run, interleaved, and reports ratios. Absolute
+numbers are printed too, but only the ratios mean something across runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+WORK = ROOT / "build" / "bench"  # models built for the benchmarks (git-ignored)
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+T = TypeVar("T")
+
+
+# -- models -----------------------------------------------------------------------------
+
+
+def tiny_model(max_len: int = 512) -> tuple[Path, Path]:
+    """The tiny random Llama of the tests (built once per ``max_len``) and a random concept pack."""
+    from tests.tiny_model import build_random_pack, build_tiny_llama
+
+    folder = WORK / f"tiny-llama-{max_len}"
+    model_dir = folder / "tiny-llama"
+    if not (model_dir / "config.json").exists():
+        build_tiny_llama(model_dir, max_len=max_len)
+    pack = folder / "tiny-pack.safetensors"
+    if not pack.exists():
+        build_random_pack(folder, model_dir)
+    return model_dir, pack
+
+
+def settings(**values: Any) -> Any:
+    """Settings for an in-process gateway on free loopback ports (environment ignored)."""
+    from prismgate.settings import Settings
+
+    base: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "http_port": 0,
+        "grpc_port": 0,
+        "shutdown_grace_s": 1.0,
+        "threads": 1,
+        "max_active": 256,
+    }
+    base.update(values)
+    return Settings.load(base, env={})
+
+
+# -- a real gateway in a background thread ------------------------------------------------
+
+
+@dataclass
+class Server:
+    """A started gateway (uvicorn + grpc.aio on one loop) running on its own thread."""
+
+    gateway: Any
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway.http_port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.gateway.http_port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.gateway.grpc_port}"
+
+    @property
+    def service(self) -> Any:
+        return self.gateway.service
+
+    @property
+    def engine(self) -> Any:
+        return self.gateway.service.pool.engine()
+
+    def call(self, coro: Awaitable[T], timeout: float = 600.0) -> T:
+        """Run a coroutine on the server's loop (the in-process baseline runs there)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def serve(config: Any, engine: Any = None) -> Iterator[Server]:
+    """Start ``prismgate.server.Gateway`` on free ports around ``engine`` (None: from settings)."""
+    from prismgate.runtime import build_service
+    from prismgate.server import Gateway
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="bench-server", daemon=True)
+    thread.start()
+
+    async def start() -> Any:
+        gateway = Gateway(config, service=build_service(config, engine=engine))
+        await gateway.start()
+        await gateway.wait_ready(600)
+        return gateway
+
+    gateway = asyncio.run_coroutine_threadsafe(start(), loop).result(900)
+    try:
+        yield Server(gateway, loop, thread)
+    finally:
+        asyncio.run_coroutine_threadsafe(gateway.stop(), loop).result(120)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+# -- measuring -----------------------------------------------------------------------------
+
+
+class CpuMeter:
+    """Process CPU seconds, split into the calling (client) thread and everything else.
+
+    The clients run on the main thread; the gateway runs on its own thread (plus gRPC's
+    C-core threads), so ``server_s`` is process CPU minus the main thread's: an estimate
+    of what the gateway spent, with gRPC client-side polling counted on the server side.
+    """
+
+    def __enter__(self) -> CpuMeter:
+        self._p0 = time.process_time()
+        self._t0 = time.thread_time()
+        self._w0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.process_s = time.process_time() - self._p0
+        self.client_s = time.thread_time() - self._t0
+        self.server_s = max(self.process_s - self.client_s, 1e-9)
+        self.wall_s = time.perf_counter() - self._w0
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def rss_bytes(pid: int | None = None) -> int:
+    """Resident set size from /proc (Linux)."""
+    with open(f"/proc/{pid or os.getpid()}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+# -- reporting ------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "argv": sys.argv,
+    }
+
+
+def write_results(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    payload = {"benchmark": name, "machine": machine(), **payload}
+    path.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+    return path
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot write {type(value).__name__} as JSON")
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A markdown table; floats get 3 significant digits."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return "nan" if v != v else f"{v:.3g}"
+        return str(v)
+
+    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        out.append("| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |")
+    return "\n".join(out)
