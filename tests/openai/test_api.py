@@ -32,7 +32,7 @@ def test_models_list_and_get(client: openai.OpenAI, model: str) -> None:
     assert models.data[0].object == "model"
     one = client.models.retrieve(model)
     assert one.id == model and one.owned_by == "prismgate"
-    ext = one.model_extra["prismgate"]  # type: ignore[index]
+    ext = one.model_extra["prismgate"]
     assert ext["max_model_len"] == 512
     assert ext["readouts"]["concepts"] == ["concept0", "concept1", "concept2"]
     with pytest.raises(openai.NotFoundError):
@@ -124,7 +124,7 @@ def test_chat_logprobs_streamed_equal_non_streamed(client: openai.OpenAI, model:
 def test_top_logprobs_without_logprobs_is_400(client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, model, max_tokens=2, top_logprobs=2)
-    assert e.value.body["param"] == "top_logprobs"  # type: ignore[index]
+    assert e.value.body["param"] == "top_logprobs"
 
 
 def test_stop_string(client: openai.OpenAI, model: str) -> None:
@@ -258,7 +258,7 @@ def test_readouts_subset_matches_full(client: openai.OpenAI, model: str) -> None
 def test_bad_readouts_are_400(client: openai.OpenAI, model: str, readouts: Any, param: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, model, max_tokens=2, extra_body={"readouts": readouts})
-    assert e.value.body["param"] == param  # type: ignore[index]
+    assert e.value.body["param"] == param
 
 
 # -- errors -----------------------------------------------------------------------------------------
@@ -268,8 +268,8 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as e:
         chat(client, "gpt-5", max_tokens=2)
     assert e.value.status_code == 404
-    assert e.value.body == {  # type: ignore[comparison-overlap]
-        "message": e.value.body["message"],  # type: ignore[index]
+    assert e.value.body == {
+        "message": e.value.body["message"],
         "type": "invalid_request_error",
         "param": "model",
         "code": "model_not_found",
@@ -301,14 +301,14 @@ def test_invalid_chat_requests_are_400_naming_the_field(
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, model, **kwargs)
     assert e.value.status_code == 400
-    assert e.value.body["param"] == param  # type: ignore[index]
-    assert e.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+    assert e.value.body["param"] == param
+    assert e.value.body["type"] == "invalid_request_error"
 
 
 def test_context_length_exceeded(client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, model, max_tokens=10_000)
-    assert e.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+    assert e.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt="x" * 600, max_tokens=1)
 
@@ -357,10 +357,10 @@ async def test_async_client_streams(live_server: Any, model: str) -> None:
             messages=USER,
             max_tokens=8,
             temperature=0,
-            stream=True,  # type: ignore[arg-type]
+            stream=True,
         )
         text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
-        full = await c.chat.completions.create(model=model, messages=USER, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+        full = await c.chat.completions.create(model=model, messages=USER, max_tokens=8, temperature=0)
     assert text == full.choices[0].message.content
 
 
@@ -369,7 +369,7 @@ def test_streaming_errors_before_the_first_token_are_http_errors(client: openai.
         chat(client, "gpt-5", max_tokens=2, stream=True)
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, model, max_tokens=10_000, stream=True)
-    assert e.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+    assert e.value.body["code"] == "context_length_exceeded"
 
 
 def test_metrics_count_openai_requests(live_server: Any, client: openai.OpenAI, model: str) -> None:

@@ -78,7 +78,7 @@ def test_image_data_url_becomes_an_image_part() -> None:
         }
     )
     parts = req.messages[0].parts
-    assert parts[1].mime == "image/png" and parts[1].data.startswith(b"\x89PNG")  # type: ignore[union-attr]
+    assert parts[1].mime == "image/png" and parts[1].data.startswith(b"\x89PNG")
 
 
 def test_completion_prompts() -> None:

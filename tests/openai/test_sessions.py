@@ -106,7 +106,7 @@ def test_session_turns_send_only_new_messages_and_reuse_the_prefix(
         client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "x"}], max_tokens=1, extra_body={"session_id": sid}
         )
-    assert e.value.body["code"] == "session_not_found"  # type: ignore[index]
+    assert e.value.body["code"] == "session_not_found"
     assert session_info(live_server, sid).status_code == 404
     assert httpx.delete(f"{live_server.http_url}/v1/sessions/{sid}").status_code == 404
 
@@ -164,7 +164,7 @@ def test_busy_session_is_409_and_cancel_rewinds(
             long_client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": "x"}], max_tokens=1, extra_body={"session_id": sid}
             )
-        assert e.value.body["code"] == "session_busy"  # type: ignore[index]
+        assert e.value.body["code"] == "session_busy"
     # leaving the stream closed the connection: the engine stops and the turn is undone
     assert engine_idle(long_server)
     info = session_info(long_server, sid).json()
@@ -246,4 +246,4 @@ def test_overload_is_503(long_model: tuple[Path, Path], model: str, eos_free_pro
             with c, pytest.raises(openai.InternalServerError) as e:
                 c.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=1)
             assert e.value.status_code == 503
-            assert e.value.body["type"] == "server_error"  # type: ignore[index]
+            assert e.value.body["type"] == "server_error"

@@ -253,7 +253,6 @@ def test_sigterm_cuts_off_streams_past_the_grace_period(tmp_path: Path, tiny_mod
             t.join(30)
         assert len(results) == 3
         cut = [r for r in results if r["error"] is not None]
-        print(results)
         assert cut, "every stream finished: the grace period cut nothing"
         for r in cut:  # a clear, retryable error on the wire: 503 before the stream began, an error event after
             assert r["status"] in {200, 503}, r

@@ -1,0 +1,223 @@
+"""One streaming generation per protocol, timed from the request leaving to each token arriving.
+
+Every client sends the same raw token prompt (the tiny byte-level tokenizer makes ASCII text
+and token ids interchangeable, so text protocols send the same prompt as text with the chat
+template off) and decodes greedily. Times are client-side and include the client library's
+own work (protobuf, JSON, flatbuffers decoding): that is what an application sees.
+
+GraphPipe has no streaming: its "first token" is the whole response.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+STRUCT = "type.googleapis.com/google.protobuf.Struct"
+
+
+@dataclass
+class StreamResult:
+    ttft_s: float
+    token_times: list[float] = field(default_factory=list)  # seconds after send, one per generated token
+    tokens: int = 0
+    sent_bytes: int = 0
+    received_bytes: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return self.token_times[-1] if self.token_times else self.ttft_s
+
+    @property
+    def per_token_s(self) -> float:
+        """Mean gap between tokens after the first (NaN with fewer than two tokens)."""
+        if self.tokens < 2 or len(self.token_times) < 2:
+            return float("nan")
+        return (self.token_times[-1] - self.token_times[0]) / (self.tokens - 1)
+
+
+Client = Callable[[Sequence[int], int], Awaitable[StreamResult]]
+
+
+def inproc(service: Any) -> Client:
+    """SessionService directly, on the server's own loop: the no-wire baseline."""
+    from prismgate.core.actions import GenerateAction, GenerateSpec
+    from prismgate.core.events import TokenEvent
+
+    async def run(prompt: Sequence[int], max_tokens: int) -> StreamResult:
+        action = GenerateAction(
+            append_tokens=tuple(prompt), spec=GenerateSpec(max_tokens=max_tokens, temperature=0.0), origin="bench"
+        )
+        t0 = time.perf_counter()
+        times: list[float] = []
+        async for event in service.run(action):
+            if isinstance(event, TokenEvent) and not event.is_prefill:
+                times.append(time.perf_counter() - t0)
+        return StreamResult(times[0] if times else float("nan"), times, len(times))
+
+    return run
+
+
+class Salience:
+    """Salience gRPC: OpenSession (untimed), Generate (timed), CloseSession."""
+
+    def __init__(self, target: str, model: str) -> None:
+        import grpc
+
+        from prismgate.schemas import salience_pb2, salience_pb2_grpc
+
+        self.pb = salience_pb2
+        self.channel = grpc.aio.insecure_channel(target)
+        self.stub = salience_pb2_grpc.SalienceStub(self.channel)
+        self.model = model
+
+    async def __call__(self, prompt: Sequence[int], max_tokens: int) -> StreamResult:
+        pb = self.pb
+        sid = (await self.stub.OpenSession(pb.OpenSessionRequest(model=self.model))).session_id
+        request = pb.GenerateRequest(session_id=sid, offset=0, append_tokens=prompt, max_tokens=max_tokens, top_k=1)
+        t0 = time.perf_counter()
+        times: list[float] = []
+        received = 0
+        try:
+            async for event in self.stub.Generate(request):
+                received += event.ByteSize()
+                if event.HasField("token") and not event.token.is_prefill:
+                    times.append(time.perf_counter() - t0)
+        finally:
+            await self.stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+        return StreamResult(times[0] if times else float("nan"), times, len(times), request.ByteSize(), received)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def evergreen(ws_url: str, decode: Callable[[Sequence[int]], str]) -> Client:
+    """Evergreen over WebSocket, JSON text frames: one connection (session) per generation."""
+    import base64
+
+    import websockets
+
+    async def run(prompt: Sequence[int], max_tokens: int) -> StreamResult:
+        text = decode(prompt)
+        message = json.dumps(
+            {
+                "actions": [
+                    {
+                        "name": "GENERATE",
+                        "inputs": [{"name": "prompt", "id": "p"}],
+                        "outputs": [{"name": "response", "id": "r"}, {"name": "usage", "id": "u"}],
+                        "configs": [
+                            {"@type": STRUCT, "value": {"maxTokens": max_tokens, "temperature": 0, "chatTemplate": False}}
+                        ],
+                    }
+                ],
+                "nodeFragments": [
+                    {
+                        "id": "p",
+                        "chunkFragment": {
+                            "metadata": {"mimetype": "text/plain"},
+                            "data": base64.b64encode(text.encode()).decode(),
+                        },
+                    }
+                ],
+            }
+        )
+        async with websockets.connect(ws_url + "/evergreen", max_size=None, compression=None) as ws:
+            t0 = time.perf_counter()
+            await ws.send(message)
+            times: list[float] = []
+            received = 0
+            usage: dict[str, Any] | None = None
+            while usage is None:
+                frame = await ws.recv()
+                now = time.perf_counter() - t0
+                received += len(frame)
+                for f in json.loads(frame).get("nodeFragments", []):
+                    chunk = f.get("chunkFragment", {})
+                    if f["id"] == "r" and chunk.get("data"):
+                        times.append(now)
+                    elif f["id"] == "u" and chunk.get("data"):
+                        usage = json.loads(base64.b64decode(chunk["data"]))
+        tokens = int(usage["completionTokens"])
+        return StreamResult(times[0] if times else float("nan"), times, tokens, len(message), received)
+
+    return run
+
+
+def graphpipe(http_url: str) -> Client:
+    """GraphPipe: one flatbuffer POST with a ``tokens`` row, ``tokens`` out (not streamed)."""
+    import httpx
+    import numpy as np
+    from graphpipe import convert
+
+    client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256))
+
+    async def run(prompt: Sequence[int], max_tokens: int) -> StreamResult:
+        body = bytes(
+            convert.serialize_infer_request(
+                convert.InferReq(
+                    json.dumps({"max_tokens": max_tokens, "temperature": 0, "chat_template": False}),
+                    [np.array([list(prompt)], dtype=np.int64)],
+                    ["tokens"],
+                    ["tokens", "lengths"],
+                )
+            )
+        )
+        t0 = time.perf_counter()
+        response = await client.post(http_url + "/graphpipe", content=body)
+        elapsed = time.perf_counter() - t0
+        outputs, errors = convert.deserialize_infer_response(response.content)
+        if errors:
+            raise RuntimeError(f"graphpipe error: {errors}")
+        tokens = int(outputs[1][0])
+        # not streamed: every token arrives with the response
+        return StreamResult(elapsed, [elapsed] * tokens, tokens, len(body), len(response.content))
+
+    run.client = client  # type: ignore[attr-defined]
+    return run
+
+
+def openai_sse(http_url: str, model: str) -> Client:
+    """OpenAI ``/v1/completions`` with ``stream: true`` (Server-Sent Events), a token-id prompt."""
+    import httpx
+
+    client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256))
+
+    async def run(prompt: Sequence[int], max_tokens: int) -> StreamResult:
+        body = {
+            "model": model,
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        raw = json.dumps(body).encode()
+        times: list[float] = []
+        received = 0
+        tokens = 0
+        t0 = time.perf_counter()
+        async with client.stream(
+            "POST", http_url + "/v1/completions", content=raw, headers={"content-type": "application/json"}
+        ) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"openai status {response.status_code}: {(await response.aread())[:200]!r}")
+            async for line in response.aiter_lines():
+                received += len(line) + 1
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    times.append(time.perf_counter() - t0)
+                if chunk.get("usage"):
+                    tokens = int(chunk["usage"]["completion_tokens"])
+        return StreamResult(times[0] if times else float("nan"), times, tokens or len(times), len(raw), received)
+
+    run.client = client  # type: ignore[attr-defined]
+    return run
