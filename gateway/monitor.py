@@ -102,7 +102,7 @@ class GatewayMonitor:
         except asyncio.CancelledError:
             task = asyncio.current_task()
             ours = task is not None and task in self._cut
-            self._cut.discard(task)  # type: ignore[arg-type]
+            self._cut.discard(task)
             if ours and task is not None and task.uncancel() == 0:
                 # our own cancellation at the end of the grace period: the codec reports it as an error on its wire
                 error = GatewayError(

@@ -105,7 +105,10 @@ class Gateway:
             raise OSError(f"cannot bind gRPC port {s.host}:{s.grpc_port}")
         await self._grpc.start()
 
-        sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP explicitly: asyncio turns on TCP_NODELAY only for sockets whose proto says TCP,
+        # and without it a keep-alive response (headers, then body) waits ~40 ms for a delayed ACK.
+        family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((s.host, s.http_port))
         sock.listen(2048)

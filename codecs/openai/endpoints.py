@@ -31,6 +31,7 @@ from prismgate.engines.base import EngineInfo
 from prismgate.settings import Settings
 
 T = TypeVar("T")
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/sessions"}
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never seen by the client
 
 
@@ -247,6 +248,10 @@ class OpenAIEndpoints:
             self._auth(request)
         except GatewayError as exc:
             return error_response(exc)
+        if request.url.path.rstrip("/") in _ENDPOINTS:
+            return error_response(
+                OpenAIError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
+            )
         return error_response(
             OpenAIError(
                 404,

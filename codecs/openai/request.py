@@ -78,7 +78,7 @@ def parse_chat(body: Any) -> ChatRequest:
     _reject_unsupported(body, chat=True)
     logprobs = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-    if top is not None and not logprobs:
+    if top and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
     max_tokens = get_int(body, "max_completion_tokens", None, lo=0)
     if max_tokens is None:

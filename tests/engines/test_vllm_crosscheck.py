@@ -1,12 +1,13 @@
 """vLLM and transformers on the same weights give the same tokens, logprobs and readouts.
 
 Both engines run float32 on CPU, so what differs is only kernels and summation order.
-Tolerances (measured here, with head-room):
+Tolerances, with the largest differences measured here (tiny model / SmolLM2-135M):
 
 * greedy tokens: identical;
-* logprobs (prompt and decode, and the top-k values): ``|vllm - hf| <= 2e-3`` nats;
-* readouts: ``|vllm - hf| <= 2e-3 * max(1, |hf|)`` (readouts scale with the residual
-  stream, which grows with depth in real models).
+* logprobs (prompt and decode, and the top-k values): ``|vllm - hf| <= 1e-3`` nats
+  (measured 2.4e-6 / 3.6e-5);
+* readouts: ``|vllm - hf| <= 1e-3 * max(1, |hf|)`` (measured 2.4e-6 / 9.9e-5); relative
+  because readouts scale with the residual stream, which grows with depth in real models.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from tests.engines.vllm_factory import make_vllm_engine, require_vllm
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-LOGPROB_TOL = 2e-3
-READOUT_RTOL = 2e-3
+LOGPROB_TOL = 1e-3
+READOUT_RTOL = 1e-3
 
 
 async def run(engine: Any, tokens: tuple[int, ...], **spec: Any) -> tuple[list[TokenEvent], Done]:
@@ -52,7 +53,9 @@ async def pair(model_dir: Path, pack: Path | None, model_id: str) -> tuple[Any, 
 
 
 def compare(hf_events: list[TokenEvent], vl_events: list[TokenEvent]) -> dict[str, float]:
-    assert [(e.position, e.id, e.is_prefill) for e in vl_events] == [(e.position, e.id, e.is_prefill) for e in hf_events]
+    assert [(e.position, e.id, e.is_prefill) for e in vl_events] == [
+        (e.position, e.id, e.is_prefill) for e in hf_events
+    ]
     worst = {"logprob": 0.0, "top": 0.0, "readout": 0.0}
     for a, b in zip(hf_events, vl_events, strict=True):
         assert (a.logprob is None) == (b.logprob is None), a.position

@@ -383,3 +383,19 @@ def test_metrics_count_openai_requests(live_server: Any, client: openai.OpenAI, 
     before = count()
     chat(client, model, max_tokens=2)
     assert count() == before + 1
+
+
+def test_images_need_a_vision_model(client: openai.OpenAI, model: str) -> None:
+    png = (
+        "data:image/png;base64,"
+        "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwABBAEAwS2OUAAAAABJRU5ErkJggg=="
+    )
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": png}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, model, messages=[{"role": "user", "content": content}], max_tokens=2)
+    assert "no images" in e.value.body["message"]
+
+
+def test_wrong_method_is_405(live_server: Any) -> None:
+    r = httpx.get(live_server.http_url + "/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"

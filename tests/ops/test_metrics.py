@@ -20,8 +20,9 @@ def tokens_of(server: Any, text: str) -> list[int]:
 def test_generation_counts_and_latencies(live_server: Any) -> None:
     proto = "ops-counts"
     prompt = tokens_of(live_server, "hello there")
-    events, done = live_server.call(collect(live_server.service.run(action(prompt, max_tokens=6, ignore_eos=True,
-                                                                            origin=proto))))
+    events, done = live_server.call(
+        collect(live_server.service.run(action(prompt, max_tokens=6, ignore_eos=True, origin=proto)))
+    )
     decoded = [e for e in events if not e.is_prefill]
     assert done.finish_reason is FinishReason.LENGTH and len(decoded) == 6
 

@@ -146,8 +146,9 @@ def serve(tmp_path: Path, model_dir: Path, *args: str) -> Iterator[Served]:
             time.sleep(0.05)
         ports = json.loads(port_file.read_text())
         assert ports["pid"] == process.pid
-        served = Served(process, f"http://127.0.0.1:{ports['http_port']}", f"127.0.0.1:{ports['grpc_port']}",
-                        port_file, log_path)
+        served = Served(
+            process, f"http://127.0.0.1:{ports['http_port']}", f"127.0.0.1:{ports['grpc_port']}", port_file, log_path
+        )
         while httpx.get(served.http_url + "/readyz", timeout=5).status_code != 200:
             assert process.poll() is None, log_path.read_text()
             assert time.monotonic() < deadline, "the server never became ready"

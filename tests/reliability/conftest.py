@@ -1,0 +1,139 @@
+"""Fixtures for the reliability tests: servers around chosen engines, and health checks.
+
+The whole folder runs in CI in a bounded time (about three minutes on 2 cores): every
+fuzzer has a fixed seed and case count, the load test a fixed duration, every wait a limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+
+from prismgate.schemas import salience_pb2 as spb
+from prismgate.schemas import salience_pb2_grpc
+from tests.conftest import TINY_MODEL_ID, LiveServer, tiny_settings
+from tests.tiny_model import build_random_pack, build_tiny_llama
+
+LONG_CONTEXT = 4096
+BIG_PACK_CONCEPTS = 256  # readouts of 2 x 256 float32 per token: kilobytes per event on the wire
+
+
+def build_eos_free_llama(folder: Path, max_len: int) -> Path:
+    """The tests' tiny Llama, except that greedy decoding never picks EOS.
+
+    Its ``lm_head`` row for EOS is zeroed, so the EOS logit is exactly 0 while the best of
+    the other 258 random logits is positive: a greedy generation always runs to
+    ``max_tokens``, on every protocol (Salience and GraphPipe cannot ask to ignore EOS).
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    build_tiny_llama(folder, max_len=max_len)
+    eos = AutoConfig.from_pretrained(folder).eos_token_id
+    weights = load_file(folder / "model.safetensors")
+    weights["lm_head.weight"][eos] = torch.zeros_like(weights["lm_head.weight"][eos])
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="session")
+def long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_eos_free_llama(tmp_path_factory.mktemp("reliability-model") / TINY_MODEL_ID, LONG_CONTEXT)
+
+
+@pytest.fixture(scope="session")
+def big_pack(long_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_random_pack(tmp_path_factory.mktemp("reliability-pack"), long_model_dir, n_concepts=BIG_PACK_CONCEPTS)
+
+
+@contextlib.contextmanager
+def run_gateway(settings: Any, engine: Any = None) -> Iterator[LiveServer]:
+    """Like ``tests.conftest.run_server``, around a prebuilt engine when one is given."""
+    from prismgate.runtime import build_service
+    from prismgate.server import Gateway
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="reliability-server", daemon=True)
+    thread.start()
+
+    async def start() -> Any:
+        gateway = Gateway(settings, service=build_service(settings, engine=engine))
+        await gateway.start()
+        await gateway.wait_ready()
+        return gateway
+
+    gateway = asyncio.run_coroutine_threadsafe(start(), loop).result(120)
+    try:
+        yield LiveServer(gateway, loop)
+    finally:
+        asyncio.run_coroutine_threadsafe(gateway.stop(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+@pytest.fixture(scope="module")
+def long_server(long_model_dir: Path, big_pack: Path) -> Iterator[LiveServer]:
+    """A gateway on the EOS-free 4k-context tiny model with a 256-concept pack."""
+    with run_gateway(tiny_settings(long_model_dir, big_pack)) as server:
+        yield server
+
+
+# -- checks ---------------------------------------------------------------------------------
+
+
+def engine_of(server: LiveServer) -> Any:
+    return server.service.pool.engine()
+
+
+def decoded(server: LiveServer) -> int:
+    return int(engine_of(server).stats["decoded_tokens"])
+
+
+def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+def wait_engine_idle(server: LiveServer, timeout: float = 10.0) -> bool:
+    """No request left in the engine and no admission slot held."""
+    pool = server.service.pool
+    return wait_until(lambda: engine_of(server).in_flight() == 0 and pool.admission.active == 0, timeout)
+
+
+def busy_sessions(server: LiveServer) -> list[str]:
+    return [s.id for s in list(server.service.store._sessions.values()) if s.busy]
+
+
+def assert_healthy(server: LiveServer) -> None:
+    """The server answers on every transport and can still generate; nothing is left running."""
+    assert wait_engine_idle(server), f"engine still has {engine_of(server).in_flight()} requests in flight"
+    assert not busy_sessions(server), "sessions left busy"
+    with httpx.Client(timeout=10) as http:
+        assert http.get(server.http_url + "/healthz").text == "ok"
+        assert http.get(server.http_url + "/readyz").status_code == 200
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = salience_pb2_grpc.SalienceStub(channel)
+        sid = stub.OpenSession(spb.OpenSessionRequest(model=TINY_MODEL_ID), timeout=10).session_id
+        events = list(
+            stub.Generate(
+                spb.GenerateRequest(session_id=sid, offset=0, append_tokens=[72, 105], max_tokens=3, top_k=1),
+                timeout=30,
+            )
+        )
+        assert events[-1].WhichOneof("event") == "done"
+        stub.CloseSession(spb.CloseSessionRequest(session_id=sid), timeout=10)
