@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import Any
 
 from prismgate.core.actions import GenerateAction
 from prismgate.core.errors import Code, GatewayError
@@ -54,6 +55,8 @@ class _Generation:
     done: Done | None = None
     ended: bool = False
     output_ids: list[int] = field(default_factory=list)
+    itl: Any = None  # this protocol's series, looked up once rather than per token
+    streamed: Any = None
 
 
 class GatewayMonitor:
@@ -85,6 +88,7 @@ class GatewayMonitor:
             m.errors.labels(protocol, Code.UNAVAILABLE.name).inc()
             raise GatewayError(Code.UNAVAILABLE, "the server is shutting down; retry on another replica")
         g = _Generation(protocol, session_id, request_id, time.perf_counter())
+        g.itl, g.streamed = m.itl.labels(protocol), m.streamed_tokens.labels(protocol)
         self._in_flight[request_id] = asyncio.current_task()
         self._idle.clear()
         m.active.labels(protocol).inc()
@@ -142,10 +146,10 @@ class GatewayMonitor:
                 g.first_token = now
                 self.metrics.ttft.labels(g.protocol).observe(now - g.start)
             elif g.last_token is not None:
-                self.metrics.itl.labels(g.protocol).observe(now - g.last_token)
+                g.itl.observe(now - g.last_token)
             g.last_token = now
             g.completion_tokens += 1
-            self.metrics.streamed_tokens.labels(g.protocol).inc()
+            g.streamed.inc()
             if self.settings.log_prompts:
                 g.output_ids.append(event.id)
         else:

@@ -12,8 +12,6 @@ again the gateway's positions; the engine checks that the lengths agree.
 from __future__ import annotations
 
 import io
-import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -72,68 +70,23 @@ def decode_image(data: bytes, mime: str) -> Any:
 
 
 class ImageCounter:
-    """Image -> number of pad tokens, from the model's own preprocessor configuration.
+    """Image -> number of pad tokens, from the model's own image processor.
 
-    Qwen2-VL resizes each image to ``smart_resize(h, w, factor=patch*merge, min_pixels,
-    max_pixels)`` and emits one token per ``(patch*merge)^2`` pixel cell. The Hugging Face
-    image processor is asked first; when it cannot load (its fast variant needs
-    torchvision, which cannot be installed beside the CPU torch), the same arithmetic is
-    done here from ``preprocessor_config.json``.
+    The same preparation the transformers engine uses (``ImagePreparer`` around
+    ``Qwen2VLImageProcessorPil``: PIL only, since torchvision cannot be installed beside
+    the CPU torch), so both engines accept the same images with the same errors and agree
+    on N = prod(image_grid_thw) / merge_size^2.
     """
 
     def __init__(self, model_path: Path) -> None:
         self.model_path = model_path
-        self._processor: Any = None
-        self._config: dict[str, Any] | None = None
+        self._preparer: Any = None
 
     def __call__(self, data: bytes, mime: str) -> int:
-        image = decode_image(data, mime)
-        processor = self._hf_processor()
-        if processor is not None:
-            out = processor(images=[image], return_tensors="np")
-            grid = out["image_grid_thw"][0]
-            merge = int(getattr(processor, "merge_size", 2))
-            return int(math.prod(int(x) for x in grid)) // (merge * merge)
-        cfg = self._preprocessor_config()
-        patch = int(cfg.get("patch_size", 14))
-        merge = int(cfg.get("merge_size", 2))
-        size = cfg.get("size") or {}
-        min_pixels = int(cfg.get("min_pixels") or size.get("shortest_edge") or 56 * 56)
-        max_pixels = int(cfg.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280)
-        h, w = smart_resize(image.height, image.width, patch * merge, min_pixels, max_pixels)
-        return (h // (patch * merge)) * (w // (patch * merge))
+        if self._preparer is None:
+            from transformers import Qwen2VLImageProcessorPil
 
-    def _hf_processor(self) -> Any:
-        if self._processor is None:
-            try:
-                from transformers import AutoImageProcessor
+            from prismgate.engines.hf.vision import ImagePreparer
 
-                self._processor = AutoImageProcessor.from_pretrained(self.model_path, use_fast=False)
-            except Exception:
-                self._processor = False
-        return self._processor or None
-
-    def _preprocessor_config(self) -> dict[str, Any]:
-        if self._config is None:
-            path = self.model_path / "preprocessor_config.json"
-            self._config = json.loads(path.read_text()) if path.exists() else {}
-        return self._config
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen2-VL's resize rule: both sides multiples of ``factor``, area within the pixel bounds."""
-    if min(height, width) <= 0:
-        raise invalid(f"image has no pixels ({width}x{height})")
-    if max(height, width) / min(height, width) > 200:
-        raise invalid(f"image aspect ratio {max(height, width) / min(height, width):.0f} is above 200")
-    h = max(factor, round(height / factor) * factor)
-    w = max(factor, round(width / factor) * factor)
-    if h * w > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h = math.ceil(height * beta / factor) * factor
-        w = math.ceil(width * beta / factor) * factor
-    return h, w
+            self._preparer = ImagePreparer(Qwen2VLImageProcessorPil.from_pretrained(self.model_path))
+        return int(self._preparer.get(data, mime).n_tokens)
