@@ -14,8 +14,8 @@ the gateway calls :meth:`PrismgateWorkerExtension.prismgate_setup` once by name 
   ``prompt_logprobs`` (which turns prefix-cache reads off).
 
 Rows of the flattened batch map to requests through the runner's ``query_start_loc`` and
-``input_batch.req_ids``, and to absolute positions through the runner's ``positions``
-buffer (filled with plain positions even for M-RoPE models). What a request wants is read
+``input_batch.req_ids``, and to absolute positions as the runner itself computes them
+(``num_computed_tokens`` + offset in the query: plain positions even for M-RoPE models). What a request wants is read
 from its ``SamplingParams.extra_args["prismgate"]``, so no extra RPC per request is needed.
 Once per engine step, rank 0 sends everything it computed to the gateway process over a
 ZMQ PUSH socket (:mod:`prismgate.engines.vllm.channel` defines the frames).
@@ -128,10 +128,9 @@ class _Tap:
         if num_reqs == 0:
             return
         qsl = np.asarray(runner.query_start_loc.np[: num_reqs + 1]).copy()
-        total = int(qsl[-1])
-        if total == 0:
-            return
-        positions = runner.positions[:total].to("cpu").numpy().copy()
+        # Absolute positions as the runner computes them (num_computed_tokens + offset in the
+        # query), from host memory: reading the device-side positions would sync every step.
+        computed = np.asarray(batch.num_computed_tokens_cpu[:num_reqs]).astype(np.int64)
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
             state = runner.requests.get(req_id)
             params = getattr(state, "sampling_params", None)
@@ -142,11 +141,12 @@ class _Tap:
             lo, hi = int(qsl[i]), int(qsl[i + 1])
             if hi <= lo:
                 continue
+            positions = computed[i] + np.arange(hi - lo, dtype=np.int64)
             prompt = getattr(state, "prompt_token_ids", None)
-            plan = _RequestPlan(str(want["key"]), lo, hi, positions[lo:hi], want, prompt)
+            plan = _RequestPlan(str(want["key"]), lo, hi, positions, want, prompt)
             self.plans.append(plan)
             self.any_readouts = self.any_readouts or plan.readouts
-        self.n_rows = total
+        self.n_rows = int(qsl[-1])
 
     def _layer_hook(self, index: int) -> Any:
         def hook(_module: Any, _args: Any, output: Any) -> None:

@@ -198,6 +198,14 @@ def stream_completion(http_url: str, max_tokens: int, on_first: Any) -> dict[str
     return out
 
 
+def queue_depth(http_url: str) -> float:
+    text = httpx.get(http_url + "/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith("prismgate_engine_queue_depth"):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_sigterm_lets_streams_finish_and_exits_0(tmp_path: Path, tiny_model_dir: Path) -> None:
     with serve(tmp_path, tiny_model_dir, "--shutdown-grace-s", "20", "--max-active", "1") as served:
         assert grpc_health(served.grpc_target) == health_pb2.HealthCheckResponse.SERVING
@@ -210,10 +218,25 @@ def test_sigterm_lets_streams_finish_and_exits_0(tmp_path: Path, tiny_model_dir:
 
         results: list[dict[str, Any]] = []
         # two streams and one engine slot: at SIGTERM one is decoding and one is queued; both must finish
-        other = threading.Thread(target=lambda: results.append(stream_completion(served.http_url, 500, lambda: None)))
-        other.start()
-        results.append(stream_completion(served.http_url, 500, sigterm))
-        other.join(60)
+        first_decoding = threading.Event()
+        first = threading.Thread(
+            target=lambda: results.append(stream_completion(served.http_url, 500, first_decoding.set))
+        )
+        first.start()
+        assert first_decoding.wait(30)
+
+        def signal_once_queued() -> None:
+            deadline = time.monotonic() + 30
+            while queue_depth(served.http_url) < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            sigterm()
+
+        watcher = threading.Thread(target=signal_once_queued)
+        watcher.start()
+        results.append(stream_completion(served.http_url, 500, lambda: None))
+        first.join(60)
+        watcher.join(60)
+        assert signalled.is_set()
         code = served.process.wait(30)
         assert code == 0, served.log_path.read_text()
         assert len(results) == 2

