@@ -30,13 +30,16 @@ def build_engine(settings: Settings) -> Engine:
     if settings.engine == "vllm":
         from prismgate.engines.vllm import VLLMEngine  # optional: only in the vLLM environment
 
-        return VLLMEngine(  # type: ignore[no-any-return]
+        return VLLMEngine(
             folder,
             model_id=model_id,
             concept_pack=pack,
             dtype=settings.dtype,
             max_model_len=settings.max_model_len,
             gpu_memory_utilization=settings.gpu_memory_utilization,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            block_size=settings.vllm_block_size,
+            cache_scope=settings.vllm_cache_scope,
         )
     from prismgate.engines.hf import TransformersEngine
 

@@ -51,6 +51,15 @@ class Settings:
     prefill_chunk: int = setting(512, "transformers engine: prompt tokens run per step, so long prompts interleave.")
     max_cached_tokens: int = setting(1 << 18, "transformers engine: KV-cache tokens kept across session turns (LRU).")
     gpu_memory_utilization: float = setting(0.9, "vLLM engine: fraction of GPU memory to use.")
+    tensor_parallel_size: int = setting(1, "vLLM engine: GPUs to shard the model over.")
+    vllm_block_size: int | None = setting(
+        None, "vLLM engine: KV block size, the grain of prefix reuse (CPU: multiples of 32)."
+    )
+    vllm_cache_scope: str = setting(
+        "session",
+        "vLLM engine: prefix-cache reuse within each session only, or across sessions too.",
+        choices=("session", "global"),
+    )
 
     # -- sessions and admission ---------------------------------------------------------
     session_ttl_s: float = setting(1800.0, "Idle seconds before a session is evicted.")

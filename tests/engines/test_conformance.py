@@ -203,9 +203,11 @@ async def test_session_turn_prefills_only_the_delta_and_equals_recompute(engine:
     n2 = len(turn2)
     ranges = {"logprob_ranges": (PositionRange(n2, n2 + 5),), "logprob_top_k": 2}
     out2, done2 = await run(engine, turn2, session=key, max_tokens=5, ignore_eos=True, **ranges)
-    delta = n2 - len(history)
-    assert done2.cached_tokens >= len(history) - 1
-    assert done2.prefilled_tokens <= delta + 1
+    # engines reuse whole cache blocks (vLLM: block_size tokens; the transformers engine: any length)
+    block = getattr(engine, "cache_block_size", 1)
+    reusable = (len(history) - 1) // block * block
+    assert done2.cached_tokens >= reusable
+    assert done2.prefilled_tokens <= n2 - reusable
     fresh, done_fresh = await run(engine, turn2, max_tokens=5, ignore_eos=True, **ranges)
     assert done_fresh.cached_tokens == 0
     assert decoded(out2) == decoded(fresh)

