@@ -110,7 +110,10 @@ def evergreen(ws_url: str, decode: Callable[[Sequence[int]], str]) -> Client:
                         "inputs": [{"name": "prompt", "id": "p"}],
                         "outputs": [{"name": "response", "id": "r"}, {"name": "usage", "id": "u"}],
                         "configs": [
-                            {"@type": STRUCT, "value": {"maxTokens": max_tokens, "temperature": 0, "chatTemplate": False}}
+                            {
+                                "@type": STRUCT,
+                                "value": {"maxTokens": max_tokens, "temperature": 0, "chatTemplate": False},
+                            }
                         ],
                     }
                 ],
@@ -173,8 +176,8 @@ def graphpipe(http_url: str) -> Client:
         if errors:
             raise RuntimeError(f"graphpipe error: {errors}")
         tokens = int(outputs[1][0])
-        # not streamed: every token arrives with the response
-        return StreamResult(elapsed, [elapsed] * tokens, tokens, len(body), len(response.content))
+        # not streamed: every token arrives with the response (no per-token latency to speak of)
+        return StreamResult(elapsed, [elapsed], tokens, len(body), len(response.content))
 
     run.client = client  # type: ignore[attr-defined]
     return run

@@ -108,7 +108,7 @@ async def measure_engine(name: str, server: Server, args: argparse.Namespace) ->
                 collected[proto] += results
                 cpu_s[proto] += cpu.server_s
                 wall_s[proto] += wall
-        base = collected["inproc"] if "inproc" in collected else None
+        base = collected.get("inproc")
         base_ttft = median([r.ttft_s for r in base]) if base else float("nan")
         base_tpt = median([r.per_token_s for r in base]) if base else float("nan")
         base_rate = sum(r.tokens for r in base) / wall_s["inproc"] if base else float("nan")

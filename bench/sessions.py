@@ -75,7 +75,7 @@ async def run(server: Server, args: argparse.Namespace) -> list[dict[str, Any]]:
         while pending:
             append = [rng.randrange(32, 127) for _ in range(args.chunk)]
             measured: dict[str, dict[str, Any]] = {}
-            for mode in (("session", "resend") if turn % 2 == 0 else ("resend", "session")):
+            for mode in ("session", "resend") if turn % 2 == 0 else ("resend", "session"):
                 before = engine.stats["prefilled_tokens"]
                 t0 = time.perf_counter()
                 if mode == "session":

@@ -103,7 +103,9 @@ def vllm_serve(model: Path, max_len: int, log: Path) -> Iterator[str]:
 
 def summarize(name: str, streams: int, results: list[clients.StreamResult], base: dict[str, float] | None) -> dict:
     ttft = median([r.ttft_s for r in results])
-    decode_rate = median([(r.tokens - 1) / (r.total_s - r.ttft_s) for r in results if r.tokens > 1 and r.total_s > r.ttft_s])
+    decode_rate = median(
+        [(r.tokens - 1) / (r.total_s - r.ttft_s) for r in results if r.tokens > 1 and r.total_s > r.ttft_s]
+    )
     row: dict[str, Any] = {
         "server": name,
         "streams": streams,

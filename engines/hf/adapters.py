@@ -67,8 +67,7 @@ class ModelAdapter:
         rows: Sequence[int],
     ) -> torch.Tensor:
         """Run ``ids`` (positions ``start``...) and return float32 logits for ``rows``."""
-        if cache.get_seq_length() != start:
-            raise RuntimeError(f"KV cache holds {cache.get_seq_length()} tokens, expected {start}")
+        check_cache(cache, start)
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         out = self.model(
             input_ids=input_ids,
@@ -86,6 +85,12 @@ class ModelAdapter:
 
     def image_tokens(self, data: bytes, mime: str) -> int:
         raise invalid("this model takes no images (it has no vision encoder)")
+
+
+def check_cache(cache: Any, start: int) -> None:
+    """The engine's bookkeeping and the KV cache must agree on where the timeline resumes."""
+    if cache.get_seq_length() != start:
+        raise RuntimeError(f"KV cache holds {cache.get_seq_length()} tokens, expected {start}")
 
 
 def load_adapter(path: Path, *, device: str, dtype: str) -> ModelAdapter:

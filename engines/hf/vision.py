@@ -44,7 +44,7 @@ import torch
 from prismgate.core.errors import invalid
 from prismgate.core.session import ImageSpan
 from prismgate.engines.base import VisionTokens
-from prismgate.engines.hf.adapters import ModelAdapter
+from prismgate.engines.hf.adapters import ModelAdapter, check_cache
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # encoded size of one image
 MAX_IMAGE_PIXELS = 50_000_000  # decoded width * height, checked before decoding (decompression bombs)
@@ -312,8 +312,7 @@ class Qwen2VLAdapter(ModelAdapter):
         images: Sequence[ImageSpan],
         rows: Sequence[int],
     ) -> torch.Tensor:
-        if cache.get_seq_length() != start:
-            raise RuntimeError(f"KV cache holds {cache.get_seq_length()} tokens, expected {start}")
+        check_cache(cache, start)
         end = start + len(ids)
         inside = []
         for span in images:

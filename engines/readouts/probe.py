@@ -16,10 +16,14 @@ import torch
 
 from prismgate.engines.readouts.pack import ConceptPack
 
+# Where causal LMs keep their decoder layers: transformers' text models, transformers'
+# vision-language models, and vLLM's model classes (plain and multimodal).
+_LAYER_PATHS = ("model.layers", "model.language_model.layers", "language_model.model.layers", "language_model.layers")
+
 
 def decoder_layers(model: Any) -> Any:
-    """The list of decoder layers of a causal LM (Llama-style or a VLM's language model)."""
-    for path in ("model.layers", "model.language_model.layers", "language_model.model.layers"):
+    """The list of decoder layers of a causal LM, in transformers or inside vLLM's worker."""
+    for path in _LAYER_PATHS:
         obj = model
         try:
             for part in path.split("."):

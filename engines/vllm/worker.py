@@ -32,24 +32,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from prismgate.engines.readouts.probe import decoder_layers
 from prismgate.engines.vllm.channel import StepPacket, encode_step
 
 log = logging.getLogger(__name__)
 
 EXTRA_KEY = "prismgate"
-
-
-def find_decoder_layers(model: Any) -> Any:
-    """The decoder layer list of a vLLM causal LM (plain or inside a multimodal model)."""
-    for path in ("model.layers", "language_model.model.layers", "model.language_model.layers", "language_model.layers"):
-        obj = model
-        try:
-            for part in path.split("."):
-                obj = getattr(obj, part)
-        except AttributeError:
-            continue
-        return obj
-    raise TypeError(f"cannot find decoder layers in {type(model).__name__}")
 
 
 class _RequestPlan:
@@ -95,7 +83,7 @@ class _Tap:
         self.captured: list[torch.Tensor | None] = [None] * len(layers)
         self.handles: list[Any] = []
         self.step = 0
-        decoder = find_decoder_layers(self.model)
+        decoder = decoder_layers(self.model)
         self.directions: list[torch.Tensor] = []
         if directions is not None:
             device = next(self.model.parameters()).device
@@ -227,7 +215,7 @@ class PrismgateWorkerExtension:
             old.remove()
             old.sender.close()
         model = runner.get_model()
-        n_layers = len(find_decoder_layers(model))
+        n_layers = len(decoder_layers(model))
         hidden = int(runner.model_config.get_hidden_size())
         directions = None
         layers: list[int] = []

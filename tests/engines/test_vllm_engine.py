@@ -190,7 +190,10 @@ async def test_cancelling_mid_stream_aborts_inside_vllm(engine: Any) -> None:
     key = max(engine._receiver.rows_seen, key=lambda k: int(k[2:].rstrip("r")))
     seen = engine._receiver.rows_seen[key]
     await asyncio.sleep(0.5)
-    assert engine._receiver.rows_seen[key] == seen  # the worker computes nothing more for it
+    settled = engine._receiver.rows_seen[key]
+    assert settled <= seen + 1  # at most the step that was already running when the abort arrived
+    await asyncio.sleep(0.5)
+    assert engine._receiver.rows_seen[key] == settled  # and nothing after it
     assert seen < n + 50
 
 

@@ -90,7 +90,9 @@ def random_json(rng: random.Random, depth: int = 0) -> Any:
     if kind == 3:
         return rng.choice([0.5, -1e308, 1e308, 3.14])
     if kind == 4:
-        return rng.choice(["", "x", "GENERATE", "prompt", "response", "text/plain", "\u0000", "é" * 50, "%%%", "a" * 300])
+        return rng.choice(
+            ["", "x", "GENERATE", "prompt", "response", "text/plain", "\u0000", "é" * 50, "%%%", "a" * 300]
+        )
     if kind == 5:
         return base64.b64encode(bytes(rng.getrandbits(8) for _ in range(rng.randrange(16)))).decode()
     if kind == 6:
@@ -149,7 +151,10 @@ def evergreen_json_seeds() -> list[dict]:
             "actions": [generate],
             "nodeFragments": [
                 {"id": "p", "childIds": ["q", "e"]},
-                {"id": "q", "chunkFragment": {"metadata": {"mimetype": "text/plain", "role": "user"}, "data": b64("Hi")}},
+                {
+                    "id": "q",
+                    "chunkFragment": {"metadata": {"mimetype": "text/plain", "role": "user"}, "data": b64("Hi")},
+                },
                 {"id": "e", "chunkFragment": {"metadata": {"mimetype": "application/x-protobuf; type=EndOfTurn"}}},
             ],
         },
@@ -343,7 +348,9 @@ def random_generate(rng: random.Random, session_id: str) -> spb.GenerateRequest:
         truncating=rng.random() < 0.3,
         append_tokens=[rng.choice([*big, rng.randrange(300)]) for _ in range(rng.randrange(6))],
         max_tokens=rng.choice([0, 1, 3, 2**32 - 1]),
-        logprobs_ranges=[spb.PositionRange(start=rng.choice(big), end=rng.choice(big)) for _ in range(rng.randrange(3))],
+        logprobs_ranges=[
+            spb.PositionRange(start=rng.choice(big), end=rng.choice(big)) for _ in range(rng.randrange(3))
+        ],
         logprob_top_k=rng.choice([0, 5, 21, 2**31]),
         readout_ranges=[spb.PositionRange(start=rng.choice(big), end=rng.choice(big)) for _ in range(rng.randrange(3))],
         temperature=rng.choice([0.0, 0.5, -1.0, float("nan"), float("inf"), 1e30]),
@@ -359,10 +366,14 @@ def test_fuzz_salience_requests(live_server: Any) -> None:
     statuses: dict[str, int] = {}
     with grpc.insecure_channel(live_server.grpc_target) as channel:
         raw_generate = channel.unary_stream(
-            "/salience.v1.Salience/Generate", request_serializer=lambda b: b, response_deserializer=spb.GenerateEvent.FromString
+            "/salience.v1.Salience/Generate",
+            request_serializer=lambda b: b,
+            response_deserializer=spb.GenerateEvent.FromString,
         )
         unary: dict[str, Callable[..., Any]] = {
-            name: channel.unary_unary(f"/salience.v1.Salience/{name}", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            name: channel.unary_unary(
+                f"/salience.v1.Salience/{name}", request_serializer=lambda b: b, response_deserializer=lambda b: b
+            )
             for name in ("OpenSession", "ForkSession", "CloseSession", "DumpSession", "GetReadoutManifest")
         }
         open_session = channel.unary_unary(
@@ -385,7 +396,16 @@ def test_fuzz_salience_requests(live_server: Any) -> None:
                     events = list(raw_generate(random_generate(rng, sid).SerializeToString(), timeout=CASE_TIMEOUT_S))
                 else:
                     name = rng.choice(list(unary))
-                    unary[name](mutated(rng, [spb.ForkSessionRequest(session_id=sid, at_position=0).SerializeToString(), spb.OpenSessionRequest(model=TINY_MODEL_ID).SerializeToString()]), timeout=CASE_TIMEOUT_S)
+                    unary[name](
+                        mutated(
+                            rng,
+                            [
+                                spb.ForkSessionRequest(session_id=sid, at_position=0).SerializeToString(),
+                                spb.OpenSessionRequest(model=TINY_MODEL_ID).SerializeToString(),
+                            ],
+                        ),
+                        timeout=CASE_TIMEOUT_S,
+                    )
                     events = None
                 if events is not None:
                     assert events and events[-1].WhichOneof("event") == "done", "an OK stream must end with Done"
@@ -413,5 +433,7 @@ def test_corrupt_salience_request_is_invalid_argument(live_server: Any) -> None:
             "/salience.v1.Salience/Generate", request_serializer=lambda b: b, response_deserializer=lambda b: b
         )
         with pytest.raises(grpc.RpcError) as info:
-            list(generate(b"\x0a\xff\xff\xff\xff\xff", timeout=CASE_TIMEOUT_S))  # a string field longer than the message
+            list(
+                generate(b"\x0a\xff\xff\xff\xff\xff", timeout=CASE_TIMEOUT_S)
+            )  # a string field longer than the message
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, (info.value.code(), info.value.details())

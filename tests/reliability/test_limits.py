@@ -120,11 +120,24 @@ def test_oversized_messages_are_refused_on_every_protocol(limited: LiveServer) -
     message = errors[0]["message"] if errors else b""
     message = message.decode() if isinstance(message, bytes) else message
     assert errors[0]["code"] == 8 and str(MAX_BODY) in message, errors
-    r = httpx.post(limited.http_url + "/graphpipe", content=body, timeout=30, headers={"User-Agent": "Go-http-client/1.1"})
+    r = httpx.post(
+        limited.http_url + "/graphpipe", content=body, timeout=30, headers={"User-Agent": "Go-http-client/1.1"}
+    )
     assert r.status_code == 413 and r.text
 
     # Evergreen: a WebSocket frame over the message limit closes with 1009 (message too big)
-    big = text_generate([{"id": "q", "chunkFragment": {"metadata": {"mimetype": "text/plain"}, "data": base64.b64encode(b"x" * MAX_MESSAGE).decode()}}], ["q"])
+    big = text_generate(
+        [
+            {
+                "id": "q",
+                "chunkFragment": {
+                    "metadata": {"mimetype": "text/plain"},
+                    "data": base64.b64encode(b"x" * MAX_MESSAGE).decode(),
+                },
+            }
+        ],
+        ["q"],
+    )
     code, _, _ = asyncio.run(ws_outcome(limited, big))
     assert code == 1009
     assert_healthy(limited)
@@ -198,6 +211,8 @@ def test_file_refs_outside_the_root_are_refused(limited: LiveServer, file_root: 
 
 
 def test_file_ref_inside_the_root_is_read(limited: LiveServer, file_root: Path) -> None:
-    code, reason, _ = asyncio.run(ws_outcome(limited, text_generate([ref_leaf("q", f"file://{file_root}/hello.txt")], ["q"])))
+    code, reason, _ = asyncio.run(
+        ws_outcome(limited, text_generate([ref_leaf("q", f"file://{file_root}/hello.txt")], ["q"]))
+    )
     assert code == 1000, (code, reason)
     assert_healthy(limited)

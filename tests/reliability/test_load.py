@@ -87,7 +87,9 @@ async def salience_worker(target: str, deadline: float, rng: random.Random, tall
                 timeline += append + ids
                 tally.turns["salience"] += 1
             dumped = list((await stub.DumpSession(spb.DumpSessionRequest(session_id=sid))).tokens)
-            assert dumped == timeline, f"session {sid}: server holds {len(dumped)} tokens, client counted {len(timeline)}"
+            assert dumped == timeline, (
+                f"session {sid}: server holds {len(dumped)} tokens, client counted {len(timeline)}"
+            )
             tally.sessions_checked += 1
             await stub.CloseSession(spb.CloseSessionRequest(session_id=sid))
 
@@ -186,7 +188,10 @@ async def run_load(server: LiveServer, seconds: float, seed: int) -> Tally:
         for i in range(EVERGREEN_WORKERS)
     ]
     workers += [
-        guarded(f"graphpipe-{i}", graphpipe_worker(server.http_url + "/graphpipe", deadline, random.Random(rng.random()), tally))
+        guarded(
+            f"graphpipe-{i}",
+            graphpipe_worker(server.http_url + "/graphpipe", deadline, random.Random(rng.random()), tally),
+        )
         for i in range(GRAPHPIPE_WORKERS)
     ]
     await asyncio.gather(*workers)
