@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = Path(args.model) if args.model else default_model_path()
     config = settings(engine="vllm", model=str(model), model_name=MODEL_NAME, dtype=DTYPE, max_model_len=args.max_len)
-    log = Path(__file__).resolve().parent / "results" / "vllm-serve.log"
+    log = Path(__file__).resolve().parents[1] / "build" / "bench" / "vllm-serve.log"  # git-ignored
     with vllm_serve(model, args.max_len, log) as vllm_url, serve(config) as gateway:
         tokenizer = gateway.service.info().tokenizer
         prompt = tokenizer.encode("Once upon a time, in a small village by the sea, there lived an old fisherman who")

@@ -102,6 +102,38 @@ class _Output:
         return fragment
 
 
+class Outbox:
+    """Messages for the transport, in order; ``None`` marks the end.
+
+    Putting never blocks (aborts and closing fragments must always get through), but a
+    generation waits in :meth:`wait_for_room` while the transport has ``limit`` messages
+    unsent, so a client that stops reading pauses the engine instead of filling memory.
+    """
+
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        self._queue: asyncio.Queue[pb.SessionMessage | None] = asyncio.Queue()
+        self._room = asyncio.Event()
+        self._room.set()
+
+    def put_nowait(self, message: pb.SessionMessage | None) -> None:
+        self._queue.put_nowait(message)
+        if self._queue.qsize() >= self.limit:
+            self._room.clear()
+
+    async def get(self) -> pb.SessionMessage | None:
+        message = await self._queue.get()
+        if self._queue.qsize() < self.limit:
+            self._room.set()
+        return message
+
+    async def wait_for_room(self) -> None:
+        await self._room.wait()
+
+    def qsize(self) -> int:
+        return self._queue.qsize()
+
+
 class EvergreenSession:
     def __init__(self, service: SessionService, options: Options | None = None) -> None:
         self.service = service
@@ -109,7 +141,7 @@ class EvergreenSession:
         self.store = NodeStore(self.options.limits)
         # What to send, in order; ``None`` marks the end (after a failure, or when the input
         # ended and every action finished): the transport stops there.
-        self.outbox: asyncio.Queue[pb.SessionMessage | None] = asyncio.Queue()
+        self.outbox = Outbox()
         self.failed: asyncio.Future[GatewayError] = asyncio.get_running_loop().create_future()
         self.model = service.check_model(self.options.model or service.pool.default_model)
         self.core_id = service.open(self.model).id
@@ -378,6 +410,7 @@ class EvergreenSession:
                     )
                 if fragments:
                     self._emit(fragments, run)
+                    await self.outbox.wait_for_room()  # backpressure: the engine waits for the reader
             elif isinstance(event, Done):
                 usage.update(_usage(event))
                 self._close_outputs(outs, usage, final_text=event.text or "")

@@ -66,4 +66,4 @@ def to_openai(exc: BaseException) -> OpenAIError:
         return exc
     if isinstance(exc, GatewayError):
         return from_gateway(exc)
-    return OpenAIError(500, f"internal error: {type(exc).__name__}", type="server_error")
+    return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")

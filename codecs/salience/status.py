@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import grpc
 
 from prismgate.auth import check_bearer
-from prismgate.core.errors import GatewayError
+from prismgate.core.errors import GatewayError, invalid
 from prismgate.logs import log_context
 
 log = logging.getLogger(__name__)
@@ -72,12 +72,42 @@ async def _fail(context: grpc.aio.ServicerContext, method: str, exc: Exception) 
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
 
 
+class _Malformed:
+    """A request whose bytes did not parse: reported as INVALID_ARGUMENT once the caller is authenticated.
+
+    grpc.aio parses requests before any handler runs and answers a parse failure with a
+    bare UNKNOWN; parsing leniently moves the failure into the guard, where it gets a
+    proper status and message.
+    """
+
+    def __init__(self, method: str, error: Exception) -> None:
+        self.error = invalid(f"{method}: the request is not a valid protobuf message ({error})")
+
+
+def _lenient(method: str, deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        if deserializer is None:
+            return data
+        try:
+            return deserializer(data)
+        except Exception as exc:  # DecodeError, or anything else a hostile buffer provokes
+            return _Malformed(method, exc)
+
+    return parse
+
+
+def _checked(request: Any) -> Any:
+    if isinstance(request, _Malformed):
+        raise request.error
+    return request
+
+
 def _guard_unary(method: str, behavior: Unary, token: str | None) -> Unary:
     async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             with log_context(**_log_fields(context, method)):
                 check_bearer(token, _metadata(context, "authorization"))
-                return await behavior(request, context)
+                return await behavior(_checked(request), context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:
@@ -91,7 +121,7 @@ def _guard_streaming(method: str, behavior: Streaming, token: str | None) -> Str
         try:
             with log_context(**_log_fields(context, method)):
                 check_bearer(token, _metadata(context, "authorization"))
-                async with closing(behavior(request, context)) as events:
+                async with closing(behavior(_checked(request), context)) as events:
                     async for event in events:
                         yield event
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -109,13 +139,13 @@ def guard(handlers: Mapping[str, grpc.RpcMethodHandler], token: str | None) -> d
         if handler.unary_unary is not None:
             out[method] = grpc.unary_unary_rpc_method_handler(
                 _guard_unary(method, handler.unary_unary, token),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(method, handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         elif handler.unary_stream is not None:
             out[method] = grpc.unary_stream_rpc_method_handler(
                 _guard_streaming(method, handler.unary_stream, token),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(method, handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         else:
