@@ -117,9 +117,7 @@ class SessionService:
         events = self._run_ephemeral(session_id, action, model, request_id)
         return self.monitor.watch(action, session_id, request_id, events)
 
-    async def _generate(
-        self, session_id: str, action: GenerateAction, request_id: str
-    ) -> AsyncGenerator[Event, None]:
+    async def _generate(self, session_id: str, action: GenerateAction, request_id: str) -> AsyncGenerator[Event, None]:
         session = self.store.get(session_id)
         done: Done | None = None
         with session.generation():
