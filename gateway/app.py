@@ -18,7 +18,9 @@ def create_app(service: SessionService, settings: Settings) -> Starlette:
 
     async def readyz(_request: Request) -> Response:
         if not service.pool.ready:
-            return JSONResponse({"ready": False, "reason": "model loading"}, status_code=503)
+            draining = getattr(service.monitor, "draining", False)
+            reason = "shutting down" if draining else "model loading"
+            return JSONResponse({"ready": False, "reason": reason}, status_code=503)
         info = service.info()
         return JSONResponse({"ready": True, "model": info.model_id, "engine": info.engine_name})
 

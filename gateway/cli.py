@@ -14,7 +14,7 @@ from prismgate.settings import add_arguments, from_arguments
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["concepts"]:
-        from prismgate.engines.readouts.build import main as concepts_main
+        from prismgate.engines.readouts.cli import main as concepts_main
 
         return concepts_main(argv[1:])
     parser = argparse.ArgumentParser(

@@ -15,11 +15,15 @@ number of positions it holds.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from prismgate.engines.vllm.tracker import Tracker
 
 LogprobEntry = tuple[int, float, list[tuple[int, float]]]  # top-k it was computed with, logprob, top list
 
@@ -54,6 +58,24 @@ class SessionValues:
         if entry is None or entry[0] < top_k:
             return None
         return (top_k, entry[1], entry[2][:top_k])
+
+    def learnt(
+        self, prompt: Sequence[int], generated: Sequence[int], tracker: Tracker, decoded: Mapping[int, LogprobEntry]
+    ) -> SessionValues:
+        """These values plus what one turn computed: the worker's rows and the decoded tokens' logprobs."""
+        timeline = [*prompt, *generated]
+        limit = len(timeline)
+        readouts = dict(self.readouts)
+        logprobs = dict(self.logprobs)
+        readouts.update((p, v) for p, v in tracker.readouts.items() if p < limit)
+        for p, row in tracker.logprobs.items():
+            if p < limit:
+                logprobs[p] = (len(row[2]), row[1], list(zip(row[2], row[3], strict=True)))
+        logprobs.update(decoded)
+        computed = max([self.computed, *(p + 1 for p in tracker.computed if p < limit)], default=0)
+        if generated:  # vLLM computed at least every prompt position and all but the last token
+            computed = max(computed, limit - 1)
+        return SessionValues(timeline, readouts, logprobs, computed)
 
 
 class ValueStore:

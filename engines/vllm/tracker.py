@@ -17,14 +17,17 @@ import shutil
 import tempfile
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import numpy as np
 import numpy.typing as npt
 
+from prismgate.core.errors import Code, GatewayError
 from prismgate.engines.vllm.channel import LogprobRow, decode_step
 
 log = logging.getLogger(__name__)
+
+SIDE_CHANNEL_TIMEOUT_S = 60.0  # a step's packet arrives within milliseconds; this only catches a broken worker
 
 
 class Tracker:
@@ -62,6 +65,16 @@ class Tracker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), remaining)
         return True
+
+    async def require(
+        self, readouts: Collection[int], logprobs: Collection[int], what: str, limit_s: float = SIDE_CHANNEL_TIMEOUT_S
+    ) -> None:
+        """Wait for these positions' readouts and logprobs; if they never come, an INTERNAL error names ``what``."""
+        ok = await self.wait(
+            lambda: all(p in self.readouts for p in readouts) and all(p in self.logprobs for p in logprobs), limit_s
+        )
+        if not ok:
+            raise GatewayError(Code.INTERNAL, f"the vLLM worker did not deliver {what}")
 
 
 class Receiver:

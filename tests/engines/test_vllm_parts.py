@@ -12,7 +12,8 @@ from prismgate.core.errors import GatewayError
 from prismgate.core.session import ImageSpan
 from prismgate.engines.base import VisionTokens
 from prismgate.engines.vllm.channel import StepPacket, decode_step, encode_step
-from prismgate.engines.vllm.engine import _decode_logprob, _ranges
+from prismgate.engines.vllm.events import decode_logprob
+from prismgate.engines.vllm.plan import ranges
 from prismgate.engines.vllm.store import SessionValues, ValueStore
 from prismgate.engines.vllm.vision import ImageCounter, collapse
 from tests.vision_model import IMAGE_PAD, VISION_END, VISION_START, build_tiny_qwen2_vl, image_bytes, vision_block
@@ -61,15 +62,15 @@ def test_store_evicts_least_recently_used_sessions() -> None:
 
 
 def test_ranges_and_vllm_logprob_dicts() -> None:
-    assert _ranges([5, 1, 2, 3, 7]) == [[1, 4], [5, 6], [7, 8]]
+    assert ranges([5, 1, 2, 3, 7]) == [[1, 4], [5, 6], [7, 8]]
 
     class Lp:
         def __init__(self, logprob: float, rank: int) -> None:
             self.logprob, self.rank = logprob, rank
 
     entry = {9: Lp(-3.0, 4), 1: Lp(-0.5, 1), 2: Lp(-1.0, 2)}
-    assert _decode_logprob(entry, 9, 2) == (-3.0, [(1, -0.5), (2, -1.0)])
-    assert _decode_logprob(entry, 9, 0) == (-3.0, None)
+    assert decode_logprob(entry, 9, 2) == (-3.0, [(1, -0.5), (2, -1.0)])
+    assert decode_logprob(entry, 9, 0) == (-3.0, None)
 
 
 VISION = VisionTokens(vision_start=VISION_START, image_pad=IMAGE_PAD, vision_end=VISION_END)

@@ -11,18 +11,12 @@ import pytest
 import torch
 
 from prismgate.core.errors import GatewayError
-from prismgate.engines.readouts.build import (
-    PromptSet,
-    build_pack,
-    build_pack_and_report,
-    collect_prompt_means,
-    load_model,
-    load_prompt_sets,
-    main,
-    readouts,
-    token_keep,
-)
+from prismgate.engines.readouts.build import build_pack, build_pack_and_report
+from prismgate.engines.readouts.capture import collect_prompt_means, load_model, token_keep
+from prismgate.engines.readouts.cli import main
 from prismgate.engines.readouts.pack import ConceptPack
+from prismgate.engines.readouts.prompt_sets import PromptSet, load_prompt_sets
+from prismgate.engines.readouts.show import readouts
 
 # Byte-level tokenizer: one token per byte, so lengths are easy to reason about.
 COLORS = PromptSet(

@@ -14,9 +14,9 @@ from prismgate.engines.readouts.build import (
     DEFAULT_PACK,
     PROMPT_SETS_DIR,
     build_pack_and_report,
-    load_prompt_sets,
 )
 from prismgate.engines.readouts.pack import ConceptPack
+from prismgate.engines.readouts.prompt_sets import load_prompt_sets
 
 
 @pytest.mark.slow

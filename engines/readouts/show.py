@@ -1,0 +1,81 @@
+"""Describe a concept pack for people: its metadata, how alike its concepts are, and the readouts of a text.
+
+The readouts of a text are taken through the serving engine's own
+:class:`~prismgate.engines.readouts.probe.ReadoutProbe`, so what is printed is what the gateway serves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from prismgate.core.errors import invalid
+from prismgate.engines.readouts.capture import deterministic_torch
+from prismgate.engines.readouts.pack import ConceptPack
+from prismgate.engines.readouts.probe import ReadoutProbe
+
+
+def describe(pack: ConceptPack) -> dict[str, Any]:
+    """The pack's metadata as a JSON-ready dict (``prismgate concepts show --json``)."""
+    return {
+        "model_id": pack.model_id,
+        "layers": list(pack.layers),
+        "hidden_size": pack.hidden_size,
+        "concepts": {c: pack.descriptions.get(c, "") for c in pack.concepts},
+        "shape": list(pack.directions.shape),
+        "method": pack.method,
+    }
+
+
+def print_summary(pack: ConceptPack, source: str | Path) -> None:
+    """The pack's metadata, one field a line, concepts with their descriptions."""
+    print(f"pack       {source}")
+    print(f"model      {pack.model_id}")
+    print(f"layers     {', '.join(map(str, pack.layers))}  (residual stream after decoder layer L)")
+    print(f"hidden     {pack.hidden_size}")
+    print("concepts")
+    width = max(len(c) for c in pack.concepts)
+    for c in pack.concepts:
+        print(f"  {c:<{width}}  {pack.descriptions.get(c, '')}")
+    print(f"method     {pack.method}")
+
+
+def print_similarity(pack: ConceptPack) -> None:
+    """Cosine similarity between the concepts, one table per layer: concepts that overlap read alike."""
+    for i, layer in enumerate(pack.layers):
+        sim = pack.directions[i] @ pack.directions[i].T
+        print(f"cosine similarity at layer {layer}:")
+        width = max(len(c) for c in pack.concepts)
+        print(" " * (width + 2) + "".join(f"{c[:7]:>8}" for c in pack.concepts))
+        for c, simrow in zip(pack.concepts, sim, strict=True):
+            print(f"  {c:<{width}}" + "".join(f"{v:>8.2f}" for v in simrow))
+
+
+def readouts(model: Any, tokenizer: Any, pack: ConceptPack, text: str) -> tuple[list[int], npt.NDArray[np.float32]]:
+    """(token ids, ``[tokens, n_layers, n_concepts]`` readouts) of a text, through the engine's probe."""
+    import torch
+
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if not ids:
+        raise invalid("the text has no tokens")
+    probe = ReadoutProbe(model, pack)
+    try:
+        probe.enabled = True
+        with deterministic_torch(1):
+            model(input_ids=torch.tensor([ids], device=next(model.parameters()).device), use_cache=False)
+        return ids, probe.take()
+    finally:
+        probe.remove()
+
+
+def print_readouts(model: Any, tokenizer: Any, pack: ConceptPack, text: str) -> None:
+    """Each token of ``text`` and its readouts at the pack's middle layer."""
+    ids, values = readouts(model, tokenizer, pack, text)
+    layer = len(pack.layers) // 2
+    print(f"readouts at layer {pack.layers[layer]} (position 0 is the attention sink: its values are not comparable)")
+    print(f"{'token':<16}" + "".join(f"{c[:9]:>10}" for c in pack.concepts))
+    for tid, row in zip(ids, values[:, layer], strict=True):
+        print(f"{tokenizer.decode([tid])!r:<16}"[:16] + "".join(f"{v:>10.2f}" for v in row))

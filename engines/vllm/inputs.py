@@ -1,0 +1,67 @@
+"""A planned request in vLLM's terms: its ``SamplingParams`` and its ``TokensPrompt``.
+
+Every request streams deltas without detokenizing (the gateway detokenizes), and carries
+what the worker should send over the side channel in ``extra_args``. vLLM is imported only
+when a request is built, never at import time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prismgate.engines.base import EngineRequest, VisionTokens
+from prismgate.engines.vllm.plan import Plan
+from prismgate.engines.vllm.vision import collapse, decode_image
+from prismgate.engines.vllm.worker import EXTRA_KEY
+
+
+def _params(wants: dict[str, Any] | None, **kwargs: Any) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,
+        extra_args={EXTRA_KEY: wants} if wants else None,
+        **kwargs,
+    )
+
+
+def sampling_params(request: EngineRequest, plan: Plan, wants: dict[str, Any] | None, skip_cache: bool) -> Any:
+    """The client's sampling, with stops applied here instead when the request looks ahead."""
+    spec = request.spec
+    if plan.lookahead:
+        max_tokens, stop_ids = spec.max_tokens + 1, None  # stops are applied by the engine, one step late
+    else:
+        max_tokens, stop_ids = max(spec.max_tokens, 1), sorted(plan.stop_ids) or None
+    return _params(
+        wants,
+        max_tokens=max_tokens,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k,
+        seed=spec.seed,
+        stop_token_ids=stop_ids,
+        ignore_eos=True,  # EOS ids are in stop_token_ids (or applied by the engine): exactly info.eos_token_ids
+        logprobs=spec.logprob_top_k if plan.decode_logprobs else None,
+        skip_special_tokens=False,
+        skip_reading_prefix_cache=skip_cache,
+    )
+
+
+def rescore_params(wants: dict[str, Any]) -> Any:
+    """One greedy step over a prefix with the cache off: only its side-channel values matter."""
+    return _params(wants, max_tokens=1, temperature=0.0, skip_reading_prefix_cache=True)
+
+
+def prompt(request: EngineRequest, salt: str | None, vision: VisionTokens | None) -> Any:
+    """The request's tokens (image runs collapsed, images attached), salted for its cache scope."""
+    from vllm.inputs import TokensPrompt
+
+    ids = collapse(request.tokens, request.images, vision)
+    tokens_prompt = TokensPrompt(prompt_token_ids=ids)
+    if salt is not None:
+        tokens_prompt["cache_salt"] = salt
+    if request.images:
+        tokens_prompt["multi_modal_data"] = {"image": [decode_image(im.data, im.mime) for im in request.images]}
+    return tokens_prompt
