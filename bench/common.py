@@ -7,19 +7,18 @@ numbers are printed too, but only the ratios mean something across runs.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
 import platform
 import statistics
 import sys
-import threading
 import time
-from collections.abc import Awaitable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
+
+from prismgate.background import RunningGateway, serve_in_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -68,63 +67,12 @@ def settings(**values: Any) -> Any:
 # -- a real gateway in a background thread ------------------------------------------------
 
 
-@dataclass
-class Server:
-    """A started gateway (uvicorn + grpc.aio on one loop) running on its own thread."""
-
-    gateway: Any
-    loop: asyncio.AbstractEventLoop
-    thread: threading.Thread
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.gateway.http_port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.gateway.http_port}"
-
-    @property
-    def grpc_target(self) -> str:
-        return f"127.0.0.1:{self.gateway.grpc_port}"
-
-    @property
-    def service(self) -> Any:
-        return self.gateway.service
-
-    @property
-    def engine(self) -> Any:
-        return self.gateway.service.pool.engine()
-
-    def call(self, coro: Awaitable[T], timeout: float = 600.0) -> T:
-        """Run a coroutine on the server's loop (the in-process baseline runs there)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)  # type: ignore[arg-type]
+Server = RunningGateway  # a started gateway on its own thread (prismgate.background)
 
 
-@contextlib.contextmanager
-def serve(config: Any, engine: Any = None) -> Iterator[Server]:
+def serve(config: Any, engine: Any = None) -> contextlib.AbstractContextManager[Server]:
     """Start ``prismgate.server.Gateway`` on free ports around ``engine`` (None: from settings)."""
-    from prismgate.runtime import build_service
-    from prismgate.server import Gateway
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="bench-server", daemon=True)
-    thread.start()
-
-    async def start() -> Any:
-        gateway = Gateway(config, service=build_service(config, engine=engine))
-        await gateway.start()
-        await gateway.wait_ready(600)
-        return gateway
-
-    gateway = asyncio.run_coroutine_threadsafe(start(), loop).result(900)
-    try:
-        yield Server(gateway, loop, thread)
-    finally:
-        asyncio.run_coroutine_threadsafe(gateway.stop(), loop).result(120)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+    return serve_in_thread(config, engine=engine, ready_timeout=600)
 
 
 # -- measuring -----------------------------------------------------------------------------

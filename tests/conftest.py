@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
-import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +14,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from prismgate.background import RunningGateway, serve_in_thread
 from tests.tiny_model import build_random_pack, build_tiny_llama
 
 TINY_MODEL_ID = "tiny-llama"
@@ -62,55 +60,12 @@ async def tiny_service(tiny_model_dir: Path, tiny_pack: Path) -> AsyncIterator[A
         await service.pool.close()
 
 
-@dataclass
-class LiveServer:
-    gateway: Any
-    loop: asyncio.AbstractEventLoop
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.gateway.http_port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.gateway.http_port}"
-
-    @property
-    def grpc_target(self) -> str:
-        return f"127.0.0.1:{self.gateway.grpc_port}"
-
-    @property
-    def service(self) -> Any:
-        return self.gateway.service
-
-    def call(self, coro: Any, timeout: float = 60.0) -> Any:
-        """Run a coroutine on the server's own event loop (to inspect or change its state)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+LiveServer = RunningGateway  # a real gateway on its own thread: .http_url, .ws_url, .grpc_target, .call()
 
 
-@contextlib.contextmanager
-def run_server(settings: Any) -> Iterator[LiveServer]:
+def run_server(settings: Any, engine: Any = None) -> contextlib.AbstractContextManager[LiveServer]:
     """A real gateway (uvicorn + grpc.aio, one loop) in a background thread."""
-    from prismgate.server import Gateway
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="test-server", daemon=True)
-    thread.start()
-
-    async def start() -> Any:
-        gateway = Gateway(settings)
-        await gateway.start()
-        await gateway.wait_ready()
-        return gateway
-
-    gateway = asyncio.run_coroutine_threadsafe(start(), loop).result(120)
-    try:
-        yield LiveServer(gateway, loop)
-    finally:
-        asyncio.run_coroutine_threadsafe(gateway.stop(), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+    return serve_in_thread(settings, engine=engine, ready_timeout=120)
 
 
 @pytest.fixture(scope="session")

@@ -6,9 +6,7 @@ fuzzer has a fixed seed and case count, the load test a fixed duration, every wa
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +18,7 @@ import pytest
 
 from prismgate.schemas import salience_pb2 as spb
 from prismgate.schemas import salience_pb2_grpc
-from tests.conftest import TINY_MODEL_ID, LiveServer, tiny_settings
+from tests.conftest import TINY_MODEL_ID, LiveServer, run_server, tiny_settings
 from tests.tiny_model import build_random_pack, build_tiny_llama
 
 LONG_CONTEXT = 4096
@@ -56,30 +54,9 @@ def big_pack(long_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return build_random_pack(tmp_path_factory.mktemp("reliability-pack"), long_model_dir, n_concepts=BIG_PACK_CONCEPTS)
 
 
-@contextlib.contextmanager
-def run_gateway(settings: Any, engine: Any = None) -> Iterator[LiveServer]:
-    """Like ``tests.conftest.run_server``, around a prebuilt engine when one is given."""
-    from prismgate.runtime import build_service
-    from prismgate.server import Gateway
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="reliability-server", daemon=True)
-    thread.start()
-
-    async def start() -> Any:
-        gateway = Gateway(settings, service=build_service(settings, engine=engine))
-        await gateway.start()
-        await gateway.wait_ready()
-        return gateway
-
-    gateway = asyncio.run_coroutine_threadsafe(start(), loop).result(120)
-    try:
-        yield LiveServer(gateway, loop)
-    finally:
-        asyncio.run_coroutine_threadsafe(gateway.stop(), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+def run_gateway(settings: Any, engine: Any = None) -> contextlib.AbstractContextManager[LiveServer]:
+    """``tests.conftest.run_server``, around a prebuilt engine when one is given."""
+    return run_server(settings, engine=engine)
 
 
 @pytest.fixture(scope="module")
