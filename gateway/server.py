@@ -120,6 +120,7 @@ class Gateway:
             lifespan="off",
             timeout_graceful_shutdown=math.ceil(s.shutdown_grace_s),
             ws_max_size=s.grpc_max_message_bytes,
+            timeout_keep_alive=max(1, math.ceil(s.http_keep_alive_s)),
             access_log=False,
         )
         self._uvicorn = _Uvicorn(config)

@@ -35,6 +35,11 @@ class Settings:
     )
     grpc_port: int = setting(50051, "gRPC port: salience.v1, evergreen.v2, health and reflection.")
     shutdown_grace_s: float = setting(30.0, "On SIGTERM, how long in-flight streams may run before they are cancelled.")
+    http_keep_alive_s: float = setting(
+        75.0,
+        "How long an idle HTTP keep-alive connection stays open; keep it above a load balancer's idle timeout, "
+        "or the balancer may reuse a connection the gateway is closing.",
+    )
 
     # -- engine ---------------------------------------------------------------------
     engine: str = setting("transformers", "Engine that runs the model.", choices=("transformers", "vllm"))
