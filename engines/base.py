@@ -36,13 +36,19 @@ class Tokenizer(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ReadoutManifest:
-    """What a readout vector means: ``readout[l][c]`` is concept ``concepts[c]`` at ``layers[l]``."""
+    """What a readout vector means: ``readout[l][c]`` is concept ``concepts[c]`` at ``layers[l]``.
+
+    ``centers[l][c]``, when the concept pack has them, is that concept's neutral point at that
+    layer (see :mod:`prismgate.engines.readouts.pack`): readouts stay raw dot products, and
+    clients that display them subtract the center.
+    """
 
     concepts: tuple[str, ...]
     layers: tuple[int, ...]
     hidden_size: int
     dtype: str = "float32"
     layer_convention: str = "residual stream after decoder layer L"
+    centers: tuple[tuple[float, ...], ...] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -15,14 +15,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from prismgate.background import RunningGateway, serve_in_thread
-from tests.tiny_model import build_random_pack, build_tiny_llama
+from tests.tiny_model import build_eos_free_llama, build_random_pack, build_tiny_llama
 
 TINY_MODEL_ID = "tiny-llama"
+LONG_CONTEXT = 4096
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("models") / TINY_MODEL_ID)
+
+
+@pytest.fixture(scope="session")
+def long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a 4k context that never stops at EOS: generations that last seconds."""
+    return build_eos_free_llama(tmp_path_factory.mktemp("long-model") / TINY_MODEL_ID, max_len=LONG_CONTEXT)
 
 
 @pytest.fixture(scope="session")

@@ -70,6 +70,26 @@ def build_tiny_llama(folder: Path, *, layers: int = 3, seed: int = 0, max_len: i
     return folder
 
 
+def build_eos_free_llama(folder: Path, *, max_len: int = 4096) -> Path:
+    """The tiny Llama, except that greedy decoding never picks EOS.
+
+    Its ``lm_head`` row for EOS is zeroed, so the EOS logit is exactly 0 while the best of
+    the other random logits is positive: a greedy generation always runs to
+    ``max_tokens``, on every protocol (Salience and GraphPipe cannot ask to ignore EOS).
+    With a 4k context a generation runs for seconds: long enough to act on mid-stream.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    build_tiny_llama(folder, max_len=max_len)
+    eos = AutoConfig.from_pretrained(folder).eos_token_id
+    weights = load_file(folder / "model.safetensors")
+    weights["lm_head.weight"][eos] = torch.zeros_like(weights["lm_head.weight"][eos])
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
 def build_random_pack(
     folder: Path, model_dir: Path, *, layers: tuple[int, ...] = (0, 1), n_concepts: int = 3, seed: int = 0
 ) -> Path:

@@ -360,6 +360,7 @@ class EvergreenSession:
                 "layers": list(m.layers),
                 "layerConvention": m.layer_convention,
                 "shape": ["layers", "concepts"],
+                "centers": None if m.centers is None else [[_num(v) for v in row] for row in m.centers],
             }
             self._emit([outs["readouts"].chunk(_line(header))], run)
         generated: list[int] = []

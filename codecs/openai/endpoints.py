@@ -172,6 +172,8 @@ class OpenAIEndpoints:
                     "hidden_size": m.hidden_size,
                     "dtype": m.dtype,
                     "layer_convention": m.layer_convention,
+                    # [layer][concept] neutral points (null for packs without them); values stay raw
+                    "centers": None if m.centers is None else [list(row) for row in m.centers],
                 }
             out["prismgate"] = ext
         return out

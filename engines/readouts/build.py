@@ -5,8 +5,8 @@ A build is four steps, each in its own module:
 1. load and check the prompt sets (:mod:`.prompt_sets`);
 2. run every distinct prompt through the model and keep its mean residual stream after each
    wanted layer (:mod:`.capture`, which says why these tokens and how it stays deterministic);
-3. per concept and layer, the normalised difference of the positive and negative means
-   (:mod:`.directions`);
+3. per concept and layer, the normalised difference of the positive and negative means, and
+   the center: the midpoint of the two classes' mean readout on that direction (:mod:`.directions`);
 4. optionally, the held-out separation report (:mod:`.report`), which is how
    :data:`DEFAULT_LAYERS` were chosen.
 
@@ -37,7 +37,7 @@ from prismgate.engines.readouts.capture import (
     load_model,
     token_keep,
 )
-from prismgate.engines.readouts.directions import concept_directions, direction, method_text
+from prismgate.engines.readouts.directions import concept_centers, concept_directions, direction, method_text
 from prismgate.engines.readouts.pack import DEFAULT_PACKS, ConceptPack
 from prismgate.engines.readouts.probe import decoder_layers
 from prismgate.engines.readouts.prompt_sets import PromptSet, checked_sets, load_prompt_sets, prompt_sets_digest
@@ -72,6 +72,7 @@ __all__ = [
     "check_layers",
     "collect_prompt_means",
     "collect_token_projections",
+    "concept_centers",
     "describe",
     "direction",
     "fit_folds",
@@ -137,8 +138,9 @@ def build_pack_and_report(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     capture = Capture(batch_size=batch_size, skip_first=skip_first, outlier_factor=outlier_factor, pad_id=pad)
     prompts = capture_prompts(model, tokenizer, sets, wanted, capture, threads)
+    directions = concept_directions(sets, prompts, layers)
     pack = ConceptPack(
-        directions=concept_directions(sets, prompts, layers),
+        directions=directions,
         layers=layers,
         concepts=tuple(s.name for s in sets),
         model_id=model_id or Path(model_dir).resolve().name,
@@ -146,6 +148,7 @@ def build_pack_and_report(
             sets, capture, dtype=str(next(model.parameters()).dtype).removeprefix("torch."), layer_note=layer_note
         ),
         descriptions={s.name: s.description for s in sets},
+        centers=concept_centers(sets, prompts, layers, directions),
     )
     report = None
     if report_layers is not None:

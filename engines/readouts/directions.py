@@ -7,6 +7,16 @@ A concept's direction at layer L is::
 
 computed in float64, then cast to float32 and normalised again so every row of a pack is a
 unit vector to float32 precision.
+
+Its center at layer L, with ``d`` the stored float32 direction taken to float64::
+
+    center = 0.5 * (mean_p∈pos m(p) . d + mean_p∈neg m(p) . d)
+
+``m(p) . d`` is the mean readout of the tokens of p that the build counts, so the center is the
+midpoint between the two classes' mean token readout, every prompt weighing the same: the
+threshold the separation report scores held-out tokens against (there fitted without the
+held-out fold). Each concept has its own baseline (SmolLM2's ``code`` sits far below zero on
+neutral text), so a readout means little until this center is subtracted.
 """
 
 from __future__ import annotations
@@ -44,6 +54,24 @@ def concept_directions(
     return directions
 
 
+def concept_centers(
+    sets: Sequence[PromptSet], prompts: CapturedPrompts, layers: Sequence[int], directions: npt.NDArray[np.float32]
+) -> npt.NDArray[np.float32]:
+    """``[n_layers, n_concepts]`` float32: the midpoint of each set's mean positive and negative readout.
+
+    ``directions`` are the pack's own float32 rows (:func:`concept_directions`), so a center sits
+    on the same scale as the readouts the gateway serves; the arithmetic is in float64.
+    """
+    centers = np.zeros(directions.shape[:2], dtype=np.float64)
+    for li, layer in enumerate(layers):
+        for ci, s in enumerate(sets):
+            d = directions[li, ci].astype(np.float64)
+            pos = float((prompts.means(s.positive, layer) @ d).mean())
+            neg = float((prompts.means(s.negative, layer) @ d).mean())
+            centers[li, ci] = 0.5 * (pos + neg)
+    return centers.astype(np.float32)
+
+
 def method_text(sets: Sequence[PromptSet], capture: Capture, *, dtype: str, layer_note: str) -> str:
     """The pack's ``method`` metadata: enough to know what a direction means and to rebuild it."""
     skip_first, outlier_factor = capture.skip_first, capture.outlier_factor
@@ -55,6 +83,8 @@ def method_text(sets: Sequence[PromptSet], capture: Capture, *, dtype: str, laye
     parts = [
         "difference of means: direction = normalize(mean over positive prompts - mean over negative prompts) "
         f"of each prompt's mean residual stream after decoder layer L over {tokens}",
+        "centers: center = 0.5 * (mean over positive prompts + mean over negative prompts) of each prompt's "
+        "mean token readout (prompt mean . float32 direction: every prompt weighs the same), per concept and layer",
         f"raw text prompts (no chat template): {n_pos} positive / {n_neg} negative, "
         f"prompt sets sha256:{prompt_sets_digest(sets)}",
         f"model dtype {dtype}, float64 accumulation, 1 thread, sorted right-padded batches of {capture.batch_size}",

@@ -3,12 +3,22 @@
 Format (version 1):
 
 * tensor ``directions``: float32 ``[n_layers, n_concepts, hidden]``, each row unit norm;
+* optional tensor ``centers``: float32 ``[n_layers, n_concepts]``, each concept's neutral point
+  at each layer. The builder stores the midpoint between the positive and the negative prompts'
+  mean readout: ``0.5 * (mean_p∈pos m(p) . d + mean_p∈neg m(p) . d)``, where ``m(p)`` is the mean
+  residual stream over the tokens of prompt p that the build counts, so ``m(p) . d`` is the mean
+  of those tokens' readouts and every prompt weighs the same (the threshold the separation report
+  scores tokens against). Readouts stay raw dot products; ``value - center`` is what is > 0 on
+  the positive side. Packs without it (older ones) load with ``centers = None``;
 * metadata (strings): ``format`` = ``prismgate.concept-pack/1``, ``model_id``,
   ``layers`` and ``concepts`` (JSON lists), ``hidden_size``, ``layer_convention``
   (always "residual stream after decoder layer L"), ``method`` (how the vectors were
   made) and ``descriptions`` (JSON object, concept -> text).
 
 The readout of a token is ``directions[l] @ h_L(token)`` for each configured layer L.
+
+The file is written by :func:`_safetensors_bytes`, not safetensors' own writer, so that a pack
+always gives the same bytes.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ class ConceptPack:
     model_id: str
     method: str = ""
     descriptions: dict[str, str] = field(default_factory=dict)
+    centers: npt.NDArray[np.float32] | None = None  # [n_layers, n_concepts]; see the module docstring
 
     def __post_init__(self) -> None:
         d = self.directions
@@ -49,6 +60,15 @@ class ConceptPack:
         norms = np.linalg.norm(d, axis=-1)
         if not np.allclose(norms, 1.0, atol=1e-3):
             raise invalid("concept pack directions must be unit vectors")
+        c = self.centers
+        if c is not None:
+            if c.shape != d.shape[:2]:
+                raise invalid(
+                    f"concept pack centers have shape {c.shape}, expected "
+                    f"[{len(self.layers)} layers, {len(self.concepts)} concepts]"
+                )
+            if not np.all(np.isfinite(c)):
+                raise invalid("concept pack centers must be finite numbers")
 
     @property
     def hidden_size(self) -> int:
@@ -56,7 +76,12 @@ class ConceptPack:
 
     @property
     def manifest(self) -> ReadoutManifest:
-        return ReadoutManifest(concepts=self.concepts, layers=self.layers, hidden_size=self.hidden_size)
+        centers = None
+        if self.centers is not None:
+            centers = tuple(tuple(float(v) for v in row) for row in self.centers.astype(np.float32))
+        return ReadoutManifest(
+            concepts=self.concepts, layers=self.layers, hidden_size=self.hidden_size, centers=centers
+        )
 
     def check_model(self, n_layers: int, hidden_size: int) -> None:
         if hidden_size != self.hidden_size:
@@ -77,7 +102,10 @@ class ConceptPack:
             "method": self.method,
             "descriptions": json.dumps(self.descriptions, sort_keys=True),
         }
-        Path(path).write_bytes(_safetensors_bytes(np.ascontiguousarray(self.directions, dtype="<f4"), metadata))
+        tensors = {"directions": np.ascontiguousarray(self.directions, dtype="<f4")}
+        if self.centers is not None:
+            tensors["centers"] = np.ascontiguousarray(self.centers, dtype="<f4")
+        Path(path).write_bytes(_safetensors_bytes(tensors, metadata))
 
     @classmethod
     def load(cls, path: str | Path) -> ConceptPack:
@@ -91,6 +119,9 @@ class ConceptPack:
         if meta.get("layer_convention") != LAYER_CONVENTION:
             raise invalid(f"{path}: unsupported layer convention {meta.get('layer_convention')!r}")
         tensors = load_file(str(path))
+        if "directions" not in tensors:
+            raise invalid(f"{path}: concept pack has no 'directions' tensor")
+        centers = tensors.get("centers")
         return cls(
             directions=tensors["directions"].astype(np.float32),
             layers=tuple(int(x) for x in json.loads(meta["layers"])),
@@ -98,21 +129,29 @@ class ConceptPack:
             model_id=meta.get("model_id", ""),
             method=meta.get("method", ""),
             descriptions=json.loads(meta.get("descriptions", "{}")),
+            centers=None if centers is None else centers.astype(np.float32),
         )
 
 
-def _safetensors_bytes(directions: npt.NDArray[np.float32], metadata: dict[str, str]) -> bytes:
-    """One float32 tensor in the safetensors layout, header keys sorted.
+def _safetensors_bytes(tensors: dict[str, npt.NDArray[np.float32]], metadata: dict[str, str]) -> bytes:
+    """Float32 tensors in the safetensors layout, byte-for-byte reproducible.
 
-    safetensors' own writer orders metadata differently from run to run; the layout
-    (8-byte little-endian header size, JSON header padded to 8 bytes, raw data) is
-    simple enough to write directly and keep byte-for-byte reproducible.
+    safetensors' own writer orders metadata differently from run to run; the layout (8-byte
+    little-endian header size, JSON header padded to 8 bytes with spaces, then the raw data) is
+    simple enough to write directly. Tensors go in name order (``centers`` before
+    ``directions``): each one's ``data_offsets`` are ``[begin, end)`` relative to the end of the
+    header, and their data is concatenated in that same order with no gaps. A pack with only
+    ``directions`` gives exactly the bytes it gave before centers existed.
     """
-    data = directions.tobytes()
-    header = {
-        "__metadata__": dict(sorted(metadata.items())),
-        "directions": {"dtype": "F32", "shape": list(directions.shape), "data_offsets": [0, len(data)]},
-    }
+    header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))}
+    chunks: list[bytes] = []
+    offset = 0
+    for name in sorted(tensors):
+        array = np.ascontiguousarray(tensors[name], dtype="<f4")
+        data = array.tobytes()
+        header[name] = {"dtype": "F32", "shape": list(array.shape), "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
     raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    return len(raw).to_bytes(8, "little") + raw + data
+    return len(raw).to_bytes(8, "little") + raw + b"".join(chunks)

@@ -26,6 +26,7 @@ def describe(pack: ConceptPack) -> dict[str, Any]:
         "hidden_size": pack.hidden_size,
         "concepts": {c: pack.descriptions.get(c, "") for c in pack.concepts},
         "shape": list(pack.directions.shape),
+        "centers": None if pack.centers is None else [[float(v) for v in row] for row in pack.centers],
         "method": pack.method,
     }
 
@@ -40,7 +41,20 @@ def print_summary(pack: ConceptPack, source: str | Path) -> None:
     width = max(len(c) for c in pack.concepts)
     for c in pack.concepts:
         print(f"  {c:<{width}}  {pack.descriptions.get(c, '')}")
+    print_centers(pack)
     print(f"method     {pack.method}")
+
+
+def print_centers(pack: ConceptPack) -> None:
+    """Each concept's center per layer (concepts down, layers across), or a note that the pack has none."""
+    if pack.centers is None:
+        print("centers    none (a pack built before centers existed: rebuild it to get them)")
+        return
+    print("centers    midpoint of the positive and negative prompts' mean readout (subtract it to read a value)")
+    width = max(len(c) for c in pack.concepts)
+    print(" " * (width + 2) + "".join(f"{'L' + str(layer):>9}" for layer in pack.layers))
+    for ci, c in enumerate(pack.concepts):
+        print(f"  {c:<{width}}" + "".join(f"{float(v):>9.2f}" for v in pack.centers[:, ci]))
 
 
 def print_similarity(pack: ConceptPack) -> None:
@@ -79,3 +93,5 @@ def print_readouts(model: Any, tokenizer: Any, pack: ConceptPack, text: str) -> 
     print(f"{'token':<16}" + "".join(f"{c[:9]:>10}" for c in pack.concepts))
     for tid, row in zip(ids, values[:, layer], strict=True):
         print(f"{tokenizer.decode([tid])!r:<16}"[:16] + "".join(f"{v:>10.2f}" for v in row))
+    if pack.centers is not None:
+        print(f"{'(center)':<16}" + "".join(f"{float(v):>10.2f}" for v in pack.centers[layer]))

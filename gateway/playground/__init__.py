@@ -4,7 +4,8 @@ Plain HTML, CSS and JavaScript served from this folder by the gateway itself (no
 fetched from elsewhere at run time, no build step). The page opens the Evergreen
 WebSocket, sends JSON text frames, streams each answer token by token and shades every
 token by the readout of a chosen concept at a chosen layer. ``/playground/manifest.json``
-tells it the model and the readout manifest (concepts and layers).
+tells it the model and the readout manifest (concepts, layers and, when the concept pack has
+them, each concept's center per layer: the page shades ``value - center``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def manifest(service: SessionService) -> dict[str, object]:
             "layers": list(m.layers),
             "hiddenSize": m.hidden_size,
             "layerConvention": m.layer_convention,
+            "centers": None if m.centers is None else [list(row) for row in m.centers],
         }
     return {
         "ready": True,

@@ -243,17 +243,36 @@ function selection() {
   return { concept: Number($("concept").value || 0), layer: Number($("layer").value || 0) };
 }
 
+// The concept's center at a layer (its neutral point, from the concept pack), or null when the
+// pack has none. Readouts arrive as raw dot products; each concept has its own baseline, so the
+// page shades and shows value - center.
+function centerOf(layer, concept) {
+  const centers = state.manifest && state.manifest.readouts && state.manifest.readouts.centers;
+  if (!centers || !centers[layer]) return null;
+  const c = centers[layer][concept];
+  return c === null || c === undefined ? null : Number(c);
+}
+
+function centered(value, layer, concept) {
+  const c = centerOf(layer, concept);
+  return value === null || value === undefined || c === null ? value : value - c;
+}
+
 function shade(turn) {
   const { concept, layer } = selection();
-  const values = turn.tokens.map((t) => (t.readout && t.readout[layer] ? t.readout[layer][concept] : null));
-  const scale = Math.max(1e-9, ...values.filter((v) => v !== null).map((v) => Math.abs(v)));
+  const raw = turn.tokens.map((t) => (t.readout && t.readout[layer] ? t.readout[layer][concept] : null));
+  const values = raw.map((v) => centered(v, layer, concept));
+  const scale = Math.max(1e-9, ...values.filter((v) => v !== null && v !== undefined).map((v) => Math.abs(v)));
+  const hasCenter = centerOf(layer, concept) !== null;
   turn.tokens.forEach((token, i) => {
     const v = values[i];
     if (v === null || v === undefined) return;
     const alpha = Math.min(1, Math.abs(v) / scale) * 0.75 + 0.05;
     const rgb = v >= 0 ? "255, 140, 0" : "30, 144, 255";
     token.span.style.backgroundColor = `rgba(${rgb}, ${alpha.toFixed(3)})`;
-    token.span.dataset.value = String(v);
+    token.span.dataset.value = String(raw[i]);
+    if (hasCenter) token.span.dataset.centered = String(v);
+    else delete token.span.dataset.centered;
   });
 }
 
@@ -276,11 +295,17 @@ function showTip(event, turn, token) {
     tip.appendChild(el("div", "muted", "top: " + token.top.map((t) => `${JSON.stringify(t.text)} ${fmt(t.logprob)}`).join(", ")));
   }
   if (token.readout && m && m.readouts) {
-    tip.appendChild(el("div", "", `readouts at layer L${m.readouts.layers[layer]}:`));
+    const withCenters = Boolean(m.readouts.centers);
+    tip.appendChild(el("div", "", `readouts at layer L${m.readouts.layers[layer]}` + (withCenters ? " (raw, and minus the concept's center):" : ":")));
     const table = el("table");
     m.readouts.concepts.forEach((name, c) => {
       const row = el("tr", c === concept ? "sel" : "");
-      row.append(el("td", "", name), el("td", "", fmt(token.readout[layer][c])));
+      const value = token.readout[layer][c];
+      row.append(el("td", "", name), el("td", "", fmt(value)));
+      if (withCenters) {
+        const v = centered(value, layer, c);
+        row.append(el("td", "centered", `${v >= 0 ? "+" : ""}${fmt(v)}`));
+      }
       table.appendChild(row);
     });
     tip.appendChild(table);

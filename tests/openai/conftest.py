@@ -9,10 +9,10 @@ from typing import Any
 import openai
 import pytest
 
-from tests.conftest import TINY_MODEL_ID, LiveServer, run_server, tiny_settings
-from tests.tiny_model import build_random_pack, build_tiny_llama
+from tests.conftest import LONG_CONTEXT, TINY_MODEL_ID, LiveServer, run_server, tiny_settings
+from tests.tiny_model import build_random_pack
 
-LONG_CONTEXT = 4096
+__all__ = ["LONG_CONTEXT"]
 EOS_FREE = 300  # the long prompt's greedy answer runs at least this long without EOS
 
 
@@ -38,19 +38,17 @@ def long_prompt(client: openai.OpenAI, model: str) -> str:
         )
         if r.choices[0].finish_reason == "length":
             return prompt
-    pytest.skip("no prompt found that runs 200 tokens without EOS")
+    pytest.fail("no prompt found that runs 200 tokens without EOS: the fixture needs other prompts")
 
 
 @pytest.fixture(scope="module")
-def long_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A tiny model with a 4k context, so that a generation can run for seconds.
+def long_model(long_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The 4k-context, EOS-free tiny model (tests/conftest.py), so that a generation runs for seconds.
 
     The session-wide tiny model decodes its whole 512-token context in well under a
     second, too fast to disconnect from in the middle reliably.
     """
-    folder = tmp_path_factory.mktemp("long-model")
-    model_dir = build_tiny_llama(folder / TINY_MODEL_ID, max_len=LONG_CONTEXT)
-    return Path(model_dir), build_random_pack(folder, model_dir)
+    return long_model_dir, build_random_pack(tmp_path_factory.mktemp("openai-long-pack"), long_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -75,4 +73,4 @@ def eos_free_prompt(long_client: openai.OpenAI, model: str) -> str:
         )
         if r.choices[0].finish_reason == "length":
             return prompt
-    pytest.skip(f"no prompt found that runs {EOS_FREE} tokens without EOS")
+    pytest.fail(f"no prompt found that runs {EOS_FREE} tokens without EOS: the fixture needs other prompts")

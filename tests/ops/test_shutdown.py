@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, FinishReason
+from tests.conftest import run_server, tiny_settings
 from tests.ops.helpers import action, collect, scrape, value
 
 # -- in-process ---------------------------------------------------------------------------
@@ -71,11 +72,13 @@ def test_stop_lets_in_flight_generations_finish(server_factory: Any) -> None:
         assert gateway.monitor.in_flight == 0
 
 
-def test_stop_cancels_what_outlives_the_grace_period(server_factory: Any) -> None:
-    with server_factory(shutdown_grace_s=0.3, max_active=1) as server:
+def test_stop_cancels_what_outlives_the_grace_period(long_model_dir: Path, tiny_pack: Path) -> None:
+    # the 4k-context model: a 4000-token generation lasts seconds, far past the 0.3 s grace
+    settings = tiny_settings(long_model_dir, tiny_pack, shutdown_grace_s=0.3, max_active=1)
+    with run_server(settings) as server:
         gateway, service = server.gateway, server.service
         first = threading.Event()
-        long = action([1, 2, 3], max_tokens=480, ignore_eos=True, origin="ops-cut")
+        long = action([1, 2, 3], max_tokens=4000, ignore_eos=True, origin="ops-cut")
         futures = [asyncio.run_coroutine_threadsafe(consume(service.run(long), first), server.loop) for _ in range(3)]
         assert first.wait(30)
         http_url = server.http_url

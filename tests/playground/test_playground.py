@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -141,3 +143,99 @@ def test_browser_streams_an_answer_with_shaded_tokens(live_server, browser) -> N
     second = browser.find_elements(By.CSS_SELECTOR, ".turn.assistant")[1]
     assert int(second.get_attribute("data-cached-tokens")) > 12
     assert not browser.find_elements(By.CSS_SELECTOR, ".turn.error")
+
+
+# -- centers: a pack that has them, served through every manifest and used by the page ----------
+
+
+def _centers(n_layers: int, n_concepts: int) -> np.ndarray:
+    """Far from any readout of the tiny model, with alternating signs: centering flips every shade."""
+    signs = np.array([[1.0 if (li + ci) % 2 == 0 else -1.0 for ci in range(n_concepts)] for li in range(n_layers)])
+    return (signs * 1000.0 + 0.25).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def centered(tiny_pack: Path, server_factory, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A live server whose concept pack has centers (the shared tiny pack has none)."""
+    from prismgate.engines.readouts.pack import ConceptPack
+
+    base = ConceptPack.load(tiny_pack)
+    pack = dataclasses.replace(base, centers=_centers(len(base.layers), len(base.concepts)))
+    path = tmp_path_factory.mktemp("centered") / "centered.safetensors"
+    pack.save(path)
+    with server_factory(concept_pack=str(path)) as server:
+        yield server, pack
+
+
+async def _evergreen_header(server) -> dict:  # type: ignore[no-untyped-def]
+    import websockets
+
+    from tests.evergreen.wire import Collector, generate, msg, text_leaf
+
+    async with websockets.connect(server.ws_url + "/evergreen", max_size=None) as ws:
+        action = generate("p", "r", config={"maxTokens": 1}, extra_outputs={"readouts": "ro"})
+        await ws.send(msg(actions=[action], fragments=[text_leaf("p", "Hi")]))
+        outs = await Collector(ws).until_complete("r", "ro")
+        return outs["ro"].lines[0]
+
+
+async def test_every_manifest_carries_the_centers(centered) -> None:  # type: ignore[no-untyped-def]
+    server, pack = centered
+    expected = pack.centers.tolist()
+    assert server.service.info().readouts.centers == tuple(tuple(row) for row in expected)
+    async with httpx.AsyncClient(base_url=server.http_url) as http:
+        playground = (await http.get("/playground/manifest.json")).json()
+        models = (await http.get("/v1/models")).json()
+    assert playground["readouts"]["centers"] == expected
+    assert models["data"][0]["prismgate"]["readouts"]["centers"] == expected
+    header = await _evergreen_header(server)
+    assert header["layers"] == list(pack.layers)
+    np.testing.assert_allclose(np.array(header["centers"]), pack.centers, rtol=1e-6)
+
+
+async def test_manifests_say_null_without_centers(live_server) -> None:  # type: ignore[no-untyped-def]
+    async with httpx.AsyncClient(base_url=live_server.http_url) as http:
+        playground = (await http.get("/playground/manifest.json")).json()
+        models = (await http.get("/v1/models")).json()
+    assert "centers" in playground["readouts"] and playground["readouts"]["centers"] is None
+    assert "centers" in models["data"][0]["prismgate"]["readouts"]
+    assert models["data"][0]["prismgate"]["readouts"]["centers"] is None
+    assert (await _evergreen_header(live_server))["centers"] is None
+
+
+def test_browser_shades_value_minus_center(centered, browser) -> None:  # type: ignore[no-untyped-def]
+    from selenium.webdriver import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    server, pack = centered
+    browser.get(server.http_url + "/playground")
+    wait_for(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
+    max_tokens = browser.find_element(By.ID, "max-tokens")
+    max_tokens.clear()
+    max_tokens.send_keys("6")
+    browser.find_element(By.ID, "prompt").send_keys("Tell me about prisms")
+    browser.find_element(By.ID, "send").click()
+    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".turn.assistant.done"))
+    tokens = browser.find_elements(By.CSS_SELECTOR, ".turn.assistant .tok")
+    assert len(tokens) == 6
+    for li in range(len(pack.layers)):
+        for ci in range(len(pack.concepts)):
+            Select(browser.find_element(By.ID, "layer")).select_by_index(li)
+            Select(browser.find_element(By.ID, "concept")).select_by_index(ci)
+            center = float(pack.centers[li, ci])
+            for t in tokens:
+                raw, shown = float(t.get_attribute("data-value")), float(t.get_attribute("data-centered"))
+                assert shown == pytest.approx(raw - center, abs=1e-3)
+                # The centers are far off every raw value: a shade follows value - center, not the value.
+                colour = "30, 144, 255" if center > 0 else "255, 140, 0"
+                assert colour in t.get_attribute("style"), (li, ci, raw, t.get_attribute("style"))
+
+    ActionChains(browser).move_to_element(tokens[0]).perform()
+    tip = wait_for(
+        lambda: browser.find_element(By.ID, "tooltip").is_displayed() and browser.find_element(By.ID, "tooltip")
+    )
+    assert "minus the concept's center" in tip.text
+    cells = tip.find_elements(By.CSS_SELECTOR, "tr.sel td")
+    raw = float(cells[1].text)
+    assert float(cells[2].text) == pytest.approx(raw - float(pack.centers[-1, -1]), abs=2e-3)

@@ -63,6 +63,8 @@ def test_pack_has_unit_rows_shapes_and_metadata(tiny_model_dir: Path, tiny: tupl
     pack.save(tmp_path / "p.safetensors")
     again = ConceptPack.load(tmp_path / "p.safetensors")
     assert np.array_equal(again.directions, pack.directions)
+    assert again.centers is not None and pack.centers is not None
+    assert np.array_equal(again.centers, pack.centers)
     assert (again.layers, again.concepts, again.method) == (pack.layers, pack.concepts, pack.method)
 
 
@@ -71,6 +73,7 @@ def test_build_is_bit_identical(tiny_model_dir: Path) -> None:
     a = build_pack(tiny_model_dir, SETS, [0, 1, 2], dtype="float32")
     b = build_pack(tiny_model_dir, list(reversed(SETS)), [2, 0, 1], dtype="float32")
     assert a.directions.tobytes() == b.directions.tobytes()
+    assert a.centers is not None and b.centers is not None and a.centers.tobytes() == b.centers.tobytes()
     assert a.method == b.method
 
 
@@ -98,6 +101,23 @@ def test_difference_of_means_matches_numpy_reference(tiny_model_dir: Path, tiny:
             ).mean(0)
             expected = diff / np.linalg.norm(diff)
             np.testing.assert_allclose(pack.directions[li, ci], expected, atol=2e-5)
+
+
+def test_centers_match_numpy_reference(tiny_model_dir: Path, tiny: tuple[Any, Any]) -> None:
+    """center = midpoint of the mean (over prompts) of each prompt's mean token readout, per class."""
+    model, tokenizer = tiny
+    pack = _build(tiny_model_dir, tiny, [0, 1])  # not the last layer: HF's last hidden state is normed
+    assert pack.centers is not None and pack.centers.shape == (2, 2) and pack.centers.dtype == np.float32
+    assert "centers: center = 0.5 * (mean over positive prompts + mean over negative prompts)" in pack.method
+    for li, layer in enumerate(pack.layers):
+        for ci, ps in enumerate(sorted(SETS, key=lambda s: s.name)):
+            d = pack.directions[li, ci].astype(np.float64)
+            pos = _reference(model, tokenizer, ps.positive, layer) @ d  # each prompt's mean token readout
+            neg = _reference(model, tokenizer, ps.negative, layer) @ d
+            expected = 0.5 * (pos.mean() + neg.mean())
+            np.testing.assert_allclose(pack.centers[li, ci], expected, rtol=1e-5, atol=1e-4)
+            # The center separates the classes it was built from: positives above, negatives below.
+            assert pos.mean() > pack.centers[li, ci] > neg.mean()
 
 
 def test_last_layer_is_the_layer_output_not_the_normed_hidden_state(
@@ -262,6 +282,11 @@ def test_cli_build_and_show(tiny_model_dir: Path, tmp_path: Path, capsys: pytest
     shown = json.loads(capsys.readouterr().out)
     assert shown["concepts"] == {"colors": COLORS.description, "letters": LETTERS.description}
     assert shown["shape"] == [2, 2, 128]
+    assert np.array_equal(np.array(shown["centers"], dtype=np.float32), pack.centers)
+    assert main(["show", str(out)]) == 0
+    summary = capsys.readouterr().out
+    assert "centers    midpoint" in summary
+    assert f"{float(pack.centers[0, 0]):.2f}" in summary.split("centers")[1]
     assert main(["show", str(out), "--similarity", "--model", str(tiny_model_dir), "--text", "red"]) == 0
     text = capsys.readouterr().out
     assert "cosine similarity at layer 1" in text and "fits" in text and "readouts at layer" in text

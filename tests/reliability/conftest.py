@@ -19,34 +19,9 @@ import pytest
 from prismgate.schemas import salience_pb2 as spb
 from prismgate.schemas import salience_pb2_grpc
 from tests.conftest import TINY_MODEL_ID, LiveServer, run_server, tiny_settings
-from tests.tiny_model import build_random_pack, build_tiny_llama
+from tests.tiny_model import build_random_pack
 
-LONG_CONTEXT = 4096
 BIG_PACK_CONCEPTS = 256  # readouts of 2 x 256 float32 per token: kilobytes per event on the wire
-
-
-def build_eos_free_llama(folder: Path, max_len: int) -> Path:
-    """The tests' tiny Llama, except that greedy decoding never picks EOS.
-
-    Its ``lm_head`` row for EOS is zeroed, so the EOS logit is exactly 0 while the best of
-    the other 258 random logits is positive: a greedy generation always runs to
-    ``max_tokens``, on every protocol (Salience and GraphPipe cannot ask to ignore EOS).
-    """
-    import torch
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig
-
-    build_tiny_llama(folder, max_len=max_len)
-    eos = AutoConfig.from_pretrained(folder).eos_token_id
-    weights = load_file(folder / "model.safetensors")
-    weights["lm_head.weight"][eos] = torch.zeros_like(weights["lm_head.weight"][eos])
-    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
-
-
-@pytest.fixture(scope="session")
-def long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_eos_free_llama(tmp_path_factory.mktemp("reliability-model") / TINY_MODEL_ID, LONG_CONTEXT)
 
 
 @pytest.fixture(scope="session")
