@@ -154,8 +154,8 @@ class SessionService:
         self._check_tokens(info, action.append_tokens)
         self._check_limits(info, len(tokens), spec)
 
-        if action.append_tokens and session_key is not None:
-            self.store.reserve(len(action.append_tokens) - (old_length - base))
+        if session_key is not None:  # the append and the whole decode budget must fit, checked before anything runs
+            self.store.reserve(len(action.append_tokens) - (old_length - base) + spec.max_tokens)
         if base < old_length:
             session.truncate(base)
         session.tokens.extend(action.append_tokens)
@@ -204,8 +204,6 @@ class SessionService:
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
         if done.finish_reason is not FinishReason.CANCELLED:
-            if session_key is not None:
-                self.store.reserve(len(generated))
             session.tokens.extend(generated)
         yield done
 

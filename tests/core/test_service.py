@@ -194,3 +194,18 @@ async def test_fork_then_diverge(tiny_service: Any) -> None:
     await collect(tiny_service, child.id, GenerateAction(append_tokens=(9,), offset=3, spec=spec(max_tokens=0)))
     assert tiny_service.dump(child.id) == [1, 2, 3, 9]
     assert tiny_service.dump(s.id) == [1, 2, 3, 4, 5]
+
+
+async def test_the_store_wide_token_cap_counts_the_decode_budget_before_anything_runs(tiny_service: Any) -> None:
+    tiny_service.store.max_total_tokens = 20
+    s = tiny_service.open("tiny-llama")
+    await collect(tiny_service, s.id, GenerateAction(append_tokens=(1, 2, 3, 4, 5), offset=0, spec=spec(max_tokens=5)))
+    assert len(tiny_service.dump(s.id)) == 10
+    err = await expect_error(
+        Code.RESOURCE_EXHAUSTED,
+        tiny_service.generate(s.id, GenerateAction(append_tokens=(6,), offset=10, spec=spec(max_tokens=10))),
+    )
+    assert "holds 10 session tokens and 11 more" in err.message and "limit of 20" in err.message
+    assert len(tiny_service.dump(s.id)) == 10  # refused before anything was appended or decoded
+    _, done = await collect(tiny_service, s.id, GenerateAction(append_tokens=(6,), offset=10, spec=spec(max_tokens=9)))
+    assert done.completion_tokens == 9 and len(tiny_service.dump(s.id)) == 20
