@@ -69,7 +69,10 @@ class Settings:
     # -- sessions and admission ---------------------------------------------------------
     session_ttl_s: float = setting(1800.0, "Idle seconds before a session is evicted.")
     max_sessions: int = setting(4096, "Open sessions allowed at once.")
-    max_session_tokens: int = setting(64 * 1024 * 1024, "Tokens held by all sessions together.")
+    max_session_tokens: int = setting(
+        64 * 1024 * 1024,
+        "Tokens held by all sessions together; a generation is refused unless its append and max_tokens fit.",
+    )
     max_active: int = setting(64, "Generations running at once across all protocols; the rest queue by priority.")
     max_queued: int = setting(1024, "Generations allowed to wait; beyond this requests fail UNAVAILABLE.")
 
