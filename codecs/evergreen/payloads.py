@@ -85,14 +85,14 @@ async def _http(ref: str, policy: RefPolicy, where: str) -> bytes:
         client = httpx.AsyncClient(timeout=policy.timeout_s, follow_redirects=True, max_redirects=3)
         async with client, client.stream("GET", ref) as response:
             if response.status_code != 200:
-                raise precondition(f"{where}: fetching {ref!r} answered HTTP {response.status_code}")
+                raise precondition(f"{where}: HTTP {response.status_code} fetching {ref!r}")
             body = bytearray()
             async for piece in response.aiter_bytes():
                 body += piece
                 if len(body) > policy.max_bytes:
-                    raise exhausted(f"{where}: {ref!r} is larger than the limit {policy.max_bytes} bytes")
+                    raise exhausted(f"{where}: larger than the limit {policy.max_bytes} bytes: {ref!r}")
             return bytes(body)
     except httpx.TimeoutException:
-        raise GatewayError(Code.UNAVAILABLE, f"{where}: fetching {ref!r} took over {policy.timeout_s}s") from None
+        raise GatewayError(Code.UNAVAILABLE, f"{where}: took over {policy.timeout_s}s fetching {ref!r}") from None
     except httpx.HTTPError as exc:
-        raise GatewayError(Code.UNAVAILABLE, f"{where}: fetching {ref!r} failed: {exc}") from None
+        raise GatewayError(Code.UNAVAILABLE, f"{where}: fetch failed ({exc}): {ref!r}") from None
