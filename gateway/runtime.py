@@ -53,6 +53,7 @@ def build_engine(settings: Settings) -> Engine:
         threads=settings.threads,
         prefill_chunk=settings.prefill_chunk,
         max_cached_tokens=settings.max_cached_tokens,
+        max_batch=settings.max_batch,
     )
 
 

@@ -55,6 +55,9 @@ class Settings:
     max_model_len: int | None = setting(None, "Context length limit (default: the model's own).")
     prefill_chunk: int = setting(512, "transformers engine: prompt tokens run per step, so long prompts interleave.")
     max_cached_tokens: int = setting(1 << 18, "transformers engine: KV-cache tokens kept across session turns (LRU).")
+    max_batch: int = setting(
+        16, "transformers engine: decode steps of up to this many requests run as one forward pass (1: no batching)."
+    )
     gpu_memory_utilization: float = setting(0.9, "vLLM engine: fraction of GPU memory to use.")
     tensor_parallel_size: int = setting(1, "vLLM engine: GPUs to shard the model over.")
     vllm_block_size: int | None = setting(

@@ -83,6 +83,47 @@ class ModelAdapter:
     ) -> dict[str, Any]:
         return {}
 
+    # Several sequences' decode steps in one forward pass. Each sequence keeps its own
+    # cache (sessions keep theirs between turns), so the step pads the caches to one
+    # length on the left, runs the batch, and hands each sequence its own part back.
+    batches_decode = True
+
+    def decode_batch(self, ids: Sequence[int], caches: Sequence[Any], positions: Sequence[int]) -> torch.Tensor:
+        """Feed ``ids[j]`` at ``positions[j]`` to ``caches[j]`` (which hold ``positions[j]`` tokens).
+
+        Returns float32 logits ``[batch, vocab]``; every cache comes back one token longer.
+        """
+        for cache, position in zip(caches, positions, strict=True):
+            check_cache(cache, position)
+        width = max(positions)
+        batch = self.new_cache()
+        for index in range(len(caches[0].layers)):
+            keys, values = [], []
+            for cache, position in zip(caches, positions, strict=True):
+                layer = cache.layers[index]
+                pad = width - position
+                keys.append(torch.nn.functional.pad(layer.keys, (0, 0, pad, 0)))
+                values.append(torch.nn.functional.pad(layer.values, (0, 0, pad, 0)))
+            batch.update(torch.cat(keys), torch.cat(values), index)
+        mask = torch.zeros((len(ids), width + 1), dtype=torch.long, device=self.device)
+        for row, position in enumerate(positions):
+            mask[row, width - position :] = 1
+        out = self.model(
+            input_ids=torch.tensor([[t] for t in ids], dtype=torch.long, device=self.device),
+            attention_mask=mask,
+            position_ids=torch.tensor([[p] for p in positions], dtype=torch.long, device=self.device),
+            cache_position=torch.tensor([width], dtype=torch.long, device=self.device),
+            past_key_values=batch,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        for index, merged in enumerate(batch.layers):
+            for row, (cache, position) in enumerate(zip(caches, positions, strict=True)):
+                layer = cache.layers[index]
+                layer.keys = merged.keys[row : row + 1, :, width - position :].contiguous()
+                layer.values = merged.values[row : row + 1, :, width - position :].contiguous()
+        return out.logits[:, -1].to(torch.float32)
+
     def image_tokens(self, data: bytes, mime: str) -> int:
         raise invalid("this model takes no images (it has no vision encoder)")
 

@@ -89,6 +89,8 @@ class TransformersEngine:
         threads: int | None = None,
         prefill_chunk: int = 512,
         max_cached_tokens: int = 1 << 18,
+        max_batch: int = 16,
+        max_batch_tokens: int = 16384,
     ) -> None:
         self.model_path = Path(model_path)
         self.model_id = model_id or self.model_path.resolve().name
@@ -99,6 +101,8 @@ class TransformersEngine:
         self._threads = threads
         self.prefill_chunk = prefill_chunk
         self.max_cached_tokens = max_cached_tokens
+        self.max_batch = max_batch  # decode steps of this many requests run as one forward pass
+        self.max_batch_tokens = max_batch_tokens  # ... while batch size x longest context stays under this
         self._adapter: ModelAdapter | None = None
         self._probe: ReadoutProbe | None = None
         self._sessions: OrderedDict[str, tuple[Any, list[int]]] = OrderedDict()
@@ -110,7 +114,7 @@ class TransformersEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.info: EngineInfo = None  # type: ignore[assignment]  # set by start()
-        self.stats = {"prefilled_tokens": 0, "reused_tokens": 0, "decoded_tokens": 0}
+        self.stats = {"prefilled_tokens": 0, "reused_tokens": 0, "decoded_tokens": 0, "batched_steps": 0}
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -219,23 +223,35 @@ class TransformersEngine:
             for key in released:
                 self._sessions.pop(key, None)
             self._active.sort(key=lambda j: (j.request.spec.priority, j.order))
+            batch = self._decode_batch_members()
+            if batch:
+                self._guarded(batch, self._decode_batch)
             for job in list(self._active):
+                if job in batch:
+                    continue
                 if job.cancelled:
                     self._end(job, FinishReason.CANCELLED)
                 elif job.backlog < MAX_BACKLOG:
-                    try:
-                        with torch.inference_mode():
-                            self._step(job)
-                    except GatewayError as exc:
-                        self._fail(job, exc)
-                    except Exception as exc:  # the model failed: report it, keep serving
-                        log.exception("request %s failed", job.request.request_id)
-                        self._fail(job, GatewayError(Code.INTERNAL, f"engine error: {type(exc).__name__}: {exc}"))
+                    self._guarded([job], lambda jobs: self._step(jobs[0]))
         with self._cv:
             leftover = self._active + self._inbox
             self._active, self._inbox = [], []
         for job in leftover:
             self._emit(job, Done(job.prompt_len, job.generated, FinishReason.CANCELLED))
+
+    def _guarded(self, jobs: list[_Job], work: Any) -> None:
+        """Run model work for ``jobs``; a failure fails those requests, never the worker."""
+        try:
+            with torch.inference_mode():
+                work(jobs)
+        except Exception as exc:  # the model failed: report it, keep serving
+            error = exc if isinstance(exc, GatewayError) else None
+            if error is None:
+                log.exception("requests %s failed", [j.request.request_id for j in jobs])
+                error = GatewayError(Code.INTERNAL, f"engine error: {type(exc).__name__}: {exc}")
+            for job in jobs:
+                if job in self._active:
+                    self._fail(job, error)
 
     def _emit(self, job: _Job, item: Event | BaseException) -> None:
         job.produced += 1
@@ -301,11 +317,67 @@ class TransformersEngine:
             position = len(job.timeline) - 1
             self._feed(job, position, position + 1)
             self._decode_one(job)
+        self._finish_if_done(job)
+
+    def _finish_if_done(self, job: _Job) -> None:
         if job.finish is not None:
             if job.held is not None:  # the last token still needs its readout
                 position = len(job.timeline) - 1
                 self._feed(job, position, position + 1)
             self._end(job, job.finish)
+
+    # -- decode steps of several requests in one forward pass ---------------------------
+
+    def _decode_batch_members(self) -> list[_Job]:
+        """Requests whose next step is a plain decode step, as many as fit in one batch."""
+        assert self._adapter is not None
+        if not self._adapter.batches_decode or self.max_batch < 2:
+            return []
+        members: list[_Job] = []
+        width = 0
+        for job in self._active:
+            if not (
+                job.started
+                and not job.cancelled
+                and job.finish is None
+                and job.backlog < MAX_BACKLOG
+                and job.next_prefill >= job.prompt_len
+                and len(job.timeline) > job.prompt_len
+            ):
+                continue
+            position = len(job.timeline) - 1
+            if max(width, position) * (len(members) + 1) > self.max_batch_tokens:
+                continue  # padding every cache to the longest would copy too much
+            members.append(job)
+            width = max(width, position)
+            if len(members) == self.max_batch:
+                break
+        return members if len(members) >= 2 else []
+
+    def _decode_batch(self, jobs: list[_Job]) -> None:
+        assert self._adapter is not None
+        positions = [len(job.timeline) - 1 for job in jobs]
+        wants = [
+            self._probe is not None and covered(job.request.spec.readout_ranges, p)
+            for job, p in zip(jobs, positions, strict=True)
+        ]
+        if self._probe is not None:
+            self._probe.enabled = any(wants)
+        logits = self._adapter.decode_batch(
+            [job.timeline[p] for job, p in zip(jobs, positions, strict=True)], [job.cache for job in jobs], positions
+        )
+        readouts = self._probe.take_batch() if self._probe is not None and any(wants) else None
+        self.stats["batched_steps"] += 1
+        for row, (job, position) in enumerate(zip(jobs, positions, strict=True)):
+            job.cached.append(job.timeline[position])
+            if job.held is not None:
+                if readouts is not None and wants[row]:
+                    job.held.readout = readouts[row, 0]
+                self._emit(job, job.held)
+                job.held = None
+            job.next_logits = logits[row]
+            self._decode_one(job)
+            self._finish_if_done(job)
 
     def _begin(self, job: _Job) -> None:
         job.started = True

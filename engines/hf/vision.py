@@ -183,6 +183,8 @@ def _outside_blocks(images: Sequence[ImageSpan], position: int) -> int:
 class Qwen2VLAdapter(ModelAdapter):
     """Qwen2-VL / Qwen2.5-VL: token ids plus images placed as pre-expanded blocks."""
 
+    batches_decode = False  # 3-D rotary positions per sequence: decode steps run one at a time
+
     def __init__(self, model: Any, tokenizer: Any, processor: Any, device: str) -> None:
         super().__init__(model, tokenizer, device)
         self.images = ImagePreparer(processor)

@@ -54,16 +54,20 @@ class ReadoutProbe:
             if not self.enabled:
                 return
             hidden = output[0] if isinstance(output, tuple) else output
-            self._captured[index] = hidden[0].to(torch.float32) @ self._directions[index]
+            self._captured[index] = hidden.to(torch.float32) @ self._directions[index]  # [batch, tokens, concepts]
 
         return hook
 
     def take(self) -> npt.NDArray[np.float32]:
-        """Readouts of the last forward: ``[tokens, n_layers, n_concepts]``."""
+        """Readouts of the last forward (of one sequence): ``[tokens, n_layers, n_concepts]``."""
+        return self.take_batch()[0]
+
+    def take_batch(self) -> npt.NDArray[np.float32]:
+        """Readouts of the last forward: ``[batch, tokens, n_layers, n_concepts]``."""
         parts = self._captured
         if any(p is None for p in parts):
             raise RuntimeError("readout hooks did not fire on every configured layer")
-        out = torch.stack([p for p in parts if p is not None], dim=1).cpu().numpy()
+        out = torch.stack([p for p in parts if p is not None], dim=2).cpu().numpy()
         self._captured = [None] * len(parts)
         return out.astype(np.float32, copy=False)
 

@@ -1,0 +1,95 @@
+"""The transformers engine runs concurrent decode steps as one batch: same results as alone."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest_asyncio
+
+from prismgate.core.actions import GenerateSpec, PositionRange
+from prismgate.core.events import Done, TokenEvent
+from prismgate.engines.base import EngineRequest
+from prismgate.engines.hf import TransformersEngine
+
+
+@pytest_asyncio.fixture
+async def engine(tiny_model_dir: Path, tiny_pack: Path) -> Any:
+    eng = TransformersEngine(tiny_model_dir, model_id="tiny", concept_pack=tiny_pack, threads=1, prefill_chunk=16)
+    await eng.start()
+    yield eng
+    await eng.close()
+
+
+async def run(
+    engine: Any, tokens: tuple[int, ...], session: str | None = None, **spec: Any
+) -> tuple[list[TokenEvent], Done]:
+    request = EngineRequest(uuid.uuid4().hex, tokens, GenerateSpec(**spec), session_key=session)
+    events: list[TokenEvent] = []
+    async for ev in engine.generate(request):
+        if isinstance(ev, Done):
+            return events, ev
+        events.append(ev)
+    raise AssertionError("no Done")
+
+
+def prompts(engine: Any) -> list[tuple[int, ...]]:
+    # different lengths, so the batch pads caches of different sizes
+    texts = ["a", "a longer question about prisms", "mid length", "the longest prompt of them all, by some margin"]
+    return [tuple(engine.info.tokenizer.render_chat([{"role": "user", "content": t}])) for t in texts]
+
+
+async def test_batched_decode_equals_one_at_a_time(engine: Any) -> None:
+    ps = prompts(engine)
+
+    def spec(p: tuple[int, ...]) -> dict[str, Any]:
+        n = len(p)
+        return {
+            "max_tokens": 24, "ignore_eos": True, "logprob_top_k": 3,
+            "logprob_ranges": (PositionRange(n, n + 24),), "readout_ranges": (PositionRange(n - 2, n + 24),),
+        }  # fmt: skip
+
+    alone = [await run(engine, p, **spec(p)) for p in ps]
+    assert engine.stats["batched_steps"] == 0
+    together = await asyncio.gather(*(run(engine, p, **spec(p)) for p in ps))
+    assert engine.stats["batched_steps"] > 10  # most decode steps ran batched
+    for (a_events, a_done), (b_events, b_done) in zip(alone, together, strict=True):
+        assert [e.id for e in a_events] == [e.id for e in b_events]
+        assert [e.position for e in a_events] == [e.position for e in b_events]
+        assert a_done.completion_tokens == b_done.completion_tokens == 24
+        for a, b in zip(a_events, b_events, strict=True):
+            if a.logprob is not None:
+                assert abs(a.logprob - b.logprob) < 1e-4
+                assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+            assert np.allclose(a.readout, b.readout, atol=1e-4)
+
+
+async def test_session_caches_stay_exact_after_batched_turns(engine: Any) -> None:
+    ps = prompts(engine)
+    keys = [uuid.uuid4().hex for _ in ps]
+    first = await asyncio.gather(
+        *(run(engine, p, key, max_tokens=16, ignore_eos=True) for p, key in zip(ps, keys, strict=True))
+    )
+    assert engine.stats["batched_steps"] > 0
+    follow = [p + tuple(e.id for e in ev) + (65, 66, 67) for p, (ev, _) in zip(ps, first, strict=True)]
+    cached = await asyncio.gather(
+        *(run(engine, t, key, max_tokens=8, ignore_eos=True) for t, key in zip(follow, keys, strict=True))
+    )
+    for t, (events, done) in zip(follow, cached, strict=True):
+        fresh, _ = await run(engine, t, max_tokens=8, ignore_eos=True)
+        assert done.cached_tokens >= len(t) - 4  # the batched turn's cache was reused
+        assert [e.id for e in events] == [e.id for e in fresh]
+
+
+async def test_a_batch_of_one_is_not_batched(tiny_model_dir: Path) -> None:
+    eng = TransformersEngine(tiny_model_dir, model_id="tiny", threads=1, max_batch=1)
+    await eng.start()
+    try:
+        p = tuple(eng.info.tokenizer.encode("hello"))
+        await asyncio.gather(*(run(eng, p, max_tokens=8, ignore_eos=True) for _ in range(3)))
+        assert eng.stats["batched_steps"] == 0
+    finally:
+        await eng.close()
