@@ -58,6 +58,13 @@ class RunningGateway:
         return asyncio.run_coroutine_threadsafe(_as_coroutine(coro), self.loop).result(timeout)
 
 
+async def _cancel_leftovers() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _as_coroutine(awaitable: Awaitable[T]) -> T:
     return await awaitable
 
@@ -90,6 +97,7 @@ def serve_in_thread(
         yield RunningGateway(gateway, loop)
     finally:
         on_loop(gateway.stop(), settings.shutdown_grace_s + 60)
+        on_loop(_cancel_leftovers(), 10)  # as asyncio.run does: no task outlives its loop
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
