@@ -269,25 +269,9 @@ def make_plan(call: InferCall, info: EngineInfo, max_batch: int) -> Plan:
     rows = tokenize(bind_inputs(call, max_batch), config, info)
     wants_logprobs = bool({"logprobs", "top_logprob_ids", "top_logprobs"} & set(outputs))
     top_k = config.logprobs if {"top_logprob_ids", "top_logprobs"} & set(outputs) else 0
-    specs = []
-    for row in rows:
-        generated = (PositionRange(len(row), len(row) + max(config.max_tokens, 0)),)
-        specs.append(
-            GenerateSpec(
-                max_tokens=config.max_tokens,
-                temperature=config.temperature,
-                top_p=config.top_p,
-                top_k=config.top_k,
-                seed=config.seed,
-                stop_token_ids=config.stop_token_ids,
-                stop_strings=config.stop,
-                logprob_ranges=generated if wants_logprobs else (),
-                logprob_top_k=top_k,
-                readout_ranges=generated if "readouts" in outputs else (),
-            )
-        )
-    if not rows:  # still validate the config's numbers against the spec's rules
-        GenerateSpec(
+
+    def spec(generated: tuple[PositionRange, ...] = ()) -> GenerateSpec:
+        return GenerateSpec(
             max_tokens=config.max_tokens,
             temperature=config.temperature,
             top_p=config.top_p,
@@ -295,8 +279,14 @@ def make_plan(call: InferCall, info: EngineInfo, max_batch: int) -> Plan:
             seed=config.seed,
             stop_token_ids=config.stop_token_ids,
             stop_strings=config.stop,
+            logprob_ranges=generated if wants_logprobs else (),
             logprob_top_k=top_k,
+            readout_ranges=generated if "readouts" in outputs else (),
         )
+
+    specs = [spec((PositionRange(len(row), len(row) + max(config.max_tokens, 0)),)) for row in rows]
+    if not rows:  # still validate the config's numbers against the spec's rules
+        spec()
     return Plan(rows, specs, outputs, detokenize="text" in outputs, top_k=top_k, layers=layers)
 
 

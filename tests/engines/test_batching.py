@@ -10,10 +10,9 @@ from typing import Any
 import numpy as np
 import pytest_asyncio
 
-from prismgate.core.actions import GenerateSpec, PositionRange
-from prismgate.core.events import Done, TokenEvent
-from prismgate.engines.base import EngineRequest
+from prismgate.core.actions import PositionRange
 from prismgate.engines.hf import TransformersEngine
+from tests.engines.requests import run
 
 
 @pytest_asyncio.fixture
@@ -22,18 +21,6 @@ async def engine(tiny_model_dir: Path, tiny_pack: Path) -> Any:
     await eng.start()
     yield eng
     await eng.close()
-
-
-async def run(
-    engine: Any, tokens: tuple[int, ...], session: str | None = None, **spec: Any
-) -> tuple[list[TokenEvent], Done]:
-    request = EngineRequest(uuid.uuid4().hex, tokens, GenerateSpec(**spec), session_key=session)
-    events: list[TokenEvent] = []
-    async for ev in engine.generate(request):
-        if isinstance(ev, Done):
-            return events, ev
-        events.append(ev)
-    raise AssertionError("no Done")
 
 
 def prompts(engine: Any) -> list[tuple[int, ...]]:

@@ -16,9 +16,10 @@ import pytest
 import pytest_asyncio
 
 from prismgate.core.actions import GenerateSpec, PositionRange
-from prismgate.core.events import Done, FinishReason, TokenEvent
+from prismgate.core.events import FinishReason, TokenEvent
 from prismgate.engines.base import EngineRequest
 from tests.engines.conftest import with_eos
+from tests.engines.requests import run
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -36,18 +37,6 @@ async def engine(engine_factory: Any, tiny_model_dir: Path, tiny_pack: Path) -> 
 
 def prompt(engine: Any, text: str) -> tuple[int, ...]:
     return tuple(engine.info.tokenizer.render_chat([{"role": "user", "content": text}]))
-
-
-async def run(
-    engine: Any, tokens: tuple[int, ...], session: str | None = None, **spec: Any
-) -> tuple[list[TokenEvent], Done]:
-    request = EngineRequest(request_id=uuid.uuid4().hex, tokens=tokens, spec=GenerateSpec(**spec), session_key=session)
-    events: list[TokenEvent] = []
-    async for ev in engine.generate(request):
-        if isinstance(ev, Done):
-            return events, ev
-        events.append(ev)
-    raise AssertionError("no Done")
 
 
 def decoded(events: list[TokenEvent]) -> list[int]:

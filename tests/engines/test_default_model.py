@@ -8,11 +8,10 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from prismgate.core.actions import GenerateSpec, PositionRange
-from prismgate.core.events import Done, TokenEvent
-from prismgate.engines.base import EngineRequest
+from prismgate.core.actions import PositionRange
 from prismgate.engines.hf import TransformersEngine
 from prismgate.engines.models import DEFAULT_MODEL_ID, default_model_path
+from tests.engines.requests import run
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -23,18 +22,6 @@ async def smol() -> Any:
     await engine.start()
     yield engine
     await engine.close()
-
-
-async def run(
-    engine: Any, tokens: tuple[int, ...], session: str | None = None, **spec: Any
-) -> tuple[list[TokenEvent], Done]:
-    request = EngineRequest(uuid.uuid4().hex, tokens, GenerateSpec(**spec), session_key=session)
-    events: list[TokenEvent] = []
-    async for ev in engine.generate(request):
-        if isinstance(ev, Done):
-            return events, ev
-        events.append(ev)
-    raise AssertionError("no Done")
 
 
 def chat(engine: Any, *messages: str) -> tuple[int, ...]:

@@ -12,7 +12,6 @@ Tolerances, with the largest differences measured here (tiny model / SmolLM2-135
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -20,25 +19,15 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from prismgate.core.actions import GenerateSpec, PositionRange
-from prismgate.core.events import Done, TokenEvent
-from prismgate.engines.base import EngineRequest
+from prismgate.core.actions import PositionRange
+from prismgate.core.events import TokenEvent
+from tests.engines.requests import run
 from tests.engines.vllm_factory import make_vllm_engine, require_vllm
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 LOGPROB_TOL = 1e-3
 READOUT_RTOL = 1e-3
-
-
-async def run(engine: Any, tokens: tuple[int, ...], **spec: Any) -> tuple[list[TokenEvent], Done]:
-    request = EngineRequest(uuid.uuid4().hex, tokens, GenerateSpec(**spec))
-    events: list[TokenEvent] = []
-    async for ev in engine.generate(request):
-        if isinstance(ev, Done):
-            return events, ev
-        events.append(ev)
-    raise AssertionError("no Done")
 
 
 async def pair(model_dir: Path, pack: Path | None, model_id: str) -> tuple[Any, Any]:

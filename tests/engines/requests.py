@@ -1,0 +1,23 @@
+"""Driving an engine directly with one request, as the engine tests do."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from prismgate.core.actions import GenerateSpec
+from prismgate.core.events import Done, TokenEvent
+from prismgate.engines.base import EngineRequest
+
+
+async def run(
+    engine: Any, tokens: tuple[int, ...], session: str | None = None, **spec: Any
+) -> tuple[list[TokenEvent], Done]:
+    """Generate with ``GenerateSpec(**spec)``; the events before Done, and Done."""
+    request = EngineRequest(request_id=uuid.uuid4().hex, tokens=tokens, spec=GenerateSpec(**spec), session_key=session)
+    events: list[TokenEvent] = []
+    async for ev in engine.generate(request):
+        if isinstance(ev, Done):
+            return events, ev
+        events.append(ev)
+    raise AssertionError("the engine stream ended without Done")
