@@ -295,8 +295,8 @@ async def main(args: argparse.Namespace) -> int:
 async def _collect(engine: Any, tokens: list[int], spec: Any) -> list[Any]:
     import uuid
 
+    from prismgate.core.engine import EngineRequest
     from prismgate.core.events import Done
-    from prismgate.engines.base import EngineRequest
 
     events = []
     async for ev in engine.generate(EngineRequest(uuid.uuid4().hex, tuple(tokens), spec)):

@@ -12,14 +12,14 @@ protocols (Evergreen, OpenAI) release one character per token.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import numpy as np
 
 from prismgate.core.actions import covered
+from prismgate.core.engine import EngineInfo, EngineRequest, ReadoutManifest
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, Event, FinishReason, TokenEvent
-from prismgate.engines.base import EngineInfo, EngineRequest, ReadoutManifest
 from prismgate.engines.tokenizer import HFTokenizer
 
 NULL_MODEL_ID = "null"
@@ -84,7 +84,7 @@ class NullEngine:
     def in_flight(self) -> int:
         return self._active
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[Event]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[Event, None]:
         spec = request.spec
         n = len(request.tokens)
         shape = self.info.readouts.shape if self.info.readouts is not None else None

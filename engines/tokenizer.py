@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from prismgate.core.engine import ChatMessage
 from prismgate.core.errors import invalid
-from prismgate.engines.base import ChatMessage
 
 
 class HFTokenizer:

@@ -32,8 +32,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 if TYPE_CHECKING:
+    from prismgate.core.engine import EngineInfo
     from prismgate.core.service import SessionService
-    from prismgate.engines.base import EngineInfo
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 """Fallback registry for an app built without a Gateway (it then holds process metrics only)."""

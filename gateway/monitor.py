@@ -200,6 +200,10 @@ class GatewayMonitor:
     # -- shutdown -----------------------------------------------------------------------
 
     @property
+    def refused(self, protocol: str, code: Code) -> None:
+        """Count a request refused before it reached a generation (auth, parse, validation)."""
+        self.metrics.errors.labels(protocol, code.name).inc()
+
     def in_flight(self) -> int:
         return len(self._in_flight)
 
@@ -232,10 +236,3 @@ class GatewayMonitor:
             self._cut.add(task)
             task.cancel("the gateway is shutting down")
         return len(tasks)
-
-
-def count_error(service: SessionService, protocol: str, code: Code) -> None:
-    """For codecs: count a request refused before it reached the core (bad wire input, auth)."""
-    monitor = service.monitor
-    if isinstance(monitor, GatewayMonitor):
-        monitor.metrics.errors.labels(protocol, code.name).inc()

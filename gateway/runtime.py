@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from prismgate.core.engine import Engine
+from prismgate.core.pool import EnginePool
 from prismgate.core.service import SessionService
 from prismgate.core.session import SessionStore
-from prismgate.engines.base import Engine
 from prismgate.engines.models import DEFAULT_MODEL_ID, resolve_model
-from prismgate.engines.pool import EnginePool
 from prismgate.engines.readouts.pack import DEFAULT_PACKS
 from prismgate.settings import Settings
 

@@ -31,8 +31,8 @@ import numpy.typing as npt
 
 from prismgate.codecs.graphpipe.wire import INTEGER_TYPES, InferCall, OutTensor, WireTensor, type_name
 from prismgate.core.actions import MAX_TOP_LOGPROBS, GenerateSpec, PositionRange
+from prismgate.core.engine import EngineInfo, ReadoutManifest
 from prismgate.core.errors import Code, GatewayError, invalid
-from prismgate.engines.base import EngineInfo, ReadoutManifest
 from prismgate.schemas.graphpipe.fb.graphpipe_generated import Type
 
 PROMPT, TOKENS = "prompt", "tokens"

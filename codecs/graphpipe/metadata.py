@@ -9,7 +9,7 @@ from __future__ import annotations
 from prismgate import __version__
 from prismgate.codecs.graphpipe.mapping import CONFIG_KEYS, DEFAULT_OUTPUTS, PAD_ID
 from prismgate.codecs.graphpipe.wire import IOSpec, Metadata
-from prismgate.engines.base import EngineInfo
+from prismgate.core.engine import EngineInfo
 from prismgate.schemas.graphpipe.fb.graphpipe_generated import Type
 
 SERVER = "prismgate"

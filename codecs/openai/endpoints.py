@@ -25,9 +25,9 @@ from prismgate.codecs.openai.formats import ChatFormat, CompletionFormat, Format
 from prismgate.codecs.openai.generation import Generation, Piece, Plan, plan_chat, plan_completion
 from prismgate.codecs.openai.request import Common, parse_chat, parse_completion
 from prismgate.codecs.openai.tokens import TokenTexts
+from prismgate.core.engine import EngineInfo
 from prismgate.core.errors import GatewayError
 from prismgate.core.service import SessionService
-from prismgate.engines.base import EngineInfo
 from prismgate.settings import Settings
 
 T = TypeVar("T")

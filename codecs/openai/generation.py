@@ -25,10 +25,10 @@ from prismgate.codecs.openai.request import ChatRequest, Common, CompletionReque
 from prismgate.codecs.openai.tokens import TokenTexts
 from prismgate.core.actions import GenerateAction, GenerateSpec, ImageInput, PositionRange
 from prismgate.core.chat import render, render_continuation
+from prismgate.core.engine import EngineInfo
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, Event, FinishReason, TokenEvent
 from prismgate.core.service import SessionService
-from prismgate.engines.base import EngineInfo
 from prismgate.settings import Settings
 
 ORIGIN = "openai"

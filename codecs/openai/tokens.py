@@ -15,7 +15,7 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from prismgate.engines.base import Tokenizer
+from prismgate.core.engine import Tokenizer
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from prismgate.core.actions import GenerateAction, GenerateSpec, ImageInput, PositionRange
+from prismgate.core.engine import ReadoutManifest
 from prismgate.core.events import Done, FinishReason, TokenEvent
-from prismgate.engines.base import ReadoutManifest
 from prismgate.schemas import salience_pb2 as pb
 
 ORIGIN = "salience"

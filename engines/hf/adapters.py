@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from prismgate.core.engine import VisionTokens
 from prismgate.core.errors import invalid
 from prismgate.core.session import ImageSpan
-from prismgate.engines.base import VisionTokens
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

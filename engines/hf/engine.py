@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from prismgate.core.actions import covered, first_covered
+from prismgate.core.engine import EngineInfo, EngineRequest, ReadoutManifest
 from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.core.events import Done, Event, FinishReason, TokenEvent
-from prismgate.engines.base import EngineInfo, EngineRequest, ReadoutManifest
 from prismgate.engines.hf.adapters import ModelAdapter, load_adapter
 from prismgate.engines.hf.sampling import logprobs_of, sample
 from prismgate.engines.readouts.pack import ConceptPack
@@ -75,7 +75,7 @@ class _Job:
 
 
 class TransformersEngine:
-    """An :class:`~prismgate.engines.base.Engine` on PyTorch + transformers."""
+    """An :class:`~prismgate.core.engine.Engine` on PyTorch + transformers."""
 
     def __init__(
         self,
@@ -167,7 +167,7 @@ class TransformersEngine:
 
     # -- the Engine contract -----------------------------------------------------------
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[Event]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[Event, None]:
         if self._thread is None:
             raise GatewayError(Code.UNAVAILABLE, "the engine is not started")
         job = _Job(request, asyncio.get_running_loop(), asyncio.Queue(), next(self._order))

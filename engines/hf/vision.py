@@ -41,9 +41,9 @@ from typing import Any
 
 import torch
 
+from prismgate.core.engine import VisionTokens
 from prismgate.core.errors import invalid
 from prismgate.core.session import ImageSpan
-from prismgate.engines.base import VisionTokens
 from prismgate.engines.hf.adapters import ModelAdapter, check_cache
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # encoded size of one image

@@ -32,8 +32,8 @@ import numpy.typing as npt
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
+from prismgate.core.engine import ReadoutManifest
 from prismgate.core.errors import invalid
-from prismgate.engines.base import ReadoutManifest
 
 FORMAT = "prismgate.concept-pack/1"
 LAYER_CONVENTION = "residual stream after decoder layer L"

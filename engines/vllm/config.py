@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prismgate.core.engine import EngineInfo, ReadoutManifest
 from prismgate.core.errors import invalid
-from prismgate.engines.base import EngineInfo, ReadoutManifest
 from prismgate.engines.tokenizer import HFTokenizer
 from prismgate.engines.vllm.vision import VISION_MODEL_TYPES, vision_tokens
 

@@ -50,14 +50,14 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
 from prismgate.core.actions import covered
+from prismgate.core.engine import EngineInfo, EngineRequest
 from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.core.events import Done, Event, FinishReason, TokenEvent
-from prismgate.engines.base import EngineInfo, EngineRequest
 from prismgate.engines.readouts.pack import ConceptPack
 from prismgate.engines.vllm import config, events, inputs
 from prismgate.engines.vllm.plan import Plan, check, make_plan, must_skip_cache, request_wants, wants
@@ -76,7 +76,7 @@ def vllm_available() -> bool:
 
 
 class VLLMEngine:
-    """An :class:`~prismgate.engines.base.Engine` on vLLM's ``AsyncLLM``."""
+    """An :class:`~prismgate.core.engine.Engine` on vLLM's ``AsyncLLM``."""
 
     def __init__(
         self,
@@ -225,7 +225,7 @@ class VLLMEngine:
         """Requests vLLM still tracks (for tests and health checks)."""
         return 0 if self._llm is None else int(self._llm.get_num_unfinished_requests())
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[Event]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[Event, None]:
         if self._llm is None or self._receiver is None:
             raise GatewayError(Code.UNAVAILABLE, "the engine is not started")
         if self._closing:

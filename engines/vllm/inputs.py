@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prismgate.engines.base import EngineRequest, VisionTokens
+from prismgate.core.engine import EngineRequest, VisionTokens
 from prismgate.engines.vllm.plan import Plan
 from prismgate.engines.vllm.vision import collapse, decode_image
 from prismgate.engines.vllm.worker import EXTRA_KEY

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prismgate.core.actions import PositionRange, covered
+from prismgate.core.engine import EngineInfo, EngineRequest
 from prismgate.core.errors import Code, GatewayError, invalid
-from prismgate.engines.base import EngineInfo, EngineRequest
 from prismgate.engines.vllm.store import SessionValues
 
 

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from prismgate.core.engine import VisionTokens
 from prismgate.core.errors import invalid
 from prismgate.core.session import ImageSpan
-from prismgate.engines.base import VisionTokens
 
 VISION_MODEL_TYPES = {"qwen2_vl", "qwen2_5_vl"}
 

@@ -31,8 +31,8 @@ from prismgate.core.errors import invalid, precondition
 from prismgate.core.session import ImageSpan
 
 if TYPE_CHECKING:
+    from prismgate.core.engine import ChatMessage, EngineInfo
     from prismgate.core.service import SessionService
-    from prismgate.engines.base import ChatMessage, EngineInfo
 
 ROLES = {"user": "user", "assistant": "assistant", "model": "assistant", "system": "system", "tool": "tool"}
 _PLACEHOLDER_BASE = 0xE000  # Unicode private use area: never in real prompts' special tokens

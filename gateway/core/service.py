@@ -23,12 +23,12 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Protocol
 
 from prismgate.core.actions import GenerateAction, GenerateSpec, ImageInput
+from prismgate.core.engine import EngineInfo, EngineRequest, VisionTokens
 from prismgate.core.errors import Code, GatewayError, exhausted, invalid, precondition
 from prismgate.core.events import Done, Event, FinishReason, TokenEvent
+from prismgate.core.pool import EnginePool
 from prismgate.core.session import ImageSpan, Session, SessionStore
 from prismgate.core.text import TextStream
-from prismgate.engines.base import EngineInfo, EngineRequest, VisionTokens
-from prismgate.engines.pool import EnginePool
 
 
 class GenerationMonitor(Protocol):
@@ -43,12 +43,18 @@ class GenerationMonitor(Protocol):
         self, action: GenerateAction, session_id: str, request_id: str, events: AsyncGenerator[Event, None]
     ) -> AsyncGenerator[Event, None]: ...
 
+    def refused(self, protocol: str, code: Code) -> None:
+        """A request of ``protocol`` was refused before it reached a generation (auth, parse, validation)."""
+
 
 class _PassThrough:
     def watch(
         self, action: GenerateAction, session_id: str, request_id: str, events: AsyncGenerator[Event, None]
     ) -> AsyncGenerator[Event, None]:
         return events
+
+    def refused(self, protocol: str, code: Code) -> None:
+        pass
 
 
 class SessionService:
@@ -202,7 +208,7 @@ class SessionService:
             else:
                 raise GatewayError(Code.INTERNAL, "the engine stream ended without a Done event")
         finally:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
         if done.finish_reason is not FinishReason.CANCELLED:
             session.tokens.extend(generated)
         yield done

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from prismgate.core.errors import Code, GatewayError
-from prismgate.engines.pool import Admission
+from prismgate.core.pool import Admission
 
 
 async def test_waiters_run_lowest_priority_value_first_then_fifo() -> None:

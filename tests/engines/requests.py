@@ -6,8 +6,8 @@ import uuid
 from typing import Any
 
 from prismgate.core.actions import GenerateSpec
+from prismgate.core.engine import EngineRequest
 from prismgate.core.events import Done, TokenEvent
-from prismgate.engines.base import EngineRequest
 
 
 async def run(

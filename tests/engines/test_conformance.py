@@ -16,8 +16,8 @@ import pytest
 import pytest_asyncio
 
 from prismgate.core.actions import GenerateSpec, PositionRange
+from prismgate.core.engine import EngineRequest
 from prismgate.core.events import FinishReason, TokenEvent
-from prismgate.engines.base import EngineRequest
 from tests.engines.conftest import with_eos
 from tests.engines.requests import run
 

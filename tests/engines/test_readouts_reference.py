@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from prismgate.core.actions import GenerateSpec, PositionRange
+from prismgate.core.engine import EngineRequest
 from prismgate.core.events import Done, TokenEvent
-from prismgate.engines.base import EngineRequest
 from prismgate.engines.hf import TransformersEngine
 from prismgate.engines.readouts.pack import ConceptPack
 

@@ -23,11 +23,11 @@ import torch
 from prismgate.core.actions import GenerateAction, GenerateSpec, ImageInput, PositionRange
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, Event, TokenEvent
+from prismgate.core.pool import EnginePool
 from prismgate.core.service import SessionService
 from prismgate.core.session import ImageSpan, SessionStore
 from prismgate.engines.hf.engine import TransformersEngine
 from prismgate.engines.hf.vision import Qwen2VLAdapter
-from prismgate.engines.pool import EnginePool
 from prismgate.engines.readouts.pack import ConceptPack
 from tests.vision_model import (
     IM_END,

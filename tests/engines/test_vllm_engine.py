@@ -20,9 +20,9 @@ import pytest
 import pytest_asyncio
 
 from prismgate.core.actions import GenerateSpec, PositionRange
+from prismgate.core.engine import EngineRequest
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, FinishReason, TokenEvent
-from prismgate.engines.base import EngineRequest
 from tests.engines.vllm_factory import make_vllm_engine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

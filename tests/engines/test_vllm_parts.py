@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from prismgate.core.engine import VisionTokens
 from prismgate.core.errors import GatewayError
 from prismgate.core.session import ImageSpan
-from prismgate.engines.base import VisionTokens
 from prismgate.engines.vllm.channel import StepPacket, decode_step, encode_step
 from prismgate.engines.vllm.events import decode_logprob
 from prismgate.engines.vllm.plan import ranges

@@ -7,9 +7,9 @@ import pytest
 
 from prismgate.codecs.salience import convert
 from prismgate.core.actions import PositionRange
+from prismgate.core.engine import ReadoutManifest
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, FinishReason, TokenEvent
-from prismgate.engines.base import ReadoutManifest
 from prismgate.schemas import salience_pb2 as pb
 
 Finish = pb.GenerateDone.FinishReason

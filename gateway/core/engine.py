@@ -7,7 +7,7 @@ type or a session object. Every engine passes the same conformance suite
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypedDict, runtime_checkable
 
@@ -102,7 +102,7 @@ class Engine(Protocol):
     async def close(self) -> None:
         """Stop work and free resources. In-flight generations end CANCELLED."""
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[Event]:
+    def generate(self, request: EngineRequest) -> AsyncGenerator[Event, None]:
         """Stream TokenEvents then one Done. Closing the iterator cancels the request."""
         ...
 

@@ -10,11 +10,11 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
+from prismgate.core.engine import Engine, EngineRequest
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Event
-from prismgate.engines.base import Engine, EngineRequest
 
 
 class Admission:
@@ -103,7 +103,7 @@ class EnginePool:
         for engine in self._engines.values():
             engine.release(session_key)
 
-    async def generate(self, model: str | None, request: EngineRequest) -> AsyncIterator[Event]:
+    async def generate(self, model: str | None, request: EngineRequest) -> AsyncGenerator[Event, None]:
         engine = self.engine(model)
         async with self.admission.slot(request.spec.priority):
             stream = engine.generate(request)
@@ -111,4 +111,4 @@ class EnginePool:
                 async for event in stream:
                     yield event
             finally:
-                await stream.aclose()  # type: ignore[attr-defined]
+                await stream.aclose()

@@ -1,0 +1,72 @@
+"""One table from core error codes to every wire's status.
+
+The core speaks gRPC's vocabulary (:class:`~prismgate.core.errors.Code`); each wire
+needs its own number for the same failure. Keeping the numbers in one table means a
+client sees the same kind of failure the same way whichever protocol it speaks:
+
+* HTTP (OpenAI, GraphPipe when it answers with HTTP statuses, the gateway's own
+  routes): Google's canonical mapping of gRPC codes to HTTP (as grpc-gateway and the
+  Google API error model use it), with 499 for a client that went away;
+* Evergreen over WebSocket: the session is aborted with close code ``4000 + HTTP
+  status`` (application close codes live in 4000-4999);
+* gRPC: the code itself.
+
+FAILED_PRECONDITION is 400 everywhere (the request does not fit the session's state
+and repeating it unchanged will not help), ABORTED is 409 (a concurrency conflict a
+retry may clear), RESOURCE_EXHAUSTED is 429 (a payload over a size limit can be
+refined to 413 by the codec that read the body).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prismgate.core.errors import Code
+
+
+@dataclass(frozen=True, slots=True)
+class WireStatus:
+    """How one core code appears on each wire."""
+
+    http: int
+    grpc_name: str
+
+    @property
+    def close_code(self) -> int:
+        """The Evergreen WebSocket close code."""
+        return 4000 + self.http
+
+
+WIRE_STATUS: dict[Code, WireStatus] = {
+    Code.CANCELLED: WireStatus(499, "CANCELLED"),
+    Code.INVALID_ARGUMENT: WireStatus(400, "INVALID_ARGUMENT"),
+    Code.NOT_FOUND: WireStatus(404, "NOT_FOUND"),
+    Code.RESOURCE_EXHAUSTED: WireStatus(429, "RESOURCE_EXHAUSTED"),
+    Code.FAILED_PRECONDITION: WireStatus(400, "FAILED_PRECONDITION"),
+    Code.ABORTED: WireStatus(409, "ABORTED"),
+    Code.INTERNAL: WireStatus(500, "INTERNAL"),
+    Code.UNAVAILABLE: WireStatus(503, "UNAVAILABLE"),
+    Code.UNAUTHENTICATED: WireStatus(401, "UNAUTHENTICATED"),
+}
+
+_INTERNAL = WIRE_STATUS[Code.INTERNAL]
+
+
+def wire_status(code: Code) -> WireStatus:
+    return WIRE_STATUS.get(code, _INTERNAL)
+
+
+def http_status(code: Code) -> int:
+    return wire_status(code).http
+
+
+def close_code(code: Code) -> int:
+    return wire_status(code).close_code
+
+
+def code_of_close(close: int) -> Code | None:
+    """The core code an Evergreen close code stands for (the first, where two share an HTTP status)."""
+    for code, status in WIRE_STATUS.items():
+        if status.close_code == close:
+            return code
+    return None
