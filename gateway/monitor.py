@@ -199,11 +199,11 @@ class GatewayMonitor:
 
     # -- shutdown -----------------------------------------------------------------------
 
-    @property
     def refused(self, protocol: str, code: Code) -> None:
         """Count a request refused before it reached a generation (auth, parse, validation)."""
         self.metrics.errors.labels(protocol, code.name).inc()
 
+    @property
     def in_flight(self) -> int:
         return len(self._in_flight)
 
