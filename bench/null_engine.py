@@ -20,6 +20,7 @@ from prismgate.core.actions import covered
 from prismgate.core.engine import EngineInfo, EngineRequest, ReadoutManifest
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, Event, FinishReason, TokenEvent
+from prismgate.core.health import LOADING, READY, Health
 from prismgate.engines.tokenizer import HFTokenizer
 
 NULL_MODEL_ID = "null"
@@ -74,6 +75,9 @@ class NullEngine:
 
     async def close(self) -> None:
         return None
+
+    def health(self) -> Health:
+        return LOADING if self.info is None else READY
 
     def image_tokens(self, data: bytes, mime: str) -> int:
         raise GatewayError(Code.FAILED_PRECONDITION, "the null engine takes no images")

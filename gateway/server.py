@@ -189,7 +189,7 @@ class Gateway:
         t0 = loop.time()
 
         # 1. stop accepting
-        self.service.pool.ready = False  # /readyz answers 503: load balancers take this replica out
+        self.service.pool.begin_stopping()  # /readyz answers 503: load balancers take this replica out
         self.metrics.ready.set(0)
         self.monitor.start_draining()
         if self._health is not None:

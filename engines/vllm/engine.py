@@ -49,7 +49,6 @@ import itertools
 import logging
 import os
 import secrets
-import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
@@ -58,6 +57,7 @@ from prismgate.core.actions import covered
 from prismgate.core.engine import EngineInfo, EngineRequest
 from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.core.events import Done, Event, FinishReason, TokenEvent
+from prismgate.core.health import LOADING, READY, STOPPING, Health
 from prismgate.engines.readouts.pack import ConceptPack
 from prismgate.engines.vllm import config, events, inputs
 from prismgate.engines.vllm.plan import Plan, check, make_plan, must_skip_cache, request_wants, wants
@@ -212,6 +212,11 @@ class VLLMEngine:
         self._store.release(session_key)
         self._salts.pop(session_key, None)  # a new salt: vLLM's blocks for it can never be hit again
 
+    def health(self) -> Health:
+        if self._closing:
+            return STOPPING
+        return LOADING if self._llm is None or self.info is None else READY
+
     def in_flight(self) -> int:
         """Generations this engine is running now."""
         return len(self._active)
@@ -233,9 +238,8 @@ class VLLMEngine:
         spec = request.spec
         n = len(request.tokens)
         check(request, self.info, self._pack is not None)
-        t0 = time.perf_counter()
         if n == 0:  # nothing to run: only a prefill-only call on an empty timeline gets here
-            yield Done(0, 0, FinishReason.PREFILL_ONLY, timings={"total_s": 0.0})
+            yield Done(0, 0, FinishReason.PREFILL_ONLY)
             return
         plan = make_plan(
             request, self.info, self._pack is not None, self._store.lookup(request.session_key, request.tokens)
@@ -298,7 +302,6 @@ class VLLMEngine:
                 finish_reason=finish,
                 cached_tokens=cached,
                 prefilled_tokens=n - cached,
-                timings={"total_s": time.perf_counter() - t0},
             )
         except GatewayError:
             raise

@@ -8,11 +8,12 @@ type or a session object. Every engine passes the same conformance suite
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, TypedDict, runtime_checkable
 
 from prismgate.core.actions import GenerateSpec
 from prismgate.core.events import Event
+from prismgate.core.health import Health
 from prismgate.core.session import ImageSpan
 
 
@@ -89,7 +90,6 @@ class EngineRequest:
     spec: GenerateSpec
     images: tuple[ImageSpan, ...] = ()
     session_key: str | None = None
-    metadata: dict[str, str] = field(default_factory=dict)
 
 
 class Engine(Protocol):
@@ -98,6 +98,11 @@ class Engine(Protocol):
 
     async def start(self) -> None:
         """Load the model; after this returns the engine serves requests."""
+
+    def health(self) -> Health:
+        """LOADING until start() returns, then READY; FAILED (with the reason) when loading
+        failed or the engine can no longer serve; STOPPING once close() has begun."""
+        ...
 
     async def close(self) -> None:
         """Stop work and free resources. In-flight generations end CANCELLED."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -50,7 +50,6 @@ class Done:
     prefilled_tokens: int = 0  # prompt tokens the engine actually ran through the model
     stop_string: str | None = None
     text: str | None = None  # text held back until the end (see prismgate.core.text)
-    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:

@@ -12,9 +12,11 @@ import heapq
 import itertools
 from collections.abc import AsyncGenerator, AsyncIterator
 
+from prismgate.core import health
 from prismgate.core.engine import Engine, EngineRequest
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Event
+from prismgate.core.health import Health
 
 
 class Admission:
@@ -75,7 +77,7 @@ class EnginePool:
         self._engines = {e.model_id: e for e in engines}
         self.default_model = engines[0].model_id
         self.admission = Admission(max_active, max_queued)
-        self.ready = False
+        self._stopping = False
 
     @property
     def models(self) -> list[str]:
@@ -89,13 +91,27 @@ class EnginePool:
             raise GatewayError(Code.NOT_FOUND, f"model {name!r} is not served here; this server serves {served}")
         return engine
 
+    def health(self) -> Health:
+        """READY only when every engine is; otherwise the state that keeps the pool from serving."""
+        if self._stopping:
+            return health.STOPPING
+        return health.worst([engine.health() for engine in self._engines.values()])
+
+    @property
+    def ready(self) -> bool:
+        return self.health().ready
+
+    def begin_stopping(self) -> None:
+        """Report STOPPING from now on, before :meth:`close`: probes take this replica out while
+        in-flight generations finish."""
+        self._stopping = True
+
     async def start(self) -> None:
         for engine in self._engines.values():
             await engine.start()
-        self.ready = True
 
     async def close(self) -> None:
-        self.ready = False
+        self._stopping = True
         for engine in self._engines.values():
             await engine.close()
 

@@ -17,7 +17,9 @@ import pytest_asyncio
 
 from prismgate.core.actions import GenerateSpec, PositionRange
 from prismgate.core.engine import EngineRequest
+from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import FinishReason, TokenEvent
+from prismgate.core.health import HealthState
 from tests.engines.conftest import with_eos
 from tests.engines.requests import run
 
@@ -51,6 +53,17 @@ async def test_info_describes_the_model(engine: Any) -> None:
     assert info.eos_token_ids
     assert info.readouts is not None and info.readouts.shape == (2, 3)
     assert info.tokenizer.decode(info.tokenizer.encode("héllo")) == "héllo"
+
+
+async def test_health_is_loading_until_started_then_ready(
+    engine: Any, engine_factory: Any, tiny_model_dir: Path, tiny_pack: Path
+) -> None:
+    unstarted = engine_factory(tiny_model_dir, tiny_pack)
+    assert unstarted.health().state is HealthState.LOADING and not unstarted.health().ready
+    with pytest.raises(GatewayError) as refused:
+        await run(unstarted, (1, 2, 3), max_tokens=1)
+    assert refused.value.code is Code.UNAVAILABLE
+    assert engine.health().state is HealthState.READY and engine.health().ready
 
 
 async def test_greedy_is_deterministic_and_positions_follow_the_prompt(engine: Any) -> None:

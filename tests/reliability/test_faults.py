@@ -274,6 +274,9 @@ class FailingEngine:
     async def close(self) -> None:
         await self.inner.close()
 
+    def health(self) -> Any:
+        return self.inner.health()
+
     def image_tokens(self, data: bytes, mime: str) -> int:
         return int(self.inner.image_tokens(data, mime))
 

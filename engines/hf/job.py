@@ -1,0 +1,53 @@
+"""One request as the worker thread sees it: its timeline, its KV cache and how far it has got."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from prismgate.core.engine import EngineRequest
+from prismgate.core.events import Event, FinishReason, TokenEvent
+from prismgate.engines.hf.bridge import EventChannel
+
+
+@dataclass(eq=False)
+class Job:
+    request: EngineRequest
+    channel: EventChannel
+    order: int = 0  # submission order: ties in priority go first come, first served
+    # model state, owned by the worker thread
+    started: bool = False
+    cache: Any = None
+    cached: list[int] = field(default_factory=list)  # token ids whose keys/values are in `cache`
+    timeline: list[int] = field(default_factory=list)  # prompt, then generated tokens
+    reused: int = 0  # prompt tokens served from the session's cache
+    next_prefill: int = 0
+    next_logits: torch.Tensor | None = None  # predicts position len(cached)
+    held: TokenEvent | None = None  # a decoded token waiting for its readout
+    generated: int = 0
+    finish: FinishReason | None = None  # decided; Done goes out once the last readout is in
+    generator: torch.Generator | None = None
+    ended: bool = False  # Done or an error went out: the scheduler drops the job
+
+    @property
+    def cancelled(self) -> bool:
+        return self.channel.closed
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.tokens)
+
+    @property
+    def decoding(self) -> bool:
+        """The next step feeds the last sampled token: a plain decode step, batchable."""
+        return (
+            self.started
+            and self.finish is None
+            and self.next_prefill >= self.prompt_len
+            and len(self.timeline) > self.prompt_len
+        )
+
+    def emit(self, item: Event | BaseException) -> None:
+        self.channel.send(item)

@@ -1,0 +1,84 @@
+"""KV reuse between turns: each session's cache is kept, and a new turn runs only what changed.
+
+A session's KV cache (and the token ids it holds) is kept after its turn, least recently
+used first out once the total passes ``max_tokens``. The next turn of that session keeps the
+longest prefix its tokens share with the cache and runs the rest through the model, except
+positions the client asked logprobs or readouts for: the cache keeps keys and values, not
+logits or hidden states, so those are recomputed rather than missing or stale.
+
+The caches are touched by the worker thread only; other threads ask for a release through
+the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from prismgate.core.actions import GenerateSpec, first_covered
+from prismgate.core.session import ImageSpan
+from prismgate.engines.hf.adapters import ModelAdapter
+
+
+class SessionCaches:
+    """KV caches by session key, bounded by the tokens they hold (LRU)."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self._caches: OrderedDict[str, tuple[Any, list[int]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._caches)
+
+    def take(self, key: str | None) -> tuple[Any, list[int]]:
+        """The session's cache and its token ids, now owned by the caller; (None, []) if none is kept."""
+        if key is None or key not in self._caches:
+            return None, []
+        return self._caches.pop(key)
+
+    def keep(self, key: str, cache: Any, tokens: list[int]) -> None:
+        self._caches[key] = (cache, tokens)
+        self._caches.move_to_end(key)
+        total = sum(len(t) for _, t in self._caches.values())
+        while total > self.max_tokens and len(self._caches) > 1:
+            _, (_, dropped) = self._caches.popitem(last=False)
+            total -= len(dropped)
+
+    def forget(self, key: str) -> None:
+        self._caches.pop(key, None)
+
+
+def resume(
+    adapter: ModelAdapter,
+    cache: Any,
+    cached: Sequence[int],
+    tokens: Sequence[int],
+    images: Sequence[ImageSpan],
+    spec: GenerateSpec,
+) -> tuple[Any, int]:
+    """(the cache to run this turn on, the position to start running from).
+
+    The cache comes back holding exactly ``tokens[:start]``: cropped when the turn keeps
+    less than was cached, new when nothing can be kept.
+    """
+    n = len(tokens)
+    start = 0
+    for a, b in zip(cached, tokens, strict=False):
+        if a != b:
+            break
+        start += 1
+    if spec.max_tokens > 0:
+        start = min(start, n - 1)  # the last prompt token's logits are needed to sample
+    first_lp = first_covered(spec.logprob_ranges)
+    if first_lp is not None and first_lp < n:
+        start = min(start, max(first_lp - 1, 0))
+    first_ro = first_covered(spec.readout_ranges)
+    if first_ro is not None and first_ro < n:
+        start = min(start, first_ro)
+    start = adapter.rewind_point(tokens, images, start, cache)
+    if cache is None or start == 0:
+        cache = adapter.new_cache()
+    elif start < len(cached):
+        cache.crop(start - len(cached))  # a negative count: tokens to drop from the end
+    return cache, start

@@ -1,0 +1,65 @@
+"""Loading: weights, tokenizer and concept pack in, the engine's :class:`EngineInfo` out."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from prismgate.core.engine import EngineInfo, ReadoutManifest
+from prismgate.engines.hf.adapters import ModelAdapter, load_adapter
+from prismgate.engines.readouts.pack import ConceptPack
+from prismgate.engines.readouts.probe import ReadoutProbe
+from prismgate.engines.tokenizer import HFTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    adapter: ModelAdapter
+    probe: ReadoutProbe | None  # hooks that read the residual stream, when a concept pack is loaded
+    info: EngineInfo
+
+
+def load(
+    model_path: Path,
+    *,
+    model_id: str,
+    concept_pack: str | Path | None,
+    device: str,
+    dtype: str,
+    max_model_len: int | None,
+) -> LoadedModel:
+    """Load on ``device`` ("auto": CUDA when there is one). Slow: call it off the event loop."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    adapter = load_adapter(model_path, device=device, dtype=dtype)
+    model = adapter.model
+    probe: ReadoutProbe | None = None
+    manifest: ReadoutManifest | None = None
+    if concept_pack is not None:
+        pack = ConceptPack.load(concept_pack)
+        probe = ReadoutProbe(model, pack)
+        manifest = pack.manifest
+    tokenizer = adapter.tokenizer
+    config = model.config.get_text_config()
+    limit = max_model_len or int(getattr(config, "max_position_embeddings", 4096))
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos_ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+    if not eos_ids and tokenizer.eos_token_id is not None:
+        eos_ids = (int(tokenizer.eos_token_id),)
+    info = EngineInfo(
+        model_id=model_id,
+        max_model_len=limit,
+        vocab_size=int(config.vocab_size),
+        eos_token_ids=eos_ids,
+        tokenizer=HFTokenizer(tokenizer),
+        readouts=manifest,
+        vision=adapter.vision_tokens,
+        engine_name="transformers",
+    )
+    log.info("loaded %s on %s (%s)", model_id, device, model.dtype)
+    return LoadedModel(adapter, probe, info)

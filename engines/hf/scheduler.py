@@ -1,0 +1,135 @@
+"""Scheduling: which request the worker thread steps next, on the one thread that runs the model.
+
+Requests are stepped best priority first, then first come, one step each per round, so
+streams interleave. Those whose next step is a plain decode step go together in one
+batched forward pass (:mod:`~prismgate.engines.hf.batched_decode`); the rest take their
+own step (:mod:`~prismgate.engines.hf.steps`). A request whose consumer is slow is skipped
+until it catches up (:mod:`~prismgate.engines.hf.bridge`); a cancelled one ends at its next
+turn. A failing step fails only the requests it was for: the worker keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+
+import torch
+
+from prismgate.core.errors import Code, GatewayError
+from prismgate.core.events import Done, FinishReason
+from prismgate.engines.hf.batched_decode import batch_members, decode_batch
+from prismgate.engines.hf.job import Job
+from prismgate.engines.hf.steps import Stepper
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, stepper: Stepper, *, max_batch: int, max_batch_tokens: int, threads: int | None = None) -> None:
+        self.stepper = stepper
+        self.max_batch = max_batch
+        self.max_batch_tokens = max_batch_tokens
+        self._threads = threads
+        self._cv = threading.Condition()  # guards the inbox, the releases and stopping
+        self._inbox: list[Job] = []
+        self._active: list[Job] = []  # owned by the worker thread
+        self._released: list[str] = []
+        self._order = itertools.count()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="prismgate-transformers", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    async def stop(self) -> None:
+        """Stop the worker; requests still running end CANCELLED."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join)
+
+    # -- called from the event loop ----------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self._stopping:
+                raise GatewayError(Code.UNAVAILABLE, "the engine is shutting down")
+            job.order = next(self._order)
+            self._inbox.append(job)
+            self._cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        if not job.channel.closed:
+            with self._cv:
+                job.channel.closed = True
+                self._cv.notify()
+
+    def release(self, session_key: str) -> None:
+        with self._cv:
+            self._released.append(session_key)
+            self._cv.notify()
+
+    def in_flight(self) -> int:
+        with self._cv:
+            return sum(1 for job in self._active if not job.ended) + len(self._inbox)
+
+    # -- the worker thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        if self._threads:
+            torch.set_num_threads(self._threads)
+        stepper = self.stepper
+        while True:
+            with self._cv:
+                while not (self._inbox or self._released or self._stopping) and not any(
+                    job.cancelled or not job.channel.paused for job in self._active
+                ):
+                    self._cv.wait(timeout=0.05 if self._active else None)
+                if self._stopping:
+                    break
+                self._active.extend(self._inbox)
+                self._inbox.clear()
+                released, self._released = self._released, []
+            for key in released:
+                stepper.caches.forget(key)
+            self._active.sort(key=lambda job: (job.request.spec.priority, job.order))
+            batch = batch_members(self._active, max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens)
+            if batch:
+                self._guarded(batch, functools.partial(decode_batch, stepper, batch))
+            for job in list(self._active):
+                if job in batch:
+                    continue
+                if job.cancelled:
+                    stepper.end(job, FinishReason.CANCELLED)
+                elif not job.channel.paused:
+                    self._guarded([job], functools.partial(stepper.step, job))
+            with self._cv:
+                self._active = [job for job in self._active if not job.ended]
+        with self._cv:
+            leftover = self._active + self._inbox
+            self._active, self._inbox = [], []
+        for job in leftover:
+            job.emit(Done(job.prompt_len, job.generated, FinishReason.CANCELLED))
+
+    def _guarded(self, jobs: list[Job], work: Callable[[], None]) -> None:
+        """Run model work for ``jobs``; a failure fails those requests, never the worker."""
+        try:
+            with torch.inference_mode():
+                work()
+        except Exception as exc:  # the model failed: report it, keep serving
+            error = exc if isinstance(exc, GatewayError) else None
+            if error is None:
+                log.exception("requests %s failed", [job.request.request_id for job in jobs])
+                error = GatewayError(Code.INTERNAL, f"engine error: {type(exc).__name__}: {exc}")
+            for job in jobs:
+                if not job.ended:
+                    self.stepper.fail(job, error)

@@ -1,0 +1,188 @@
+"""The step machine: one request advanced by one step at a time.
+
+A step is a prefill chunk of at most ``prefill_chunk`` prompt tokens, or one decode token.
+Small steps let the scheduler interleave requests, so a long prompt cannot stall other
+streams for its whole prefill. A decoded token whose readout was asked for is held until
+the next step has run it through the model (its hidden state appears only then).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from prismgate.core.actions import covered
+from prismgate.core.errors import Code, GatewayError
+from prismgate.core.events import Done, FinishReason, TokenEvent
+from prismgate.engines.hf.adapters import ModelAdapter
+from prismgate.engines.hf.job import Job
+from prismgate.engines.hf.kv_reuse import SessionCaches, resume
+from prismgate.engines.hf.sampling import logprobs_of, sample
+from prismgate.engines.readouts.probe import ReadoutProbe
+
+
+class Stepper:
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        probe: ReadoutProbe | None,
+        eos_token_ids: tuple[int, ...],
+        caches: SessionCaches,
+        stats: dict[str, int],
+        *,
+        prefill_chunk: int,
+    ) -> None:
+        self.adapter = adapter
+        self.probe = probe
+        self.eos_token_ids = eos_token_ids
+        self.caches = caches
+        self.stats = stats
+        self.prefill_chunk = prefill_chunk
+
+    def step(self, job: Job) -> None:
+        if not job.started:
+            self._begin(job)
+            if job.finish is not None:
+                self.end(job, job.finish)
+                return
+        spec = job.request.spec
+        n = job.prompt_len
+        if job.next_prefill < n:
+            end = self.adapter.chunk_end(
+                job.request.images, job.next_prefill, min(n, job.next_prefill + self.prefill_chunk)
+            )
+            self.feed(job, job.next_prefill, end)
+            job.next_prefill = end
+            if end < n:
+                return
+            if spec.max_tokens == 0:
+                self.end(job, FinishReason.PREFILL_ONLY)
+                return
+            self.decode_one(job)
+        elif job.finish is None:
+            # feed the last decoded token: yields its readout and the next distribution
+            position = len(job.timeline) - 1
+            self.feed(job, position, position + 1)
+            self.decode_one(job)
+        self.finish_if_done(job)
+
+    def finish_if_done(self, job: Job) -> None:
+        if job.finish is not None:
+            if job.held is not None:  # the last token still needs its readout
+                position = len(job.timeline) - 1
+                self.feed(job, position, position + 1)
+            self.end(job, job.finish)
+
+    def end(self, job: Job, reason: FinishReason) -> None:
+        """Send Done and keep the session's cache for its next turn."""
+        job.ended = True
+        key = job.request.session_key
+        if key is not None and job.cache is not None:
+            self.caches.keep(key, job.cache, job.cached)
+        prefilled = len(job.timeline) - job.reused - job.generated if job.started else 0
+        job.emit(
+            Done(
+                prompt_tokens=job.prompt_len,
+                completion_tokens=job.generated,
+                finish_reason=reason,
+                cached_tokens=job.reused,
+                prefilled_tokens=max(0, min(prefilled, job.prompt_len - job.reused)),
+            )
+        )
+
+    def fail(self, job: Job, error: GatewayError) -> None:
+        """End the request with ``error``; its cache is dropped, its contents may be half-written."""
+        job.ended = True
+        job.cache = None
+        job.cached = []
+        job.emit(error)
+
+    def _begin(self, job: Job) -> None:
+        job.started = True
+        request = job.request
+        spec = request.spec
+        tokens = list(request.tokens)
+        job.timeline = tokens
+        job.generator = torch.Generator(device="cpu")
+        job.generator.manual_seed(spec.seed if spec.seed is not None else int.from_bytes(np.random.bytes(7), "little"))
+        cache, cached = self.caches.take(request.session_key)
+        cache, start = resume(self.adapter, cache, cached, tokens, request.images, spec)
+        job.cache = cache
+        job.cached = tokens[:start]
+        job.reused = start
+        job.next_prefill = start
+        self.stats["reused_tokens"] += start
+        if start >= len(tokens) and spec.max_tokens == 0:
+            job.finish = FinishReason.PREFILL_ONLY
+
+    def feed(self, job: Job, start: int, end: int) -> None:
+        """Run positions [start, end) of the timeline through the model."""
+        spec = job.request.spec
+        n = job.prompt_len
+        ids = job.timeline[start:end]
+        # Rows whose logits are needed: row r predicts position start + r + 1. Keep
+        # the rows that score covered prompt positions (the one predicting `end` is
+        # carried to the next feed), and the row to sample the next token from.
+        scored = [p for p in range(max(start + 1, 1), min(end, n - 1) + 1) if covered(spec.logprob_ranges, p)]
+        rows = [p - 1 - start for p in scored]
+        needs_next = end >= n and spec.max_tokens > 0
+        if needs_next:
+            rows.append(end - 1 - start)
+        want_readouts = self.probe is not None and any(covered(spec.readout_ranges, p) for p in range(start, end))
+        if self.probe is not None:
+            self.probe.enabled = want_readouts
+        logits = self.adapter.forward(ids, job.cache, start, job.timeline, job.request.images, rows or [len(ids) - 1])
+        readouts = self.probe.take() if want_readouts and self.probe is not None else None
+        job.cached.extend(ids)
+        if end <= n:
+            self.stats["prefilled_tokens"] += len(ids)
+        row_of = {r: logits[i] for i, r in enumerate(rows)} if rows else {}
+        # prefill events, in position order
+        for p in range(start, min(end, n)):
+            lp_cov = covered(spec.logprob_ranges, p)
+            ro_cov = readouts is not None and covered(spec.readout_ranges, p)
+            if not (lp_cov or ro_cov):
+                continue
+            event = TokenEvent(id=job.timeline[p], position=p, is_prefill=True)
+            if lp_cov and p > 0:
+                prev = job.next_logits if p == start else row_of.get(p - 1 - start)
+                if prev is None:
+                    raise GatewayError(Code.INTERNAL, f"no logits kept for position {p}")
+                event.logprob, event.top_logprobs = logprobs_of(prev, event.id, spec.logprob_top_k)
+            if ro_cov and readouts is not None:
+                event.readout = readouts[p - start]
+            job.emit(event)
+        # a held decode event gets its readout from this feed
+        if job.held is not None and readouts is not None and start <= job.held.position < end:
+            job.held.readout = readouts[job.held.position - start]
+        if job.held is not None:
+            job.emit(job.held)
+            job.held = None
+        if needs_next:
+            job.next_logits = logits[-1]
+        elif end < n and covered(spec.logprob_ranges, end):
+            job.next_logits = row_of[end - 1 - start]
+        else:
+            job.next_logits = None
+
+    def decode_one(self, job: Job) -> None:
+        """Sample the next token from ``job.next_logits``; decide whether the request is finished."""
+        spec = job.request.spec
+        assert job.next_logits is not None and job.generator is not None
+        row = job.next_logits.to(device="cpu", dtype=torch.float32)  # the sampler's generator lives on the CPU
+        token = sample(row, spec, job.generator)
+        position = len(job.timeline)
+        event = TokenEvent(id=token, position=position, is_prefill=False)
+        if covered(spec.logprob_ranges, position):
+            event.logprob, event.top_logprobs = logprobs_of(row, token, spec.logprob_top_k)
+        job.timeline.append(token)
+        job.generated += 1
+        self.stats["decoded_tokens"] += 1
+        if self.probe is not None and covered(spec.readout_ranges, position):
+            job.held = event
+        else:
+            job.emit(event)
+        if token in spec.stop_token_ids or (not spec.ignore_eos and token in self.eos_token_ids):
+            job.finish = FinishReason.EOS
+        elif job.generated >= spec.max_tokens:
+            job.finish = FinishReason.LENGTH
