@@ -43,9 +43,13 @@ typecheck: setup
 	for d in codecs engines schemas; do ln -s ../../../$$d build/typecheck/prismgate/$$d; done
 	$(BIN)/mypy
 
+# lint-imports checks the layering contracts in pyproject.toml ([tool.importlinter]) on the
+# same link tree: codecs never import engines, the core imports nothing outside itself,
+# engines import only the core.
 lint: setup typecheck
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	PYTHONPATH=build/typecheck $(BIN)/lint-imports --no-logo --cache-dir build/import-linter
 
 format: setup
 	$(BIN)/ruff format .
