@@ -31,7 +31,3 @@ class HFTokenizer:
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
-
-    def token_id(self, text: str) -> int | None:
-        tid = self.hf.convert_tokens_to_ids(text)
-        return None if tid is None or tid == self.hf.unk_token_id else int(tid)

@@ -98,10 +98,10 @@ class Scheduler:
                     break
                 self._active.extend(self._inbox)
                 self._inbox.clear()
+                self._active.sort(key=lambda job: (job.request.spec.priority, job.order))
                 released, self._released = self._released, []
             for key in released:
                 stepper.caches.forget(key)
-            self._active.sort(key=lambda job: (job.request.spec.priority, job.order))
             batch = batch_members(self._active, max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens)
             if batch:
                 self._guarded(batch, functools.partial(decode_batch, stepper, batch))
