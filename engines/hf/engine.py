@@ -124,8 +124,8 @@ class TransformersEngine:
             return health.failed(self._failure)
         if self._scheduler is None:
             return health.LOADING
-        if not self._scheduler.alive:
-            return health.failed(f"{self.model_id}: the engine's worker thread has stopped")
+        if self._scheduler.failure is not None:
+            return health.failed(f"{self.model_id}: the worker thread failed: {self._scheduler.failure}")
         return health.READY
 
     # -- the Engine contract -----------------------------------------------------------

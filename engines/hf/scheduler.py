@@ -40,14 +40,11 @@ class Scheduler:
         self._released: list[str] = []
         self._order = itertools.count()
         self._stopping = False
+        self.failure: str | None = None  # why the worker thread broke down, if it did
         self._thread = threading.Thread(target=self._run, name="prismgate-transformers", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
     async def stop(self) -> None:
         """Stop the worker; requests still running end CANCELLED."""
@@ -61,6 +58,8 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         with self._cv:
+            if self.failure is not None:
+                raise GatewayError(Code.UNAVAILABLE, f"the engine has failed ({self.failure}); use another replica")
             if self._stopping:
                 raise GatewayError(Code.UNAVAILABLE, "the engine is shutting down")
             job.order = next(self._order)
@@ -85,6 +84,29 @@ class Scheduler:
     # -- the worker thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        """Serve until stopped. Should the loop itself break (a bug: model work is guarded), every
+        request still here fails at once rather than waiting forever, and the engine reports FAILED."""
+        try:
+            self._serve()
+        except BaseException as exc:
+            log.exception("the transformers engine's worker thread failed")
+            with self._cv:
+                self.failure = f"{type(exc).__name__}: {exc}"
+                self._stopping = True
+                leftover = self._active + self._inbox
+                self._active, self._inbox = [], []
+            error = GatewayError(Code.INTERNAL, f"engine error: the worker thread failed: {self.failure}")
+            for job in leftover:
+                if not job.ended:
+                    job.emit(error)
+            return
+        with self._cv:
+            leftover = self._active + self._inbox
+            self._active, self._inbox = [], []
+        for job in leftover:
+            job.emit(Done(job.prompt_len, job.generated, FinishReason.CANCELLED))
+
+    def _serve(self) -> None:
         if self._threads:
             torch.set_num_threads(self._threads)
         stepper = self.stepper
@@ -95,7 +117,7 @@ class Scheduler:
                 ):
                     self._cv.wait(timeout=0.05 if self._active else None)
                 if self._stopping:
-                    break
+                    return
                 self._active.extend(self._inbox)
                 self._inbox.clear()
                 self._active.sort(key=lambda job: (job.request.spec.priority, job.order))
@@ -114,11 +136,6 @@ class Scheduler:
                     self._guarded([job], functools.partial(stepper.step, job))
             with self._cv:
                 self._active = [job for job in self._active if not job.ended]
-        with self._cv:
-            leftover = self._active + self._inbox
-            self._active, self._inbox = [], []
-        for job in leftover:
-            job.emit(Done(job.prompt_len, job.generated, FinishReason.CANCELLED))
 
     def _guarded(self, jobs: list[Job], work: Callable[[], None]) -> None:
         """Run model work for ``jobs``; a failure fails those requests, never the worker."""

@@ -14,9 +14,11 @@ import pytest
 from prismgate.core import health
 from prismgate.core.actions import GenerateSpec
 from prismgate.core.engine import EngineRequest
+from prismgate.core.errors import Code, GatewayError
 from prismgate.core.health import Health, HealthState
 from prismgate.core.pool import EnginePool
-from prismgate.engines.hf import TransformersEngine
+from prismgate.engines.hf import TransformersEngine, scheduler
+from tests.engines.requests import run
 
 
 def engine(model_dir: Path, model_id: str = "tiny") -> TransformersEngine:
@@ -63,6 +65,32 @@ async def test_a_model_that_fails_to_load_reports_failed_with_the_reason(
         assert pool.health() == state and not pool.ready  # one failed engine keeps the pool out of service
     finally:
         await pool.close()
+
+
+async def test_a_broken_worker_fails_its_requests_at_once_and_the_engine_reports_failed(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    eng = engine(tiny_model_dir)
+    await eng.start()
+    try:
+
+        def broken(*_args: object, **_kwargs: object) -> list[object]:
+            raise RuntimeError("a scheduler bug")
+
+        monkeypatch.setattr(scheduler, "batch_members", broken)  # the loop itself breaks, outside model work
+        with pytest.raises(GatewayError) as failed:
+            await run(eng, (5, 6, 7), max_tokens=4)
+        assert failed.value.code is Code.INTERNAL and "a scheduler bug" in failed.value.message
+        state = eng.health()
+        assert (
+            state.state is HealthState.FAILED
+            and state.reason == "tiny: the worker thread failed: RuntimeError: a scheduler bug"
+        )
+        with pytest.raises(GatewayError) as refused:
+            await run(eng, (5, 6, 7), max_tokens=4)
+        assert refused.value.code is Code.UNAVAILABLE and "the engine has failed" in refused.value.message
+    finally:
+        await eng.close()
 
 
 def test_the_worst_state_wins() -> None:
