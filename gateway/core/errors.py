@@ -32,6 +32,9 @@ class GatewayError(Exception):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        # set once the generation monitor has counted this error (it ended a watched
+        # stream), so a codec's refusal counting does not count it twice
+        self.reported = False
 
     def __repr__(self) -> str:
         return f"GatewayError({self.code.name}, {self.message!r})"

@@ -62,6 +62,13 @@ class Session:
                     f"[{image.start}, {image.end}); pick {image.start} or {image.end}"
                 )
 
+    def snapshot(self) -> tuple[list[int], list[ImageSpan]]:
+        """The timeline as it is now, for :meth:`restore` (turn atomicity)."""
+        return list(self.tokens), list(self.images)
+
+    def restore(self, snapshot: tuple[list[int], list[ImageSpan]]) -> None:
+        self.tokens, self.images = list(snapshot[0]), list(snapshot[1])
+
     def truncate(self, length: int) -> None:
         self.check_boundary(length, "truncation")
         del self.tokens[length:]

@@ -1,0 +1,69 @@
+"""The per-request budget: every count and size a request can carry, checked before the work.
+
+A request is hostile input until it has passed these checks: a few bytes on the wire can
+ask for a million position ranges or a prompt whose tokenizing alone takes seconds. The
+limits live in one :class:`RequestBudget`, with defaults that need no settings; the
+gateway builds one from its settings and hands it to
+:class:`~prismgate.core.service.SessionService`, which checks it for every protocol.
+
+Counts over a limit are INVALID_ARGUMENT (the request must change); a prompt too large
+for the model's context is RESOURCE_EXHAUSTED, like a prompt that tokenizes too long.
+Each refusal names the limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prismgate.core.actions import GenerateSpec
+from prismgate.core.chat import TextPart
+from prismgate.core.errors import invalid
+from prismgate.core.limits import ContextOverflow
+from prismgate.core.prompts import Messages, PromptSource, Text
+
+
+@dataclass(frozen=True, slots=True)
+class RequestBudget:
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 1024
+    max_position_ranges: int = 256  # per kind: logprob ranges, readout ranges
+    # a prompt's text is refused unread when it has more UTF-8 bytes than this many per
+    # token of the model's context: no tokenizer packs that much into one token on average
+    prompt_bytes_per_context_token: int = 64
+
+    def check_spec(self, spec: GenerateSpec) -> None:
+        """Lists in a spec that reach the engine, or the decode loop, once per token."""
+        if len(spec.stop_strings) > self.max_stop_strings:
+            raise invalid(f"{len(spec.stop_strings)} stop strings; the limit is {self.max_stop_strings}")
+        longest = max((len(s) for s in spec.stop_strings), default=0)
+        if longest > self.max_stop_string_chars:
+            raise invalid(f"a stop string of {longest} characters; the limit is {self.max_stop_string_chars}")
+        for name, ranges in (("logprob", spec.logprob_ranges), ("readout", spec.readout_ranges)):
+            if len(ranges) > self.max_position_ranges:
+                raise invalid(f"{len(ranges)} {name} ranges; the limit is {self.max_position_ranges}")
+
+    def check_prompt(self, prompt: PromptSource, context: int) -> None:
+        """Refuse a prompt whose text cannot fit the context, from its size, before tokenizing it."""
+        limit = self.prompt_bytes_per_context_token * context
+        texts = _texts(prompt)
+        chars = sum(len(t) for t in texts)
+        # a character is 1 to 4 UTF-8 bytes: encode (bounded by the limit) only when that decides
+        size = (
+            chars
+            if chars > limit or chars * 4 <= limit
+            else sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        )
+        if size > limit:
+            raise ContextOverflow(
+                f"the prompt holds over {limit} bytes of text, more than the model's context of {context} tokens "
+                f"can take ({self.prompt_bytes_per_context_token} bytes per token)",
+                context=context,
+            )
+
+
+def _texts(prompt: PromptSource) -> list[str]:
+    if isinstance(prompt, Text):
+        return [prompt.text]
+    if isinstance(prompt, Messages):
+        return [part.text for m in prompt.messages for part in m.parts if isinstance(part, TextPart)]
+    return []
