@@ -22,17 +22,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from prismgate.codecs.evergreen.actions import GenerateCall, read_generate, read_ids
+from prismgate.codecs.evergreen.barrier import ReadBarrier
 from prismgate.codecs.evergreen.generate import Generation
 from prismgate.codecs.evergreen.nodes import Limits, NodeStore
 from prismgate.codecs.evergreen.outbox import Outbox
 from prismgate.codecs.evergreen.payloads import RefPolicy
 from prismgate.codecs.evergreen.prompt import messages_from_tree
-from prismgate.core.errors import Code, GatewayError, invalid, not_found
+from prismgate.core.errors import Code, GatewayError, exhausted, invalid, not_found
 from prismgate.core.events import FinishReason
 from prismgate.core.service import SessionService
 from prismgate.schemas import evergreen_pb2 as pb
@@ -56,7 +57,6 @@ class Run:
     name: str
     outputs: dict[str, str]  # output name -> node id
     label: str
-    resolved: asyncio.Future[None]
     task: asyncio.Task[None] | None = None
     cancel_requested: bool = False
     finished: bool = False
@@ -72,8 +72,14 @@ class EvergreenSession:
         self.outbox = Outbox()
         self.failed: asyncio.Future[GatewayError] = asyncio.get_running_loop().create_future()
         self.model = service.models.resolve(self.options.model)
-        self.core_id = service.open(self.model).id
-        self._runs: list[Run] = []
+        # the core session is opened by the first GENERATE: an idle connection holds none
+        self.core_id: str | None = None
+        self._actions = 0
+        self._running: set[Run] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._barrier = ReadBarrier()
+        self._writing: set[str] = set()  # outputs of actions still running
         self._by_output: dict[str, Run] = {}
         self._turn = asyncio.Lock()
         self._closing = False
@@ -93,21 +99,32 @@ class EvergreenSession:
 
     async def wait_idle(self) -> None:
         """Until every action has ended (or the session failed)."""
-        while True:
-            pending = [r.task for r in self._runs if r.task is not None and not r.task.done()]
-            if not pending or self.failed.done():
-                return
-            waits: list[asyncio.Future[Any]] = [*pending, self.failed]
+        if self._idle.is_set() or self.failed.done():
+            return
+        idle = asyncio.ensure_future(self._idle.wait())
+        waits: list[asyncio.Future[Any]] = [idle, self.failed]
+        try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            idle.cancel()
 
     async def close(self) -> None:
         """End the session: cancel running actions, release the core session."""
         self._closing = True
-        tasks = [r.task for r in self._runs if r.task is not None and not r.task.done()]
+        tasks = [r.task for r in self._running if r.task is not None and not r.task.done()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self.service.close(self.core_id)
+        if self.core_id is not None:
+            self.service.close(self.core_id)
+
+    def _core_session(self) -> str:
+        """The core session, opened at the first GENERATE and kept alive while the connection is open."""
+        if self.core_id is None:
+            session = self.service.open(self.model)
+            session.pinned = True
+            self.core_id = session.id
+        return self.core_id
 
     def fail(self, error: GatewayError) -> None:
         """Abort the session: the transport sends what is queued, then reports ``error``."""
@@ -125,9 +142,13 @@ class EvergreenSession:
     # -- actions ---------------------------------------------------------------------
 
     def _dispatch(self, action: pb.Action) -> None:
-        index = len(self._runs) + 1
+        self._actions += 1
+        index = self._actions
         name = action.name.strip().upper()
         label = f"action #{index} {action.name or '(unnamed)'}"  # short: close reasons hold 123 bytes
+        limit = self.service.budget.max_actions_in_flight
+        if name in ("GENERATE", "DROP") and len(self._running) >= limit:
+            raise exhausted(f"{label}: {limit} actions are still running in this session (the limit)")
         if name == "GENERATE":
             self._generate(index, label, action)
         elif name == "DROP":
@@ -137,10 +158,11 @@ class EvergreenSession:
         else:
             raise invalid(f"{label}: unknown action {action.name!r}; this server runs GENERATE, DROP and CANCEL")
 
-    def _new_run(self, index: int, name: str, label: str, outputs: dict[str, str]) -> Run:
-        run = Run(index, name, outputs, label, asyncio.get_running_loop().create_future())
-        self._runs.append(run)
-        return run
+    def _start(self, run: Run, work: Coroutine[Any, Any, None]) -> None:
+        self._running.add(run)
+        self._idle.clear()
+        self._writing.update(run.outputs.values())
+        run.task = asyncio.create_task(self._guard(run, work))
 
     def _generate(self, index: int, label: str, action: pb.Action) -> None:
         call = read_generate(action, label)
@@ -149,18 +171,19 @@ class EvergreenSession:
                 raise invalid(f"target {call.target!r} is not this session's model {self.model!r}")
             if "readouts" in call.outputs:
                 self.service.readouts(self.model)
+            core_id = self._core_session()
         for node_id in call.outputs.values():
             self.store.claim_output(node_id, what=label)
-        run = self._new_run(index, "GENERATE", label, call.outputs)
+        run = Run(index, "GENERATE", call.outputs, label)
         for node_id in call.outputs.values():
             self._by_output[node_id] = run
-        run.task = asyncio.create_task(self._guard(run, self._run_generate(run, call)))
+        self._barrier.opened(index)
+        self._start(run, self._run_generate(run, call, core_id))
 
     def _drop(self, index: int, label: str, action: pb.Action) -> None:
         ids = read_ids(action, label, "DROP needs the node ids to forget as inputs")
-        run = self._new_run(index, "DROP", label, {})
-        earlier = [r.resolved for r in self._runs if r is not run and not r.resolved.done()]
-        run.task = asyncio.create_task(self._guard(run, self._run_drop(run, ids, earlier)))
+        run = Run(index, "DROP", {}, label)
+        self._start(run, self._run_drop(run, ids))
 
     def _cancel(self, label: str, action: pb.Action) -> None:
         ids = read_ids(action, label, "CANCEL needs an output id of the action to stop as input")
@@ -187,25 +210,27 @@ class EvergreenSession:
             self.fail(GatewayError(Code.INTERNAL, f"{run.label}: internal error ({type(exc).__name__})"))
         finally:
             run.finished = True
-            if not run.resolved.done():
-                run.resolved.set_result(None)
+            self._barrier.read(run.index)
+            self._writing.difference_update(run.outputs.values())
+            self._running.discard(run)
+            if not self._running:
+                self._idle.set()
 
-    async def _run_drop(self, run: Run, ids: list[str], earlier: list[asyncio.Future[None]]) -> None:
-        if earlier:
-            await asyncio.gather(*earlier)
-        busy = {nid for r in self._runs if not r.finished for nid in r.outputs.values()}
-        self.store.drop(ids, busy=busy)
+    async def _run_drop(self, run: Run, ids: list[str]) -> None:
+        await self._barrier.wait(run.index)  # every earlier GENERATE has read its inputs
+        self.store.drop(ids, busy=self._writing)
 
-    async def _run_generate(self, run: Run, call: GenerateCall) -> None:
+    async def _run_generate(self, run: Run, call: GenerateCall, core_id: str) -> None:
         generation = Generation.of(call)
         try:
             await self.store.wait_complete(call.root)
+            self.service.budget.check_leaves(self.store.count_leaves(call.root))
             messages = await messages_from_tree(self.store, call.root, self.options.refs)
-            run.resolved.set_result(None)
+            self._barrier.read(run.index)
             async with self._turn:
                 await generation.run(
                     self.service,
-                    self.core_id,
+                    core_id,
                     messages,
                     default_max_tokens=self.options.default_max_tokens,
                     store=self.store,

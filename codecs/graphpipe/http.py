@@ -123,7 +123,8 @@ class GraphPipeEndpoint:
             return self.error(GatewayError(Code.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"), request)
 
     async def answer(self, body: bytes, request: Request) -> bytes:
-        call = wire.decode_request(body)
+        # verifying and decoding cost time in proportion to the body: off the event loop
+        call = await asyncio.to_thread(wire.decode_request, body, self.settings.graphpipe_max_batch)
         if call is None:
             return wire.encode_metadata(self.metadata())
         self.service.models.require_ready()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from prismgate.core.actions import GenerateSpec
 from prismgate.core.chat import TextPart
-from prismgate.core.errors import invalid
+from prismgate.core.errors import exhausted, invalid
 from prismgate.core.limits import ContextOverflow
 from prismgate.core.prompts import Messages, PromptSource, Text
 
@@ -30,6 +30,17 @@ class RequestBudget:
     # a prompt's text is refused unread when it has more UTF-8 bytes than this many per
     # token of the model's context: no tokenizer packs that much into one token on average
     prompt_bytes_per_context_token: int = 64
+    # a prompt tree (Evergreen) may share a node many times: leaves counted as expanded
+    max_expanded_leaves: int = 100_000
+    max_actions_in_flight: int = 1024  # per session (Evergreen: GENERATE and DROP not yet ended)
+
+    def check_leaves(self, count: int) -> None:
+        """A prompt tree whose expansion (a shared node counted each time it is used) is too large."""
+        if count > self.max_expanded_leaves:
+            raise exhausted(
+                f"the input tree expands to {count} leaves (shared nodes counted each time they are used); "
+                f"the limit is {self.max_expanded_leaves}"
+            )
 
     def check_spec(self, spec: GenerateSpec) -> None:
         """Lists in a spec that reach the engine, or the decode loop, once per token."""

@@ -47,6 +47,7 @@ class Session:
     ttl_s: float = DEFAULT_TTL_S
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False
+    pinned: bool = False  # kept alive by an open connection (Evergreen): never evicted for idling
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -185,7 +186,7 @@ class SessionStore:
         session.last_used = self._clock()
 
     def _expired(self, session: Session) -> bool:
-        return not session.busy and self._clock() - session.last_used > session.ttl_s
+        return not (session.busy or session.pinned) and self._clock() - session.last_used > session.ttl_s
 
     def _drop(self, session_id: str) -> bool:
         if self._sessions.pop(session_id, None) is None:
