@@ -45,6 +45,12 @@ class SalienceServicer(pb_grpc.SalienceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateEvent]:
+        # counts first: a million two-byte ranges must not become a million objects
+        self.service.budget.check_lists(
+            stop_token_ids=len(request.stop_token_ids),
+            logprob_ranges=len(request.logprobs_ranges),
+            readout_ranges=len(request.readout_ranges),
+        )
         action = convert.action_from_request(request)
         async with closing(self.service.generate(request.session_id, action)) as events:
             async for event in events:

@@ -13,6 +13,7 @@ Each refusal names the limit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prismgate.core.actions import GenerateSpec
@@ -25,6 +26,7 @@ from prismgate.core.prompts import Messages, PromptSource, Text
 @dataclass(frozen=True, slots=True)
 class RequestBudget:
     max_stop_strings: int = 64
+    max_stop_token_ids: int = 1024
     max_stop_string_chars: int = 1024
     max_position_ranges: int = 256  # per kind: logprob ranges, readout ranges
     # a prompt's text is refused unread when it has more UTF-8 bytes than this many per
@@ -44,14 +46,32 @@ class RequestBudget:
 
     def check_spec(self, spec: GenerateSpec) -> None:
         """Lists in a spec that reach the engine, or the decode loop, once per token."""
-        if len(spec.stop_strings) > self.max_stop_strings:
-            raise invalid(f"{len(spec.stop_strings)} stop strings; the limit is {self.max_stop_strings}")
-        longest = max((len(s) for s in spec.stop_strings), default=0)
+        self.check_lists(
+            stop_strings=spec.stop_strings,
+            stop_token_ids=len(spec.stop_token_ids),
+            logprob_ranges=len(spec.logprob_ranges),
+            readout_ranges=len(spec.readout_ranges),
+        )
+
+    def check_lists(
+        self,
+        *,
+        stop_strings: Sequence[str] = (),
+        stop_token_ids: int = 0,
+        logprob_ranges: int = 0,
+        readout_ranges: int = 0,
+    ) -> None:
+        """The same limits on counts a codec knows before it builds a spec (no objects per element yet)."""
+        if stop_token_ids > self.max_stop_token_ids:
+            raise invalid(f"{stop_token_ids} stop token ids; the limit is {self.max_stop_token_ids}")
+        if len(stop_strings) > self.max_stop_strings:
+            raise invalid(f"{len(stop_strings)} stop strings; the limit is {self.max_stop_strings}")
+        longest = max((len(s) for s in stop_strings), default=0)
         if longest > self.max_stop_string_chars:
             raise invalid(f"a stop string of {longest} characters; the limit is {self.max_stop_string_chars}")
-        for name, ranges in (("logprob", spec.logprob_ranges), ("readout", spec.readout_ranges)):
-            if len(ranges) > self.max_position_ranges:
-                raise invalid(f"{len(ranges)} {name} ranges; the limit is {self.max_position_ranges}")
+        for name, count in (("logprob", logprob_ranges), ("readout", readout_ranges)):
+            if count > self.max_position_ranges:
+                raise invalid(f"{count} {name} ranges; the limit is {self.max_position_ranges}")
 
     def check_prompt(self, prompt: PromptSource, context: int) -> None:
         """Refuse a prompt whose text cannot fit the context, from its size, before tokenizing it."""
