@@ -204,7 +204,7 @@ class EvergreenSession:
             if self._closing or not run.cancel_requested:
                 raise
         except GatewayError as exc:
-            self.fail(_relabelled(exc, run.label))
+            self.fail(exc.within(run.label))
         except Exception as exc:
             log.exception("%s failed", run.label)
             self.fail(GatewayError(Code.INTERNAL, f"{run.label}: internal error ({type(exc).__name__})"))
@@ -263,13 +263,4 @@ def _labelled(label: str) -> Iterator[None]:
     try:
         yield
     except GatewayError as exc:
-        raise _relabelled(exc, label) from None
-
-
-def _relabelled(error: GatewayError, label: str) -> GatewayError:
-    """``error`` with the action's label in front of its message (and still marked if counted)."""
-    if error.message.startswith(label):
-        return error
-    out = GatewayError(error.code, f"{label}: {error.message}")
-    out.reported = error.reported
-    return out
+        raise exc.within(label) from None

@@ -37,7 +37,7 @@ async def run_row(service: SessionService, index: int, turn: Turn) -> RowResult:
             elif event.text:
                 result.text.append(event.text)
     except GatewayError as exc:
-        raise GatewayError(exc.code, f"row {index}: {exc.message}") from exc
+        raise exc.within(f"row {index}") from exc
     except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
         raise
     except Exception as exc:

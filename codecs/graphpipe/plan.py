@@ -76,5 +76,5 @@ async def make_plan(service: SessionService, call: InferCall, max_batch: int) ->
         try:
             turns.append(await service.plan_turn(turn, model=info.model_id))
         except GatewayError as exc:
-            raise GatewayError(exc.code, f"row {i}: {exc.message}") from None
+            raise exc.within(f"row {i}") from None
     return Plan(turns, shape)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from prismgate.core.actions import GenerateAction, GenerateSpec, ImageInput
 from prismgate.core.engine import EngineInfo
 from prismgate.core.errors import invalid, precondition
-from prismgate.core.models import Models
+from prismgate.core.models import Models, no_concept_pack
 from prismgate.core.session import ImageSpan, Session
 
 
@@ -48,7 +48,7 @@ def check_vocabulary(info: EngineInfo, tokens: Sequence[int]) -> None:
 def check_readouts(info: EngineInfo, spec: GenerateSpec) -> None:
     """Readouts need a concept pack."""
     if spec.wants_readouts and info.readouts is None:
-        raise invalid(f"model {info.model_id!r} has no concept pack loaded, so it has no readouts")
+        raise no_concept_pack(info.model_id)
 
 
 def check_ranges(prompt_tokens: int, spec: GenerateSpec) -> None:

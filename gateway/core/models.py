@@ -23,7 +23,11 @@ class UnknownModel(GatewayError):
             f"model {model!r} is not served here; this server serves " + ", ".join(repr(m) for m in served),
         )
         self.model = model
-        self.served = served
+
+
+def no_concept_pack(model: str) -> GatewayError:
+    """INVALID_ARGUMENT: readouts asked of a model that has no concept pack loaded."""
+    return invalid(f"model {model!r} has no concept pack loaded, so it has no readouts")
 
 
 class Models:
@@ -68,7 +72,7 @@ class Models:
         """The model's readout manifest; INVALID_ARGUMENT when it has no concept pack."""
         info = self.info(model)
         if info.readouts is None:
-            raise invalid(f"model {info.model_id!r} has no concept pack loaded, so it has no readouts")
+            raise no_concept_pack(info.model_id)
         return info.readouts
 
     def image_tokens(self, data: bytes, mime: str, model: str | None = None) -> tuple[int, VisionTokens]:

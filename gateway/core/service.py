@@ -168,7 +168,7 @@ class SessionService:
             origin=turn.origin,
             atomic=True,
         )
-        return Turn(model=info.model_id, session_id=session_id, append=append, base=len(timeline), action=action)
+        return Turn(model=info.model_id, session_id=session_id, append=append, action=action)
 
     def run_turn(self, turn: Turn) -> AsyncGenerator[Event, None]:
         """Run a planned turn on its session (or its ephemeral timeline)."""
@@ -228,16 +228,17 @@ class SessionService:
         info = self.info(session.model)
         spec = action.spec
         old_length = len(session)
+        # cheapest first: counts and lengths before anything proportional to the append
         self.budget.check_spec(spec)
         checks.check_offset(session, action)
         base = old_length if action.offset is None else action.offset
+        checks.check_readouts(info, spec)
+        check_fit(base + len(action.append_tokens), spec.max_tokens, info.max_model_len)
+        checks.check_ranges(base + len(action.append_tokens), spec)
+        checks.check_vocabulary(info, action.append_tokens)
         tokens = session.tokens[:base] + list(action.append_tokens)
         images = [im for im in session.images if im.end <= base]
         images += await checks.check_images(self.models, info, base, tokens, action.images)
-        checks.check_vocabulary(info, action.append_tokens)
-        checks.check_readouts(info, spec)
-        check_fit(len(tokens), spec.max_tokens, info.max_model_len)
-        checks.check_ranges(len(tokens), spec)
 
         if session_key is not None:  # the append and the whole decode budget must fit, checked before anything runs
             self.store.reserve(len(action.append_tokens) - (old_length - base) + spec.max_tokens)

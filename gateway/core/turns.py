@@ -59,7 +59,6 @@ class Turn:
     model: str
     session_id: str | None  # None: an ephemeral timeline, thrown away afterwards
     append: Append
-    base: int  # the session's length when the turn was planned
     action: GenerateAction
 
     @property
@@ -69,7 +68,3 @@ class Turn:
     @property
     def reused_tokens(self) -> int:
         return self.append.reused
-
-    @property
-    def max_tokens(self) -> int:
-        return self.action.spec.max_tokens
