@@ -38,23 +38,21 @@ class Plan:
 
 
 async def plan_chat(service: SessionService, settings: Settings, req: ChatRequest) -> Plan:
-    return await _plan(service, settings, req.common, Messages(req.messages), None)
+    return await _plan(service, settings, req.common, Messages(req.messages), echo=False)
 
 
 async def plan_completion(service: SessionService, settings: Settings, req: CompletionRequest) -> Plan:
-    prompt: PromptSource
-    echo: str | None = None
-    if isinstance(req.prompt, str):
-        prompt = Text(req.prompt)
-        echo = req.prompt if req.echo else None
-    else:
-        prompt = Tokens(req.prompt)
-        echo = service.info(req.common.model).tokenizer.decode(req.prompt) if req.echo else None
-    return await _plan(service, settings, req.common, prompt, echo)
+    prompt: PromptSource = Text(req.prompt) if isinstance(req.prompt, str) else Tokens(req.prompt)
+    plan = await _plan(service, settings, req.common, prompt, echo=req.echo)
+    if req.echo:  # decoded once the core has checked the prompt against the context
+        plan.echo_text = (
+            req.prompt if isinstance(req.prompt, str) else service.info(plan.model).tokenizer.decode(req.prompt)
+        )
+    return plan
 
 
 async def _plan(
-    service: SessionService, settings: Settings, common: Common, prompt: PromptSource, echo: str | None
+    service: SessionService, settings: Settings, common: Common, prompt: PromptSource, *, echo: bool
 ) -> Plan:
     axes = None
     if common.readouts is not None:
@@ -80,7 +78,7 @@ async def _plan(
         default_max_tokens=settings.openai_default_max_tokens,
         logprobs=common.top_logprobs is not None,
         readouts=axes is not None,
-        report_prompt=echo is not None,
+        report_prompt=echo,
         placement=Placement.CONTINUE,
     )
     try:
@@ -95,7 +93,7 @@ async def _plan(
         model=common.model,
         turn=planned,
         session_id=common.session_id,
-        echo_text=echo,
+        echo_text=None,
         axes=axes,
         want_logprobs=common.top_logprobs is not None,
     )
