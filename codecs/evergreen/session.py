@@ -54,7 +54,6 @@ class Run:
     """One action in flight."""
 
     index: int
-    name: str
     outputs: dict[str, str]  # output name -> node id
     label: str
     task: asyncio.Task[None] | None = None
@@ -174,7 +173,7 @@ class EvergreenSession:
             core_id = self._core_session()
         for node_id in call.outputs.values():
             self.store.claim_output(node_id, what=label)
-        run = Run(index, "GENERATE", call.outputs, label)
+        run = Run(index, call.outputs, label)
         for node_id in call.outputs.values():
             self._by_output[node_id] = run
         self._barrier.opened(index)
@@ -182,7 +181,7 @@ class EvergreenSession:
 
     def _drop(self, index: int, label: str, action: pb.Action) -> None:
         ids = read_ids(action, label, "DROP needs the node ids to forget as inputs")
-        run = Run(index, "DROP", {}, label)
+        run = Run(index, {}, label)
         self._start(run, self._run_drop(run, ids))
 
     def _cancel(self, label: str, action: pb.Action) -> None:
@@ -196,7 +195,7 @@ class EvergreenSession:
             run.cancel_requested = True
             run.task.cancel()
 
-    async def _guard(self, run: Run, work: Any) -> None:
+    async def _guard(self, run: Run, work: Coroutine[Any, Any, None]) -> None:
         """Run one action; its failure aborts the session (spec: no partial failures in v2)."""
         try:
             await work
