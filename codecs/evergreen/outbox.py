@@ -35,6 +35,3 @@ class Outbox:
 
     async def wait_for_room(self) -> None:
         await self._room.wait()
-
-    def qsize(self) -> int:
-        return self._queue.qsize()
