@@ -38,7 +38,7 @@ class Shape:
     layers: tuple[int, ...] | None  # positions in the manifest's layer list, in output order
 
 
-def resolve_outputs(names: Sequence[str], config: Config, manifest: ReadoutManifest | None) -> list[str]:
+def resolve_outputs(names: Sequence[str], config: Config) -> list[str]:
     outputs = list(names) or list(DEFAULT_OUTPUTS)
     for name in outputs:
         if name not in OUTPUTS:
@@ -48,16 +48,13 @@ def resolve_outputs(names: Sequence[str], config: Config, manifest: ReadoutManif
             f"outputs top_logprob_ids/top_logprobs need config.logprobs = k in [1, {MAX_TOP_LOGPROBS}] "
             "(the alternatives per token)"
         )
-    if "readouts" in outputs and manifest is None:
-        raise invalid("output 'readouts' needs a concept pack, and this model has none loaded")
     return outputs
 
 
-def readout_layers(config: Config, manifest: ReadoutManifest | None) -> tuple[int, ...] | None:
+def readout_layers(config: Config, manifest: ReadoutManifest) -> tuple[int, ...] | None:
+    """Positions of ``config.readout_layers`` in the manifest's layer list (None: all layers)."""
     if config.readout_layers is None:
         return None
-    if manifest is None:
-        raise invalid("config.readout_layers: this model has no concept pack loaded, so it has no readouts")
     if not config.readout_layers:
         raise invalid("config.readout_layers must name at least one layer")
     if len(set(config.readout_layers)) != len(config.readout_layers):

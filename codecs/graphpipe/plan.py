@@ -10,6 +10,7 @@ and checked against the context, logprobs and readouts over the generated tokens
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from prismgate.codecs.graphpipe.config import DEFAULT_MAX_TOKENS, Config, parse_config
@@ -38,10 +39,16 @@ class Plan:
         return "text" in self.shape.outputs
 
 
-def _read(call: InferCall, manifest: ReadoutManifest | None, max_batch: int) -> tuple[Config, Shape, Rows]:
+def _read(call: InferCall, readouts: Callable[[], ReadoutManifest], max_batch: int) -> tuple[Config, Shape, Rows]:
     config = parse_config(call.config)
-    outputs = resolve_outputs(call.output_names, config, manifest)
-    layers = readout_layers(config, manifest)
+    outputs = resolve_outputs(call.output_names, config)
+    layers = None
+    if "readouts" in outputs or config.readout_layers is not None:
+        try:
+            manifest = readouts()  # the core's answer: INVALID_ARGUMENT without a concept pack
+        except GatewayError as exc:
+            raise exc.within("output 'readouts'" if "readouts" in outputs else "config.readout_layers") from None
+        layers = readout_layers(config, manifest)
     config.sampling()  # the values' own rules, before any input is decoded
     top_k = config.logprobs if {"top_logprob_ids", "top_logprobs"} & set(outputs) else 0
     return config, Shape(outputs, top_k, layers), bind_inputs(call, max_batch)
@@ -50,7 +57,7 @@ def _read(call: InferCall, manifest: ReadoutManifest | None, max_batch: int) -> 
 async def make_plan(service: SessionService, call: InferCall, max_batch: int) -> Plan:
     """Validate the whole request (inputs, config, outputs) and plan every row before any runs."""
     info = service.info()
-    config, shape, rows = await asyncio.to_thread(_read, call, info.readouts, max_batch)
+    config, shape, rows = await asyncio.to_thread(_read, call, service.readouts, max_batch)
     wants_logprobs = bool({"logprobs", "top_logprob_ids", "top_logprobs"} & set(shape.outputs))
     sampling = replace(config.sampling(), logprob_top_k=shape.top_k)
     prompts: list[PromptSource]
