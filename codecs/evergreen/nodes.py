@@ -117,6 +117,28 @@ class NodeStore:
             stack.extend(reversed(node.children()))
         return None
 
+    def count_leaves(self, root: str) -> int:
+        """How many leaves :meth:`leaves` would yield, counted in time linear in the nodes (not the leaves).
+
+        A node may list the same child many times, nested, so ~500 bytes can expand to
+        millions of leaves: count before flattening.
+        """
+        counts: dict[str, int] = {}
+        stack: list[tuple[str, bool]] = [(root, False)]
+        while stack:
+            node_id, ready = stack.pop()
+            if node_id in counts:
+                continue
+            node = self.get(node_id)
+            if node.leaf:
+                counts[node_id] = 1
+            elif ready:
+                counts[node_id] = sum(counts[c] for c in node.children())
+            else:
+                stack.append((node_id, True))
+                stack.extend((c, False) for c in node.children() if c not in counts)
+        return counts[root]
+
     def leaves(self, root: str) -> Iterator[Node]:
         """The leaves under a complete ``root``, in order (a shared node appears each time it is used)."""
         node = self.get(root)

@@ -5,7 +5,8 @@ frame one ``SessionMessage`` in protobuf binary (a binary frame that starts with
 read as JSON). Replies use the form of the client's first frame. Auth: the shared bearer
 token in the ``Authorization`` header or, for browsers (which cannot set headers on a
 WebSocket), the ``access_token`` query parameter. Aborts close the socket with the code
-and reason of :mod:`prismgate.codecs.evergreen.errors`.
+and reason of :mod:`prismgate.codecs.evergreen.errors`; each abort is counted in the
+errors metric (``monitor.refused``) unless it ended a generation the monitor already saw.
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ from google.protobuf.message import DecodeError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from prismgate.auth import check_bearer
-from prismgate.codecs.evergreen.errors import close_code, close_reason
+from prismgate.codecs.evergreen.errors import close_reason
 from prismgate.codecs.evergreen.session import EvergreenSession, Options
-from prismgate.core.errors import Code, GatewayError, invalid
+from prismgate.codecs.status import close_code
+from prismgate.core.errors import GatewayError, invalid
 from prismgate.core.service import SessionService
 from prismgate.schemas import evergreen_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+PROTOCOL = "evergreen"
 
 
 def decode_frame(message: Mapping[str, Any], frame: int) -> tuple[pb.SessionMessage, bool]:
@@ -69,11 +73,10 @@ class EvergreenEndpoint:
             authorization = websocket.headers.get("authorization")
             token = websocket.query_params.get("access_token")
             check_bearer(self.auth_token, authorization or (f"Bearer {token}" if token else None))
-            if not self.service.pool.ready:
-                raise GatewayError(Code.UNAVAILABLE, "the model is still loading; retry once the server reports ready")
+            self.service.models.require_ready()
             session = EvergreenSession(self.service, self.options)
         except GatewayError as exc:
-            await _close(websocket, close_code(exc), close_reason(exc))
+            await self._abort(websocket, exc)
             return
         try:
             await self._serve(websocket, session)
@@ -120,7 +123,7 @@ class EvergreenEndpoint:
                 with contextlib.suppress(Exception, asyncio.CancelledError):
                     await asyncio.wait_for(writer, timeout=30)  # send what came before the failure
                 log.info("evergreen session aborted: %s", error)
-                await _close(websocket, close_code(error), close_reason(error))
+                await self._abort(websocket, error)
         except (WebSocketDisconnect, RuntimeError, OSError):
             pass
         finally:
@@ -128,7 +131,8 @@ class EvergreenEndpoint:
                 task.cancel()
             await asyncio.gather(reader, writer, return_exceptions=True)
 
-
-async def _close(websocket: WebSocket, code: int, reason: str) -> None:
-    with contextlib.suppress(Exception):
-        await websocket.close(code=code, reason=reason)
+    async def _abort(self, websocket: WebSocket, error: GatewayError) -> None:
+        if not error.reported:  # an error that ended a generation was counted by its monitor
+            self.service.monitor.refused(PROTOCOL, error.code)
+        with contextlib.suppress(Exception):
+            await websocket.close(code=close_code(error.code), reason=close_reason(error))

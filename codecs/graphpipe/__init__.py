@@ -1,8 +1,9 @@
 """GraphPipe (flatbuffers over HTTP POST/GET) onto the Session/Action core.
 
 Each row of an InferRequest becomes one ephemeral generation (``SessionService.run``);
-the tensor mapping lives in :mod:`.mapping`, buffer verification in :mod:`.verify`,
-flatbuffer encoding and decoding in :mod:`.wire`, the HTTP side in :mod:`.http`.
+the tensor mapping lives in :mod:`.inputs`, :mod:`.config` and :mod:`.outputs`, the
+per-row core turns in :mod:`.plan`, running them in :mod:`.infer`, buffer verification in
+:mod:`.verify`, flatbuffer encoding and decoding in :mod:`.wire`, the HTTP side in :mod:`.http`.
 Reference: ``docs/graphpipe.md``.
 """
 

@@ -23,8 +23,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from prismgate.auth import check_bearer
 from prismgate.codecs.graphpipe import wire
 from prismgate.codecs.graphpipe.infer import run_plan
-from prismgate.codecs.graphpipe.mapping import RowResult, assemble, make_plan
 from prismgate.codecs.graphpipe.metadata import describe
+from prismgate.codecs.graphpipe.outputs import RowResult, assemble
+from prismgate.codecs.graphpipe.plan import make_plan
+from prismgate.codecs.status import http_status as status_of
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.service import SessionService
 from prismgate.settings import Settings
@@ -32,17 +34,6 @@ from prismgate.settings import Settings
 log = logging.getLogger(__name__)
 
 OCTET = "application/octet-stream"
-HTTP_STATUS = {  # the usual gRPC -> HTTP mapping
-    Code.CANCELLED: 499,
-    Code.INVALID_ARGUMENT: 400,
-    Code.NOT_FOUND: 404,
-    Code.RESOURCE_EXHAUSTED: 429,
-    Code.FAILED_PRECONDITION: 400,
-    Code.ABORTED: 409,
-    Code.INTERNAL: 500,
-    Code.UNAVAILABLE: 503,
-    Code.UNAUTHENTICATED: 401,
-}
 
 
 class BodyTooLarge(GatewayError):
@@ -57,7 +48,8 @@ class BodyTooLarge(GatewayError):
 
 
 def http_status(error: GatewayError) -> int:
-    return 413 if isinstance(error, BodyTooLarge) else HTTP_STATUS.get(error.code, 500)
+    """The status from the gateway's one table, refined to 413 for a body over the size limit."""
+    return 413 if isinstance(error, BodyTooLarge) else status_of(error.code)
 
 
 def wants_http_errors(policy: str, request: Request) -> bool:
@@ -99,8 +91,7 @@ class GraphPipeEndpoint:
         self._metadata: tuple[object, wire.Metadata] | None = None
 
     def metadata(self) -> wire.Metadata:
-        if not self.service.pool.ready:
-            raise GatewayError(Code.UNAVAILABLE, "the model is still loading; retry once control/is_ready answers ok")
+        self.service.models.require_ready()
         info = self.service.info()
         if self._metadata is None or self._metadata[0] is not info:
             self._metadata = (info, describe(info))
@@ -132,15 +123,14 @@ class GraphPipeEndpoint:
             return self.error(GatewayError(Code.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"), request)
 
     async def answer(self, body: bytes, request: Request) -> bytes:
-        call = wire.decode_request(body)
+        # verifying and decoding cost time in proportion to the body: off the event loop
+        call = await asyncio.to_thread(wire.decode_request, body, self.settings.graphpipe_max_batch)
         if call is None:
             return wire.encode_metadata(self.metadata())
-        if not self.service.pool.ready:
-            raise GatewayError(Code.UNAVAILABLE, "the model is still loading; retry once control/is_ready answers ok")
-        info = self.service.info()
-        plan = await asyncio.to_thread(make_plan, call, info, self.settings.graphpipe_max_batch)
+        self.service.models.require_ready()
+        plan = await make_plan(self.service, call, self.settings.graphpipe_max_batch)
         results = await _unless_disconnected(request, lambda: run_plan(self.service, plan))
-        return wire.encode_outputs(assemble(plan, results, info.readouts))
+        return wire.encode_outputs(assemble(plan.shape, results, self.service.info().readouts))
 
     def error(self, exc: GatewayError, request: Request) -> Response:
         log.info("graphpipe error %s: %s", exc.code.name, exc.message)
@@ -171,7 +161,7 @@ async def is_alive(_request: Request) -> Response:
 
 def is_ready_endpoint(service: SessionService) -> Callable[[Request], Awaitable[Response]]:
     async def is_ready(_request: Request) -> Response:
-        if service.pool.ready:
+        if service.models.ready:
             return PlainTextResponse("ok\n")
         return PlainTextResponse("not ready\n", status_code=503)
 

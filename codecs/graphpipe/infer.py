@@ -10,26 +10,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Sequence
 
-from prismgate.codecs.graphpipe.mapping import Plan, RowResult
-from prismgate.core.actions import GenerateAction, GenerateSpec
+from prismgate.codecs.graphpipe.outputs import RowResult
+from prismgate.codecs.graphpipe.plan import Plan
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import TokenEvent
 from prismgate.core.service import SessionService
+from prismgate.core.turns import Turn
 
 log = logging.getLogger(__name__)
 
-ORIGIN = "graphpipe"
 
-
-async def run_row(
-    service: SessionService, index: int, tokens: Sequence[int], spec: GenerateSpec, detokenize: bool
-) -> RowResult:
-    action = GenerateAction(append_tokens=tuple(tokens), spec=spec, detokenize=detokenize, origin=ORIGIN)
+async def run_row(service: SessionService, index: int, turn: Turn) -> RowResult:
     result = RowResult()
     try:
-        async for event in service.run(action):
+        async for event in service.run_turn(turn):
             if isinstance(event, TokenEvent):
                 if event.is_prefill:
                     continue
@@ -42,7 +37,7 @@ async def run_row(
             elif event.text:
                 result.text.append(event.text)
     except GatewayError as exc:
-        raise GatewayError(exc.code, f"row {index}: {exc.message}") from exc
+        raise exc.within(f"row {index}") from exc
     except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
         raise
     except Exception as exc:
@@ -53,8 +48,7 @@ async def run_row(
 
 async def run_plan(service: SessionService, plan: Plan) -> list[RowResult]:
     tasks = [
-        asyncio.create_task(run_row(service, i, row, spec, plan.detokenize), name=f"graphpipe-row-{i}")
-        for i, (row, spec) in enumerate(zip(plan.rows, plan.specs, strict=True))
+        asyncio.create_task(run_row(service, i, turn), name=f"graphpipe-row-{i}") for i, turn in enumerate(plan.turns)
     ]
     try:
         if tasks:

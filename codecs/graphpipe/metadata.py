@@ -7,7 +7,9 @@ so that ``remote.metadata(url)`` alone is enough to call the server.
 from __future__ import annotations
 
 from prismgate import __version__
-from prismgate.codecs.graphpipe.mapping import CONFIG_KEYS, DEFAULT_OUTPUTS, PAD_ID
+from prismgate.codecs.graphpipe.config import CONFIG_KEYS
+from prismgate.codecs.graphpipe.inputs import PAD_ID
+from prismgate.codecs.graphpipe.outputs import DEFAULT_OUTPUTS
 from prismgate.codecs.graphpipe.wire import IOSpec, Metadata
 from prismgate.core.engine import EngineInfo
 from prismgate.schemas.graphpipe.fb.graphpipe_generated import Type

@@ -72,8 +72,12 @@ class InferCall:
 # -- decoding -----------------------------------------------------------------------------
 
 
-def decode_request(body: bytes) -> InferCall | None:
-    """Verify and decode a Request; None means "answer with metadata" (any non-infer type)."""
+def decode_request(body: bytes, max_strings: int | None = None) -> InferCall | None:
+    """Verify and decode a Request; None means "answer with metadata" (any non-infer type).
+
+    ``max_strings`` caps the elements of a String tensor, checked from the vector's
+    length before any element is decoded (each one becomes a Python object).
+    """
     if verify_request(body) != REQ_INFER:
         return None
     request = gp.Request.GetRootAs(body, 0)
@@ -83,7 +87,7 @@ def decode_request(body: bytes) -> InferCall | None:
     return InferCall(
         config=infer.Config() or b"",
         input_names=_names(infer.InputNames, infer.InputNamesLength(), "input_names"),
-        inputs=[_tensor(infer.InputTensors(i), i) for i in range(infer.InputTensorsLength())],
+        inputs=[_tensor(infer.InputTensors(i), i, max_strings) for i in range(infer.InputTensorsLength())],
         output_names=_names(infer.OutputNames, infer.OutputNamesLength(), "output_names"),
     )
 
@@ -99,7 +103,7 @@ def _names(get: Callable[[int], bytes], count: int, what: str) -> list[str]:
     return names
 
 
-def _tensor(t: gp.Tensor, index: int) -> WireTensor:
+def _tensor(t: gp.Tensor, index: int, max_strings: int | None) -> WireTensor:
     where = f"input tensor {index}"
     kind = t.Type()
     rank = t.ShapeLength()
@@ -115,6 +119,10 @@ def _tensor(t: gp.Tensor, index: int) -> WireTensor:
             raise invalid(f"{where}: a String tensor must keep data empty (it has {n_data} bytes)")
         if n_strings != size:
             raise invalid(f"{where}: shape {list(shape)} holds {size} strings but string_val has {n_strings}")
+        if max_strings is not None and n_strings > max_strings:
+            raise invalid(
+                f"{where}: {n_strings} strings; this server takes at most {max_strings} rows (graphpipe_max_batch)"
+            )
         return WireTensor(kind, shape, strings=[t.StringVal(i) for i in range(n_strings)])
     dtype = DTYPES.get(kind)
     if dtype is None:

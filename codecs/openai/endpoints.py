@@ -22,10 +22,9 @@ from starlette.responses import JSONResponse, Response
 from prismgate.auth import check_bearer
 from prismgate.codecs.openai.errors import OpenAIError, bad_request, from_gateway, to_openai
 from prismgate.codecs.openai.formats import ChatFormat, CompletionFormat, Format
-from prismgate.codecs.openai.generation import Generation, Piece, Plan, plan_chat, plan_completion
+from prismgate.codecs.openai.generation import Generation, Piece
+from prismgate.codecs.openai.plan import Plan, plan_chat, plan_completion
 from prismgate.codecs.openai.request import Common, parse_chat, parse_completion
-from prismgate.codecs.openai.tokens import TokenTexts
-from prismgate.core.engine import EngineInfo
 from prismgate.core.errors import GatewayError
 from prismgate.core.service import SessionService
 from prismgate.settings import Settings
@@ -78,7 +77,6 @@ class OpenAIEndpoints:
         self.service = service
         self.settings = settings
         self.created = int(time.time())
-        self._texts: dict[str, TokenTexts] = {}
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -92,12 +90,6 @@ class OpenAIEndpoints:
             return json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise bad_request(f"the request body is not valid JSON: {exc}") from None
-
-    def _token_texts(self, info: EngineInfo) -> TokenTexts:
-        texts = self._texts.get(info.model_id)
-        if texts is None or texts.tokenizer is not info.tokenizer:
-            texts = self._texts[info.model_id] = TokenTexts(info.tokenizer)
-        return texts
 
     # -- completions ---------------------------------------------------------------------
 
@@ -116,12 +108,12 @@ class OpenAIEndpoints:
             if chat:
                 req = parse_chat(body)
                 common = req.common
-                plan, info = plan_chat(self.service, self.settings, req)
+                plan = await plan_chat(self.service, self.settings, req)
             else:
                 creq = parse_completion(body)
                 common = creq.common
-                plan, info = plan_completion(self.service, self.settings, creq)
-            generation = Generation(self.service, plan, self._token_texts(info), info)
+                plan = await plan_completion(self.service, self.settings, creq)
+            generation = Generation(self.service, plan)
             await unless_disconnected(request, generation.start())
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
@@ -155,7 +147,7 @@ class OpenAIEndpoints:
         except Exception as exc:  # after the 200 went out, an error is the stream's last event
             yield dumps(to_openai(exc).body())
         finally:
-            await pieces.aclose()  # type: ignore[attr-defined]
+            await pieces.aclose()
 
     # -- models ----------------------------------------------------------------------------
 
@@ -183,14 +175,12 @@ class OpenAIEndpoints:
             self._auth(request)
         except GatewayError as exc:
             return error_response(exc)
-        return JSONResponse({"object": "list", "data": [self._model(m) for m in self.service.pool.models]})
+        return JSONResponse({"object": "list", "data": [self._model(m) for m in self.service.models.names]})
 
     async def get_model(self, request: Request) -> Response:
         try:
             self._auth(request)
-            model = request.path_params["model"]
-            if model not in self.service.pool.models:
-                raise OpenAIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+            model = self.service.models.resolve(request.path_params["model"])
         except Exception as exc:
             return error_response(exc)
         return JSONResponse(self._model(model))
@@ -218,11 +208,9 @@ class OpenAIEndpoints:
             body = await self._body(request) if raw.strip() else {}
             if not isinstance(body, dict):
                 raise bad_request("the request body must be a JSON object")
-            model = body.get("model", self.service.pool.default_model)
-            if not isinstance(model, str):
+            model = body.get("model")
+            if model is not None and not isinstance(model, str):
                 raise bad_request("'model' must be a string", "model")
-            if model not in self.service.pool.models:
-                raise OpenAIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
             session = self.service.open(model)
             return JSONResponse({**self._session(session.id), "created": int(time.time())})
         except Exception as exc:

@@ -6,25 +6,30 @@ The OpenAI API answers every failure with ``{"error": {"message", "type", "param
 ``ConflictError``, 429 ``RateLimitError``, 5xx ``InternalServerError``). The client
 retries 408/409/429/5xx on its own, so a status is chosen for what a retry would do:
 a busy session (409) or a full server (503) may clear up; a bad request never does.
+The statuses come from the gateway's one table (:mod:`prismgate.codecs.status`); this
+module adds OpenAI's error ``type`` and ``code`` strings.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from prismgate.codecs.status import http_status
 from prismgate.core.errors import Code, GatewayError
+from prismgate.core.limits import ContextOverflow
+from prismgate.core.models import UnknownModel
 
-# gateway code -> (HTTP status, OpenAI error type, default error code)
-_BY_CODE: dict[Code, tuple[int, str, str | None]] = {
-    Code.INVALID_ARGUMENT: (400, "invalid_request_error", None),
-    Code.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
-    Code.NOT_FOUND: (404, "invalid_request_error", "not_found"),
-    Code.FAILED_PRECONDITION: (409, "invalid_request_error", "conflict"),
-    Code.ABORTED: (409, "invalid_request_error", "session_busy"),
-    Code.RESOURCE_EXHAUSTED: (429, "insufficient_capacity", "resource_exhausted"),
-    Code.UNAVAILABLE: (503, "server_error", "overloaded"),
-    Code.CANCELLED: (499, "invalid_request_error", "cancelled"),
-    Code.INTERNAL: (500, "server_error", None),
+# core code -> (OpenAI error type, default error code); the HTTP status comes from the one table
+_TYPES: dict[Code, tuple[str, str | None]] = {
+    Code.INVALID_ARGUMENT: ("invalid_request_error", None),
+    Code.UNAUTHENTICATED: ("invalid_request_error", "invalid_api_key"),
+    Code.NOT_FOUND: ("invalid_request_error", "not_found"),
+    Code.FAILED_PRECONDITION: ("invalid_request_error", "conflict"),
+    Code.ABORTED: ("invalid_request_error", "session_busy"),
+    Code.RESOURCE_EXHAUSTED: ("insufficient_capacity", "resource_exhausted"),
+    Code.UNAVAILABLE: ("server_error", "overloaded"),
+    Code.CANCELLED: ("invalid_request_error", "cancelled"),
+    Code.INTERNAL: ("server_error", None),
 }
 
 
@@ -56,9 +61,30 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def from_gateway(exc: GatewayError, *, param: str | None = None, code: str | None = None) -> OpenAIError:
-    """Translate a core error; ``param``/``code`` refine it when the caller knows the field."""
-    status, kind, default_code = _BY_CODE.get(exc.code, (500, "server_error", None))
-    return OpenAIError(status, exc.message, type=kind, param=param, code=code or default_code)
+    """Translate a core error; ``param``/``code`` refine it when the caller knows the field.
+
+    Two core errors have an OpenAI phrasing of their own, the one OpenAI's clients know:
+    an unknown model (404 ``model_not_found``) and a prompt that does not fit the context
+    (400 ``context_length_exceeded``: OpenAI answers it as a bad request, never as a
+    429 its clients would retry).
+    """
+    if isinstance(exc, UnknownModel):
+        return OpenAIError(404, f"The model '{exc.model}' does not exist", param="model", code="model_not_found")
+    if isinstance(exc, ContextOverflow):
+        return OpenAIError(400, _context_message(exc), param=param, code="context_length_exceeded")
+    kind, default_code = _TYPES.get(exc.code, ("server_error", None))
+    return OpenAIError(http_status(exc.code), exc.message, type=kind, param=param, code=code or default_code)
+
+
+def _context_message(exc: ContextOverflow) -> str:
+    if exc.prompt_tokens is None:
+        return f"This model's maximum context length is {exc.context} tokens. However, {exc.message}."
+    wanted = max(exc.max_tokens, 1)
+    return (
+        f"This model's maximum context length is {exc.context} tokens. However, you requested "
+        f"{exc.prompt_tokens + wanted} tokens ({exc.prompt_tokens} in the prompt, {wanted} in the completion). "
+        "Please reduce the length of the messages or completion."
+    )
 
 
 def to_openai(exc: BaseException) -> OpenAIError:

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from prismgate.codecs.openai.errors import OpenAIError
-from prismgate.codecs.openai.generation import Piece, Plan, Token
+from prismgate.codecs.openai.generation import Piece, Token
+from prismgate.codecs.openai.plan import Plan
 from prismgate.core.events import Done, FinishReason
 
 _FINISH = {

@@ -2,13 +2,11 @@
 
 A companion to salience.v1 so that clients size an image's placeholder run with the
 served model's own image processor instead of guessing. The count comes from the core
-(:meth:`SessionService.image_tokens`); image decoding runs in a worker thread because a
+(:meth:`SessionService.image_tokens`), which decodes the image in a worker thread because a
 large image takes long enough to stall every other stream on the event loop.
 """
 
 from __future__ import annotations
-
-import asyncio
 
 import grpc
 
@@ -24,8 +22,7 @@ class ImageTokensServicer(pb_grpc.ImageTokensServicer):
     async def CountImageTokens(
         self, request: pb.CountImageTokensRequest, context: grpc.aio.ServicerContext
     ) -> pb.CountImageTokensResponse:
-        model = self.service.check_model(request.model) if request.model else None
-        n, vision = await asyncio.to_thread(self.service.image_tokens, request.image, request.mime, model)
+        n, vision = await self.service.image_tokens(request.image, request.mime, request.model or None)
         return pb.CountImageTokensResponse(
             n_pad_tokens=n,
             vision_start_id=vision.vision_start,

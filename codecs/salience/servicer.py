@@ -1,7 +1,7 @@
 """The salience.v1.Salience servicer: each RPC is one SessionService call, translated.
 
 Errors are raised as :class:`GatewayError` and turned into statuses by the guard in
-:mod:`prismgate.codecs.salience.status`; nothing here decides policy.
+:mod:`prismgate.codecs.grpc_guard`; nothing here decides policy.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from prismgate.codecs.grpc_guard import closing
 from prismgate.codecs.salience import convert
-from prismgate.codecs.salience.status import closing
 from prismgate.core.events import TokenEvent
 from prismgate.core.service import SessionService
 from prismgate.schemas import salience_pb2 as pb
@@ -25,10 +25,10 @@ class SalienceServicer(pb_grpc.SalienceServicer):
     async def OpenSession(
         self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.OpenSessionResponse:
-        self.service.check_model(request.model)
-        info = self.service.info(request.model)  # before open(): a loading model must not leak a session
         session = self.service.open(request.model)
-        return pb.OpenSessionResponse(session_id=session.id, max_model_len=info.max_model_len)
+        return pb.OpenSessionResponse(
+            session_id=session.id, max_model_len=self.service.info(session.model).max_model_len
+        )
 
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
@@ -45,6 +45,12 @@ class SalienceServicer(pb_grpc.SalienceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateEvent]:
+        # counts first: a million two-byte ranges must not become a million objects
+        self.service.budget.check_lists(
+            stop_token_ids=len(request.stop_token_ids),
+            logprob_ranges=len(request.logprobs_ranges),
+            readout_ranges=len(request.readout_ranges),
+        )
         action = convert.action_from_request(request)
         async with closing(self.service.generate(request.session_id, action)) as events:
             async for event in events:

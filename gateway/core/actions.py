@@ -117,4 +117,5 @@ class GenerateAction:
     truncating: bool = False
     spec: GenerateSpec = field(default_factory=GenerateSpec)
     detokenize: bool = False  # fill TokenEvent.text / Done.text for decoded tokens
+    atomic: bool = False  # a chat turn: all or nothing (see prismgate.core.turns)
     origin: str = ""  # the protocol that sent it ("salience", "graphpipe", ...), for metrics and logs

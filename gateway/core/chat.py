@@ -10,29 +10,33 @@ Two things a plain ``tokenizer.render_chat`` cannot do are handled by splicing:
   used again as input) keeps those ids, so the next turn shares its prefix with the
   session token for token and the engine prefills only the new delta;
 * an image part becomes ``<|vision_start|> + N * <|image_pad|> + <|vision_end|>`` with N
-  from the engine (through :meth:`SessionService.image_tokens`).
+  from the engine (through :meth:`Models.image_tokens <prismgate.core.models.Models.image_tokens>`).
 
 Messages that need either are rendered with a placeholder character as their content;
 the placeholder's tokens are then replaced by the message's real tokens.
 
-:func:`plan_append` turns a full prompt into the smallest append onto a session's
-timeline (rewinding to the longest shared prefix), which is how multi-turn chat over a
-stateful session costs only its delta.
+Where a rendered prompt goes in a session (the smallest append, or a continuation)
+is :mod:`prismgate.core.prompts`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prismgate.core.actions import ImageInput
-from prismgate.core.errors import invalid, precondition
-from prismgate.core.session import ImageSpan
+from prismgate.core.engine import ChatMessage, EngineInfo, VisionTokens
+from prismgate.core.errors import GatewayError, invalid, precondition
 
-if TYPE_CHECKING:
-    from prismgate.core.engine import ChatMessage, EngineInfo
-    from prismgate.core.service import SessionService
+
+class ModelCatalog(Protocol):
+    """What rendering needs to know of the served models (:class:`~prismgate.core.models.Models`)."""
+
+    def info(self, model: str | None = None) -> EngineInfo: ...
+
+    def image_tokens(self, data: bytes, mime: str, model: str | None = None) -> tuple[int, VisionTokens]: ...
+
 
 ROLES = {"user": "user", "assistant": "assistant", "model": "assistant", "system": "system", "tool": "tool"}
 _PLACEHOLDER_BASE = 0xE000  # Unicode private use area: never in real prompts' special tokens
@@ -82,7 +86,7 @@ def normalize_role(role: str) -> str:
 
 
 def render(
-    service: SessionService,
+    models: ModelCatalog,
     messages: Sequence[Message],
     *,
     model: str | None = None,
@@ -90,12 +94,12 @@ def render(
     chat_template: bool = True,
 ) -> Prompt:
     """Render ``messages`` to a prompt with the model's chat template (or plainly, one after another)."""
-    info = service.info(model)
+    info = models.info(model)
     if not chat_template:
         tokens: list[int] = []
         images: list[ImageInput] = []
         for message in messages:
-            _append_parts(service, info, model, message.parts, tokens, images)
+            _append_parts(models, info, model, message.parts, tokens, images)
         return Prompt(tuple(tokens), tuple(images))
 
     tokenizer = info.tokenizer
@@ -111,7 +115,7 @@ def render(
             chat.append({"role": role, "content": placeholder})
         if len(spliced) > 6000:
             raise invalid(f"too many messages with images or generated text ({i + 1})")
-    rendered = tokenizer.render_chat(chat, add_generation_prompt=add_generation_prompt)
+    rendered = _render_chat(info, chat, add_generation_prompt)
     if not spliced:
         return Prompt(tuple(rendered))
     out: list[int] = []
@@ -121,26 +125,35 @@ def render(
         needle = tokenizer.encode(placeholder)
         at = _find(rendered, needle, cursor)
         if at < 0:
-            return _render_unspliced(service, messages, model, add_generation_prompt)
+            return _render_unspliced(models, messages, model, add_generation_prompt)
         out += rendered[cursor:at]
-        _append_parts(service, info, model, message.parts, out, images)
+        _append_parts(models, info, model, message.parts, out, images)
         cursor = at + len(needle)
     out += rendered[cursor:]
     return Prompt(tuple(out), tuple(images))
 
 
 def _render_unspliced(
-    service: SessionService, messages: Sequence[Message], model: str | None, add_generation_prompt: bool
+    models: ModelCatalog, messages: Sequence[Message], model: str | None, add_generation_prompt: bool
 ) -> Prompt:
     """Fallback when the template mangles the placeholder: plain text, so no images."""
     if any(isinstance(p, ImagePart) for m in messages for p in m.parts):
-        raise precondition(f"the chat template of model {service.info(model).model_id!r} cannot place images")
+        raise precondition(f"the chat template of model {models.info(model).model_id!r} cannot place images")
     chat: list[ChatMessage] = [{"role": normalize_role(m.role), "content": m.text} for m in messages]
-    return Prompt(tuple(service.info(model).tokenizer.render_chat(chat, add_generation_prompt=add_generation_prompt)))
+    return Prompt(tuple(_render_chat(models.info(model), chat, add_generation_prompt)))
+
+
+def _render_chat(info: EngineInfo, chat: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    try:
+        return info.tokenizer.render_chat(chat, add_generation_prompt=add_generation_prompt)
+    except GatewayError:
+        raise
+    except Exception as exc:  # a template that raises (roles out of order, say) was given bad input
+        raise invalid(f"the model's chat template rejected the messages: {exc}") from None
 
 
 def _append_parts(
-    service: SessionService,
+    models: ModelCatalog,
     info: EngineInfo,
     model: str | None,
     parts: Sequence[Part],
@@ -160,7 +173,7 @@ def _append_parts(
             continue
         if info.vision is None:
             raise invalid(f"model {info.model_id!r} takes no images (it has no vision encoder); got {part.mime}")
-        pads, vision = service.image_tokens(part.data, part.mime, model)
+        pads, vision = models.image_tokens(part.data, part.mime, model)
         start = len(tokens)
         tokens += [vision.vision_start, *([vision.image_pad] * pads), vision.vision_end]
         images.append(ImageInput(data=part.data, mime=part.mime, start=start, end=len(tokens)))
@@ -175,116 +188,3 @@ def _find(haystack: Sequence[int], needle: Sequence[int], start: int) -> int:
         if haystack[i] == first and list(haystack[i : i + n]) == list(needle):
             return i
     return -1
-
-
-@dataclass(frozen=True, slots=True)
-class Append:
-    """What to send to the core so that a session's timeline becomes a prompt."""
-
-    offset: int
-    truncating: bool
-    tokens: tuple[int, ...]
-    images: tuple[ImageInput, ...]
-
-    @property
-    def reused(self) -> int:
-        return self.offset
-
-
-def plan_append(session_tokens: Sequence[int], session_images: Sequence[ImageSpan], prompt: Prompt) -> Append:
-    """Keep the longest prefix the session shares with ``prompt``; append the rest.
-
-    The cut never lands inside an image block, and an image block only counts as shared
-    when the same image (by digest) sits at the same place in both.
-    """
-    keep = 0
-    limit = min(len(session_tokens), len(prompt.tokens))
-    while keep < limit and session_tokens[keep] == prompt.tokens[keep]:
-        keep += 1
-    wanted = {(im.start, im.end): ImageSpan.of(im.start, im.end, im.data, im.mime).digest for im in prompt.images}
-    for span in sorted(session_images, key=lambda s: s.start):
-        if span.start >= keep:
-            break
-        if span.end > keep or wanted.get((span.start, span.end)) != span.digest:
-            keep = span.start
-            break
-    for im in prompt.images:  # never keep half of a new image block either
-        if im.start < keep < im.end:
-            keep = im.start
-    return Append(
-        offset=keep,
-        truncating=keep < len(session_tokens),
-        tokens=tuple(prompt.tokens[keep:]),
-        images=tuple(im for im in prompt.images if im.start >= keep),
-    )
-
-
-# -- continuing a session by new messages only (used by the OpenAI codec's session_id) ----------
-
-_PROBE_USER = Message("user", [TextPart("probe")])
-_PROBE_REPLIES = ("probe reply 1", "probe reply 2")
-
-
-def render_continuation(
-    service: SessionService,
-    timeline: Sequence[int],
-    messages: Sequence[Message],
-    *,
-    model: str | None = None,
-    add_generation_prompt: bool = True,
-) -> Prompt:
-    """The tokens to append to ``timeline`` (earlier turns) so that it continues with ``messages``.
-
-    For clients that send only a conversation's new messages. Derived from the chat
-    template itself, not from knowledge of any one format: a probe conversation
-    ``[user, assistant]`` is rendered with and without the new messages after it, and
-    the difference is how the new messages look after a finished assistant turn
-    (without, say, the default system prompt some templates add only at the start).
-    The closing tokens of an assistant turn (ChatML's ``<|im_end|>\\n``) come from two
-    probes that differ only in the reply's text; whatever part of them the timeline
-    does not already end with (a reply that stopped on EOS holds ``<|im_end|>`` but not
-    the newline, one cut off by ``max_tokens`` neither) goes first. Image positions in
-    the returned prompt are absolute (they start at ``len(timeline)`` or later). An
-    empty timeline is a new conversation: the whole rendering.
-    """
-    if not timeline:
-        return render(service, messages, model=model, add_generation_prompt=add_generation_prompt)
-    if not messages:
-        raise invalid("a chat turn needs at least one new message")
-    probe = [_PROBE_USER, Message("assistant", [TextPart(_PROBE_REPLIES[0])])]
-    before = render(service, probe, model=model, add_generation_prompt=False).tokens
-    after = render(service, [*probe, *messages], model=model, add_generation_prompt=add_generation_prompt)
-    if after.tokens[: len(before)] != before:
-        raise invalid(
-            f"the chat template of {service.info(model).model_id!r} does not render new messages as an append to "
-            "earlier turns; send the whole conversation without a session"
-        )
-    closer = assistant_closer(service, model=model)
-    missing = closer[_already_closed(timeline, closer) :]
-    shift = len(timeline) + len(missing) - len(before)
-    images = tuple(
-        ImageInput(data=im.data, mime=im.mime, start=im.start + shift, end=im.end + shift) for im in after.images
-    )
-    return Prompt(tuple(missing) + after.tokens[len(before) :], images)
-
-
-def assistant_closer(service: SessionService, *, model: str | None = None) -> tuple[int, ...]:
-    """The tokens the chat template puts after an assistant message's text (e.g. ``<|im_end|>\\n``)."""
-    a, b = (
-        render(
-            service, [_PROBE_USER, Message("assistant", [TextPart(reply)])], model=model, add_generation_prompt=False
-        ).tokens
-        for reply in _PROBE_REPLIES
-    )
-    n = 0
-    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
-        n += 1
-    return a[len(a) - n :]
-
-
-def _already_closed(timeline: Sequence[int], closer: Sequence[int]) -> int:
-    """How many leading tokens of ``closer`` the timeline already ends with."""
-    for k in range(min(len(closer), len(timeline)), 0, -1):
-        if list(timeline[-k:]) == list(closer[:k]):
-            return k
-    return 0

@@ -32,6 +32,17 @@ class GatewayError(Exception):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        # set once the generation monitor has counted this error (it ended a watched
+        # stream), so a codec's refusal counting does not count it twice
+        self.reported = False
+
+    def within(self, where: str) -> GatewayError:
+        """This error with ``where`` (an action, a row) in front of its message, still marked if counted."""
+        if self.message.startswith(where):
+            return self
+        out = GatewayError(self.code, f"{where}: {self.message}")
+        out.reported = self.reported
+        return out
 
     def __repr__(self) -> str:
         return f"GatewayError({self.code.name}, {self.message!r})"

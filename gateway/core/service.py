@@ -1,34 +1,44 @@
 """The Session/Action core: every protocol's requests end up here.
 
-Codecs translate wire messages into :class:`GenerateAction` and session calls; this
-module applies the rules (offsets, truncation, image blocks, context limits, busy
-sessions), submits work to the engine pool and keeps the session's timeline true to
+Codecs translate wire messages into a :class:`~prismgate.core.turns.ChatTurn` (the
+chat-shaped protocols) or a :class:`GenerateAction` (Salience, which places tokens
+itself) and session calls; this service is the one public API they use. It owns every
+policy a request meets before an engine sees it, each in its own module:
+
+* which models are served and whether they are ready: :mod:`prismgate.core.models`;
+* where a prompt goes in a session: :mod:`prismgate.core.prompts` (rendering chat:
+  :mod:`prismgate.core.chat`);
+* ``max_tokens`` and the context fit: :mod:`prismgate.core.limits`;
+* per-request size limits, checked before the work: :mod:`prismgate.core.budget`;
+* whether an action fits its session and model: :mod:`prismgate.core.checks`;
+* what a failed or cancelled turn leaves in the session: :mod:`prismgate.core.turns`.
+
+It then submits the work to the engine pool and keeps the session's timeline true to
 what the engine produced.
-
-Which tokens a session keeps when a generation does not finish normally:
-
-* the append (and any rewind) is applied once the action is validated, before the
-  engine runs, and is kept whatever happens next;
-* decoded tokens are appended when the generation ends with EOS, LENGTH or a stop
-  string, and on CANCELLED (client went away) or an engine error they are all
-  dropped, so that after a cancelled call the session length is exactly
-  ``offset + len(append_tokens)``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import replace
 from typing import Protocol
 
-from prismgate.core.actions import GenerateAction, GenerateSpec, ImageInput
-from prismgate.core.engine import EngineInfo, EngineRequest, VisionTokens
-from prismgate.core.errors import Code, GatewayError, exhausted, invalid, precondition
+from prismgate.core import checks
+from prismgate.core.actions import GenerateAction, PositionRange
+from prismgate.core.budget import RequestBudget
+from prismgate.core.engine import EngineInfo, EngineRequest, ReadoutManifest, VisionTokens
+from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, Event, FinishReason, TokenEvent
+from prismgate.core.limits import check_fit, max_tokens_for
+from prismgate.core.models import Models
 from prismgate.core.pool import EnginePool
-from prismgate.core.session import ImageSpan, Session, SessionStore
+from prismgate.core.prompts import plan_prompt
+from prismgate.core.session import Session, SessionStore
 from prismgate.core.text import TextStream
+from prismgate.core.token_texts import TokenTexts
+from prismgate.core.turns import ChatTurn, Turn
 
 
 class GenerationMonitor(Protocol):
@@ -58,44 +68,42 @@ class _PassThrough:
 
 
 class SessionService:
-    def __init__(self, pool: EnginePool, store: SessionStore) -> None:
-        self.pool = pool
+    def __init__(self, pool: EnginePool, store: SessionStore, budget: RequestBudget | None = None) -> None:
+        self.pool = pool  # the gateway's (start, drain, metrics); codecs go through the methods below
         self.store = store
+        self.budget = budget or RequestBudget()
+        self.models = Models(pool)
+        self._token_texts: dict[str, TokenTexts] = {}
         self.monitor: GenerationMonitor = _PassThrough()
         store.on_release(pool.release)
 
-    # -- model ---------------------------------------------------------------------
+    # -- models ----------------------------------------------------------------------
 
     def info(self, model: str | None = None) -> EngineInfo:
-        info = self.pool.engine(model).info
-        if info is None:  # engines fill ``info`` in start(); the server answers while the model loads
-            raise GatewayError(Code.UNAVAILABLE, "the model is still loading; retry once the server reports ready")
-        return info
+        """The model's facts (context, tokenizer, manifest); NOT_FOUND unknown, UNAVAILABLE loading."""
+        return self.models.info(model)
 
-    def image_tokens(self, data: bytes, mime: str, model: str | None = None) -> tuple[int, VisionTokens]:
-        """How many image-pad tokens ``data`` becomes, and the ids that frame its run.
+    def readouts(self, model: str | None = None) -> ReadoutManifest:
+        """The model's readout manifest; INVALID_ARGUMENT when it has no concept pack."""
+        return self.models.readouts(model)
 
-        Lets a client size an image's placeholder block before sending it, instead of
-        guessing the model's image processing. A text-only model is FAILED_PRECONDITION.
-        """
+    def token_texts(self, model: str | None = None) -> TokenTexts:
+        """Token id -> (text, exact bytes) for the model, cached per model (logprob displays)."""
         info = self.info(model)
-        if info.vision is None:
-            raise precondition(f"model {info.model_id!r} takes no images (it has no vision encoder)")
-        return self.pool.engine(info.model_id).image_tokens(data, mime), info.vision
+        texts = self._token_texts.get(info.model_id)
+        if texts is None or texts.tokenizer is not info.tokenizer:
+            texts = self._token_texts[info.model_id] = TokenTexts(info.tokenizer)
+        return texts
 
-    def check_model(self, model: str) -> str:
-        served = self.pool.models
-        if model not in served:
-            raise invalid(
-                f"model {model!r} is not the model served here; this server serves "
-                + ", ".join(repr(m) for m in served)
-            )
-        return model
+    async def image_tokens(self, data: bytes, mime: str, model: str | None = None) -> tuple[int, VisionTokens]:
+        """How many image-pad tokens ``data`` becomes, and the ids that frame its run (decoded off the loop)."""
+        return await asyncio.to_thread(self.models.image_tokens, data, mime, model)
 
     # -- session lifecycle -----------------------------------------------------------
 
-    def open(self, model: str) -> Session:
-        return self.store.create(self.check_model(model))
+    def open(self, model: str | None = None) -> Session:
+        """A new session on ``model`` (the default model when None); the model must be loaded."""
+        return self.store.create(self.info(model).model_id)
 
     def close(self, session_id: str) -> None:
         self.store.close(session_id)
@@ -109,29 +117,97 @@ class SessionService:
     def session(self, session_id: str) -> Session:
         return self.store.get(session_id)
 
+    # -- chat-shaped turns -------------------------------------------------------------
+
+    async def plan_turn(self, turn: ChatTurn, *, session_id: str | None = None, model: str | None = None) -> Turn:
+        """Apply the core's rules to a chat-shaped turn (see :mod:`prismgate.core.turns`).
+
+        With ``session_id`` the turn goes onto that session (``model``, when given, must
+        be the session's); without, onto a fresh timeline. Rendering runs in a worker
+        thread: it costs time in proportion to the prompt.
+        """
+        if session_id is not None:
+            session = self.store.get(session_id)
+            if model and self.models.resolve(model) != session.model:
+                raise GatewayError(
+                    Code.INVALID_ARGUMENT, f"session {session_id!r} is bound to model {session.model!r}, not {model!r}"
+                )
+            info = self.info(session.model)
+            timeline, images = list(session.tokens), list(session.images)
+        else:
+            info = self.info(model)
+            timeline, images = [], []
+        self.budget.check_prompt(turn.prompt, info.max_model_len)
+        if turn.readouts:
+            self.readouts(info.model_id)
+        append = await asyncio.to_thread(
+            plan_prompt, self.models, info.model_id, timeline, images, turn.prompt, turn.placement
+        )
+        prompt_tokens = append.prompt_tokens
+        max_tokens = max_tokens_for(
+            turn.max_tokens,
+            prompt_tokens=prompt_tokens,
+            context=info.max_model_len,
+            default=turn.default_max_tokens,
+        )
+        first = append.offset if turn.report_prompt else prompt_tokens
+        horizon = (PositionRange(first, prompt_tokens + max_tokens),)
+        spec = replace(
+            turn.sampling,
+            max_tokens=max_tokens,
+            logprob_ranges=horizon if turn.logprobs else (),
+            readout_ranges=horizon if turn.readouts else (),
+        )
+        action = GenerateAction(
+            append_tokens=append.tokens,
+            images=append.images,
+            offset=append.offset,
+            truncating=append.truncating,
+            spec=spec,
+            detokenize=turn.detokenize,
+            origin=turn.origin,
+            atomic=True,
+        )
+        return Turn(model=info.model_id, session_id=session_id, append=append, action=action)
+
+    def run_turn(self, turn: Turn) -> AsyncGenerator[Event, None]:
+        """Run a planned turn on its session (or its ephemeral timeline)."""
+        if turn.session_id is None:
+            return self.run(turn.action, model=turn.model)
+        return self.generate(turn.session_id, turn.action)
+
     # -- generation ----------------------------------------------------------------
 
     def generate(self, session_id: str, action: GenerateAction) -> AsyncGenerator[Event, None]:
         """Run ``action`` on a stored session; the stream ends with exactly one Done."""
         request_id = uuid.uuid4().hex
-        return self.monitor.watch(action, session_id, request_id, self._generate(session_id, action, request_id))
+        return _reported(
+            self.monitor.watch(action, session_id, request_id, self._generate(session_id, action, request_id))
+        )
 
     def run(self, action: GenerateAction, *, model: str | None = None) -> AsyncGenerator[Event, None]:
         """Run ``action`` on a fresh timeline that is thrown away afterwards."""
         request_id = uuid.uuid4().hex
         session_id = f"ephemeral-{request_id}"
         events = self._run_ephemeral(session_id, action, model, request_id)
-        return self.monitor.watch(action, session_id, request_id, events)
+        return _reported(self.monitor.watch(action, session_id, request_id, events))
 
     async def _generate(self, session_id: str, action: GenerateAction, request_id: str) -> AsyncGenerator[Event, None]:
         session = self.store.get(session_id)
         done: Done | None = None
         with session.generation():
-            async for event in self._run(session, action, session.id, request_id):
-                if isinstance(event, Done):
-                    done = event
-                else:
-                    yield event
+            before = session.snapshot() if action.atomic else None
+            finished = False
+            try:
+                async for event in self._run(session, action, session.id, request_id):
+                    if isinstance(event, Done):
+                        done = event
+                        finished = event.finish_reason is not FinishReason.CANCELLED
+                    else:
+                        yield event
+            finally:
+                if before is not None and not finished:
+                    session.restore(before)  # turn atomicity: see prismgate.core.turns
             self.store.touch(session)
         # Done goes out after the session is released, so a client that stops reading
         # at Done can start its next turn at once.
@@ -152,13 +228,17 @@ class SessionService:
         info = self.info(session.model)
         spec = action.spec
         old_length = len(session)
-        self._check_offset(session, action)
+        # cheapest first: counts and lengths before anything proportional to the append
+        self.budget.check_spec(spec)
+        checks.check_offset(session, action)
         base = old_length if action.offset is None else action.offset
+        checks.check_readouts(info, spec)
+        check_fit(base + len(action.append_tokens), spec.max_tokens, info.max_model_len)
+        checks.check_ranges(base + len(action.append_tokens), spec)
+        checks.check_vocabulary(info, action.append_tokens)
         tokens = session.tokens[:base] + list(action.append_tokens)
         images = [im for im in session.images if im.end <= base]
-        images += await self._check_images(info, base, tokens, action.images)
-        self._check_tokens(info, action.append_tokens)
-        self._check_limits(info, len(tokens), spec)
+        images += await checks.check_images(self.models, info, base, tokens, action.images)
 
         if session_key is not None:  # the append and the whole decode budget must fit, checked before anything runs
             self.store.reserve(len(action.append_tokens) - (old_length - base) + spec.max_tokens)
@@ -213,92 +293,14 @@ class SessionService:
             session.tokens.extend(generated)
         yield done
 
-    # -- rules -----------------------------------------------------------------------
 
-    @staticmethod
-    def _check_offset(session: Session, action: GenerateAction) -> None:
-        if action.offset is None:
-            if action.truncating:
-                raise invalid("truncating needs an offset to rewind to")
-            return
-        length = len(session)
-        if action.offset == length:
-            return
-        if action.offset < length and action.truncating:
-            session.check_boundary(action.offset, "truncation")
-            return
-        if action.offset < length:
-            raise precondition(
-                f"offset {action.offset} is behind the session length {length}; "
-                "set truncating to rewind, or resynchronise with DumpSession"
-            )
-        raise precondition(f"offset {action.offset} is past the session length {length}")
-
-    @staticmethod
-    def _check_tokens(info: EngineInfo, tokens: Sequence[int]) -> None:
-        for i, t in enumerate(tokens):
-            if not 0 <= t < info.vocab_size:
-                raise invalid(f"token id {t} at append index {i} is outside the vocabulary [0, {info.vocab_size})")
-
-    async def _check_images(
-        self, info: EngineInfo, base: int, tokens: list[int], images: Sequence[ImageInput]
-    ) -> list[ImageSpan]:
-        vision = info.vision
-        if vision is None:
-            if images:
-                raise invalid(f"model {info.model_id!r} takes no images (it has no vision encoder)")
-            return []
-        spans: list[ImageSpan] = []
-        for i, image in enumerate(sorted(images, key=lambda im: im.start)):
-            where = f"image {i} at [{image.start}, {image.end})"
-            if image.start < base or image.end > len(tokens) or image.end - image.start < 3:
-                raise invalid(
-                    f"{where} must lie inside this call's appended tokens [{base}, {len(tokens)}) "
-                    "and hold at least start, one pad and end"
-                )
-            if spans and image.start < spans[-1].end:
-                raise invalid(f"{where} overlaps the image at [{spans[-1].start}, {spans[-1].end})")
-            run = tokens[image.start : image.end]
-            if (
-                run[0] != vision.vision_start
-                or run[-1] != vision.vision_end
-                or any(t != vision.image_pad for t in run[1:-1])
-            ):
-                raise invalid(f"{where} is not a <|vision_start|> + N*<|image_pad|> + <|vision_end|> run")
-            engine = self.pool.engine(info.model_id)
-            # decoding and resizing an image takes a while: keep it off the event loop
-            expected = await asyncio.to_thread(engine.image_tokens, image.data, image.mime)
-            if expected != len(run) - 2:
-                raise invalid(
-                    f"{where} holds {len(run) - 2} image pad tokens but this image becomes "
-                    f"{expected} under {info.model_id!r}; expected a range of length {expected + 2}"
-                )
-            spans.append(ImageSpan.of(image.start, image.end, image.data, image.mime))
-        declared = {p for s in spans for p in range(s.start, s.end)}
-        for position in range(base, len(tokens)):
-            if tokens[position] == vision.image_pad and position not in declared:
-                raise invalid(f"image pad token at position {position} belongs to no declared image")
-        return spans
-
-    @staticmethod
-    def _check_limits(info: EngineInfo, prompt_len: int, spec: GenerateSpec) -> None:
-        if spec.wants_readouts and info.readouts is None:
-            raise invalid(f"model {info.model_id!r} has no concept pack loaded, so it has no readouts")
-        limit = info.max_model_len
-        if prompt_len > limit:
-            raise exhausted(f"the prompt has {prompt_len} tokens, more than the model's context of {limit}")
-        if prompt_len + spec.max_tokens > limit:
-            raise exhausted(
-                f"{prompt_len} prompt tokens + max_tokens {spec.max_tokens} = "
-                f"{prompt_len + spec.max_tokens} exceeds the model's context of {limit}"
-            )
-        if spec.max_tokens > 0 and prompt_len == 0:
-            raise invalid("cannot decode from an empty timeline: append at least one token")
-        horizon = prompt_len + spec.max_tokens
-        for name, ranges in (("logprob", spec.logprob_ranges), ("readout", spec.readout_ranges)):
-            for r in ranges:
-                if r.end > horizon:
-                    raise invalid(
-                        f"{name} range [{r.start}, {r.end}) reaches past position {horizon} "
-                        f"(prompt {prompt_len} + max_tokens {spec.max_tokens})"
-                    )
+async def _reported(events: AsyncGenerator[Event, None]) -> AsyncGenerator[Event, None]:
+    """Mark an error that ended a watched stream as counted: the monitor saw it go by."""
+    try:
+        async for event in events:
+            yield event
+    except GatewayError as exc:
+        exc.reported = True
+        raise
+    finally:
+        await events.aclose()

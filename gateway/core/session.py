@@ -47,6 +47,7 @@ class Session:
     ttl_s: float = DEFAULT_TTL_S
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False
+    pinned: bool = False  # kept alive by an open connection (Evergreen): never evicted for idling
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -61,6 +62,13 @@ class Session:
                     f"{what} position {position} falls inside the image block "
                     f"[{image.start}, {image.end}); pick {image.start} or {image.end}"
                 )
+
+    def snapshot(self) -> tuple[list[int], list[ImageSpan]]:
+        """The timeline as it is now, for :meth:`restore` (turn atomicity)."""
+        return list(self.tokens), list(self.images)
+
+    def restore(self, snapshot: tuple[list[int], list[ImageSpan]]) -> None:
+        self.tokens, self.images = list(snapshot[0]), list(snapshot[1])
 
     def truncate(self, length: int) -> None:
         self.check_boundary(length, "truncation")
@@ -178,7 +186,7 @@ class SessionStore:
         session.last_used = self._clock()
 
     def _expired(self, session: Session) -> bool:
-        return not session.busy and self._clock() - session.last_used > session.ttl_s
+        return not (session.busy or session.pinned) and self._clock() - session.last_used > session.ttl_s
 
     def _drop(self, session_id: str) -> bool:
         if self._sessions.pop(session_id, None) is None:

@@ -37,7 +37,7 @@ def spec(**kw: Any) -> GenerateSpec:
 async def test_open_checks_the_model_name(tiny_service: Any) -> None:
     with pytest.raises(GatewayError) as e:
         tiny_service.open("gpt-4")
-    assert e.value.code is Code.INVALID_ARGUMENT
+    assert e.value.code is Code.NOT_FOUND
     assert "'gpt-4'" in e.value.message and "'tiny-llama'" in e.value.message
 
 

@@ -6,8 +6,9 @@ import pytest
 from google.protobuf import any_pb2, struct_pb2
 
 from prismgate.codecs.evergreen.config import STRUCT_TYPE_URL, parse_configs
-from prismgate.core.chat import ImagePart, Message, Prompt, TextPart, plan_append, render
+from prismgate.core.chat import ImagePart, Message, Prompt, TextPart, render
 from prismgate.core.errors import Code, GatewayError
+from prismgate.core.prompts import plan_append
 from prismgate.core.session import ImageSpan
 from prismgate.schemas import evergreen_generate_pb2 as gpb
 
@@ -43,7 +44,7 @@ def test_unknown_config_fields_are_errors() -> None:
 
 async def test_render_matches_the_chat_template_and_splices_exact_ids(tiny_service) -> None:
     tokenizer = tiny_service.info().tokenizer
-    plain = render(tiny_service, [Message("user", [TextPart("Hi "), TextPart("there")])])
+    plain = render(tiny_service.models, [Message("user", [TextPart("Hi "), TextPart("there")])])
     assert list(plain.tokens) == tokenizer.render_chat([{"role": "user", "content": "Hi there"}])
     # an earlier answer with its exact ids (ids that re-tokenising its text would not give back)
     odd_ids = (33, 33, 34)
@@ -52,7 +53,7 @@ async def test_render_matches_the_chat_template_and_splices_exact_ids(tiny_servi
         Message("model", [TextPart("?", odd_ids)]),
         Message("user", [TextPart("Q")]),
     ]
-    spliced = render(tiny_service, convo)
+    spliced = render(tiny_service.models, convo)
     first_turn = tokenizer.render_chat([{"role": "user", "content": "Hi"}])
     assert list(spliced.tokens[: len(first_turn) + 3]) == first_turn + list(odd_ids)
     as_text = tokenizer.render_chat(
@@ -64,7 +65,7 @@ async def test_render_matches_the_chat_template_and_splices_exact_ids(tiny_servi
 
 async def test_images_need_a_vision_model(tiny_service) -> None:
     with pytest.raises(GatewayError) as info:
-        render(tiny_service, [Message("user", [ImagePart(b"png", "image/png")])])
+        render(tiny_service.models, [Message("user", [ImagePart(b"png", "image/png")])])
     assert info.value.code is Code.INVALID_ARGUMENT and "takes no images" in info.value.message
 
 

@@ -92,3 +92,43 @@ async def test_reflection_lists_the_service(live_server) -> None:
             names = {s.name for s in reply.list_services_response.service}
             assert "evergreen.v2.EvergreenService" in names
             break
+
+
+def _errors(live_server, code: str) -> float:
+    from tests.ops.helpers import scrape, value
+
+    return value(scrape(live_server.http_url), "prismgate_request_errors_total", protocol="evergreen", code=code)
+
+
+async def test_garbage_on_the_stream_is_invalid_argument_and_counted(live_server) -> None:
+    """The shared gRPC guard parses leniently: a message that is not protobuf is named, not CANCELLED."""
+    before = _errors(live_server, "INVALID_ARGUMENT")
+    async with grpc.aio.insecure_channel(live_server.grpc_target) as channel:
+        raw = channel.stream_stream(
+            "/evergreen.v2.EvergreenService/StartSession",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.SessionMessage.FromString,
+        )
+        call = raw(iter([b"\xff\xff\xff\xff not protobuf"]))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in call:
+                pass
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid protobuf message" in info.value.details()
+    assert _errors(live_server, "INVALID_ARGUMENT") == before + 1
+
+
+async def test_the_guard_checks_the_token_on_evergreen_too(server_factory) -> None:
+    with server_factory(auth_token="s3cret") as server:
+        async with grpc.aio.insecure_channel(server.grpc_target) as channel:
+            stub = evergreen_pb2_grpc.EvergreenServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                # nothing sent: a message racing the abort fails on the client's side as INTERNAL
+                async for _ in stub.StartSession(iter(())):
+                    pass
+            assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED
+            good = stub.StartSession(
+                iter([generate_message("p", "r", "hi", 2)]), metadata=(("authorization", "Bearer s3cret"),)
+            )
+            replies = [m async for m in good]
+            assert any(f.id == "r" for m in replies for f in m.node_fragments)

@@ -70,7 +70,7 @@ async def test_a_fetched_ref_becomes_the_prompt(server_factory: Any, store_url: 
     ("path", "code", "words"),
     [
         ("/big.txt", 4429, "larger than the limit 1000 bytes"),
-        ("/missing.txt", 4412, "HTTP 404 fetching"),
+        ("/missing.txt", 4400, "HTTP 404 fetching"),
         ("/slow.txt", 4503, "took over 0.5s fetching"),
     ],
 )
@@ -84,4 +84,4 @@ async def test_fetch_limits_and_failures_abort_with_a_reason(
 
 async def test_http_refs_are_off_by_default(live_server: Any, store_url: str) -> None:
     got_code, reason = await aborted(live_server, ref_prompt(store_url + "/question.txt"))
-    assert got_code == 4412 and "disabled" in reason
+    assert got_code == 4400 and "disabled" in reason

@@ -279,7 +279,7 @@ async def aborted(server, *messages: str | bytes) -> tuple[int, str]:  # type: i
                     ],
                 )
             ],
-            4412,
+            4400,
             ["action #1", "file: refs"],
         ),
         (
@@ -294,7 +294,7 @@ async def aborted(server, *messages: str | bytes) -> tuple[int, str]:  # type: i
                     ],
                 )
             ],
-            4412,
+            4400,
             ["http(s) refs"],
         ),
         (
@@ -409,7 +409,7 @@ async def test_file_refs_under_the_configured_root(server_factory, tmp_path) -> 
                 ],
             ),
         )
-        assert code == 4412 and "outside the allowed root" in reason
+        assert code == 4400 and "outside the allowed root" in reason
 
 
 # -- extensions ------------------------------------------------------------------------
@@ -472,7 +472,7 @@ async def test_drop_forgets_nodes(live_server) -> None:
         assert (await c.until_complete("r2"))["r2"].complete
         await ws.send(msg(actions=[generate("p3", "r3")], fragments=[parent("p3", "q")]))
         code, reason = await closed_with(ws)
-        assert code == 4412 and "'q'" in reason and "dropped" in reason
+        assert code == 4400 and "'q'" in reason and "dropped" in reason
 
 
 async def test_follow_up_may_be_sent_before_the_first_answer_finishes(live_server) -> None:

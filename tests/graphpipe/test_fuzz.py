@@ -19,7 +19,7 @@ import requests
 from graphpipe import remote
 
 from prismgate.codecs.graphpipe import wire
-from prismgate.codecs.graphpipe.mapping import make_plan
+from prismgate.codecs.graphpipe.plan import make_plan
 from prismgate.core.errors import GatewayError
 from prismgate.schemas.graphpipe.fb import graphpipe_generated as gp
 from tests.graphpipe.helpers import infer_buffer, metadata_buffer
@@ -79,7 +79,6 @@ def cases(n: int, seed: int) -> Iterator[bytes]:
 
 
 async def test_decoder_never_fails_without_a_clear_error(tiny_service: Any) -> None:
-    info = tiny_service.info()
     started = time.monotonic()
     outcomes = {"ok": 0, "error": 0, "metadata": 0}
     for buf in cases(4000, seed=1234):
@@ -89,7 +88,7 @@ async def test_decoder_never_fails_without_a_clear_error(tiny_service: Any) -> N
             if call is None:
                 outcomes["metadata"] += 1
                 continue
-            make_plan(call, info, max_batch=256)
+            await make_plan(tiny_service, call, max_batch=256)
             outcomes["ok"] += 1
         except GatewayError as exc:
             assert exc.message, f"empty message for {buf!r}"

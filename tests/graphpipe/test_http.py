@@ -12,7 +12,7 @@ import pytest
 import requests
 from graphpipe import remote
 
-from prismgate.codecs.graphpipe.mapping import OUTPUTS
+from prismgate.codecs.graphpipe.outputs import OUTPUTS
 from prismgate.core.errors import Code
 from prismgate.schemas.graphpipe.fb import graphpipe_generated as gp
 from tests.graphpipe.helpers import infer_buffer, metadata_buffer, read_response, read_tensor_fields

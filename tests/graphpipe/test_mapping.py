@@ -8,26 +8,33 @@ from typing import Any
 import numpy as np
 import pytest
 
-from prismgate.codecs.graphpipe import mapping, wire
+from prismgate.codecs.graphpipe import wire
 from prismgate.codecs.graphpipe.infer import run_plan
 from prismgate.codecs.graphpipe.metadata import describe
+from prismgate.codecs.graphpipe.outputs import OUTPUTS, assemble
+from prismgate.codecs.graphpipe.plan import Plan, make_plan
 from prismgate.core.actions import PositionRange
 from prismgate.core.errors import GatewayError
 from prismgate.schemas.graphpipe.fb import graphpipe_generated as gp
 from tests.graphpipe.helpers import infer_buffer
 
 
-def plan_for(service: Any, *args: Any, **kwargs: Any) -> mapping.Plan:
+async def plan_for(service: Any, *args: Any, **kwargs: Any) -> Plan:
     call = wire.decode_request(infer_buffer(*args, **kwargs))
     assert call is not None
-    return mapping.make_plan(call, service.info(), max_batch=8)
+    return await make_plan(service, call, max_batch=8)
 
 
-def plan_error(service: Any, *args: Any, **kwargs: Any) -> str:
+async def plan_error(service: Any, *args: Any, **kwargs: Any) -> str:
     with pytest.raises(GatewayError) as info:
-        plan_for(service, *args, **kwargs)
+        await plan_for(service, *args, **kwargs)
     assert info.value.message
     return info.value.message
+
+
+def rows(plan: Plan) -> list[tuple[int, ...]]:
+    """Each row's prompt tokens (an ephemeral turn appends its whole prompt)."""
+    return [turn.action.append_tokens for turn in plan.turns]
 
 
 @pytest.mark.parametrize(
@@ -50,37 +57,37 @@ def plan_error(service: Any, *args: Any, **kwargs: Any) -> str:
     ],
 )
 async def test_bad_config_is_a_clear_error(tiny_service: Any, config: str, expected: str) -> None:
-    assert expected in plan_error(tiny_service, [np.array(["hi"])], config=config)
+    assert expected in await plan_error(tiny_service, [np.array(["hi"])], config=config)
 
 
 async def test_input_binding_errors(tiny_service: Any) -> None:
     s = tiny_service
-    assert "unknown input 'image'" in plan_error(s, [np.array(["hi"])], ["image"])
-    assert "unknown output 'logits'" in plan_error(s, [np.array(["hi"])], None, ["logits"])
-    assert "not both" in plan_error(s, [np.array(["hi"]), np.array([[1]])], ["prompt", "tokens"])
-    assert "must be a String tensor" in plan_error(s, [np.array([1.5])], ["prompt"])
-    assert "must be an integer tensor" in plan_error(s, [np.array([[1.5]])], ["tokens"])
-    assert "shape [batch] or be a scalar" in plan_error(s, [np.array([["a"]])], ["prompt"])
-    assert "at most 8" in plan_error(s, [np.array(["a"] * 9)])
-    assert "need config.logprobs" in plan_error(s, [np.array(["a"])], None, ["top_logprobs"])
-    assert "no input tensors" in plan_error(s, [])
+    assert "unknown input 'image'" in await plan_error(s, [np.array(["hi"])], ["image"])
+    assert "unknown output 'logits'" in await plan_error(s, [np.array(["hi"])], None, ["logits"])
+    assert "not both" in await plan_error(s, [np.array(["hi"]), np.array([[1]])], ["prompt", "tokens"])
+    assert "must be a String tensor" in await plan_error(s, [np.array([1.5])], ["prompt"])
+    assert "must be an integer tensor" in await plan_error(s, [np.array([[1.5]])], ["tokens"])
+    assert "shape [batch] or be a scalar" in await plan_error(s, [np.array([["a"]])], ["prompt"])
+    assert "at most 8" in await plan_error(s, [np.array(["a"] * 9)])
+    assert "need config.logprobs" in await plan_error(s, [np.array(["a"])], None, ["top_logprobs"])
+    assert "no input tensors" in await plan_error(s, [])
 
 
 async def test_prompt_rows_use_the_chat_template_unless_turned_off(tiny_service: Any) -> None:
     tok = tiny_service.info().tokenizer
-    chat = plan_for(tiny_service, [np.array(["hello", "yo"])])
-    assert chat.rows == [
+    chat = await plan_for(tiny_service, [np.array(["hello", "yo"])])
+    assert rows(chat) == [
         tuple(tok.render_chat([{"role": "user", "content": "hello"}])),
         tuple(tok.render_chat([{"role": "user", "content": "yo"}])),
     ]
-    raw = plan_for(tiny_service, [np.array("hello")], config='{"chat_template": false}')
-    assert raw.rows == [tuple(tok.encode("hello"))]
+    raw = await plan_for(tiny_service, [np.array("hello")], config='{"chat_template": false}')
+    assert rows(raw) == [tuple(tok.encode("hello"))]
 
 
 async def test_unnamed_integer_tensor_is_tokens_and_padding_is_dropped(tiny_service: Any) -> None:
-    plan = plan_for(tiny_service, [np.array([[5, 6, 7], [8, -1, -1]], dtype=np.int64)])
-    assert plan.rows == [(5, 6, 7), (8,)]
-    assert plan.outputs == ["text"] and plan.detokenize
+    plan = await plan_for(tiny_service, [np.array([[5, 6, 7], [8, -1, -1]], dtype=np.int64)])
+    assert rows(plan) == [(5, 6, 7), (8,)]
+    assert plan.shape.outputs == ["text"] and plan.detokenize
 
 
 async def test_config_becomes_the_generate_spec(tiny_service: Any) -> None:
@@ -88,18 +95,20 @@ async def test_config_becomes_the_generate_spec(tiny_service: Any) -> None:
         '{"max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 3, "stop": "x", '
         '"stop_token_ids": [2], "logprobs": 2, "readout_layers": [1]}'
     )
-    plan = plan_for(tiny_service, [np.array([[1, 2, 3]])], ["tokens"], ["top_logprobs", "readouts"], config=config)
-    spec = plan.specs[0]
+    plan = await plan_for(
+        tiny_service, [np.array([[1, 2, 3]])], ["tokens"], ["top_logprobs", "readouts"], config=config
+    )
+    spec = plan.turns[0].action.spec
     assert (spec.max_tokens, spec.temperature, spec.top_p, spec.top_k, spec.seed) == (5, 0.5, 0.9, 7, 3)
     assert spec.stop_strings == ("x",) and spec.stop_token_ids == (2,) and spec.logprob_top_k == 2
     assert [(r.start, r.end) for r in spec.logprob_ranges] == [(3, 8)]
     assert [(r.start, r.end) for r in spec.readout_ranges] == [(3, 8)]
-    assert plan.layers == (1,) and not plan.detokenize
+    assert plan.shape.layers == (1,) and not plan.detokenize
 
 
 async def test_rows_run_and_assemble_into_padded_tensors(tiny_service: Any) -> None:
     outputs = ["tokens", "lengths", "logprobs", "top_logprob_ids", "top_logprobs", "readouts", "text"]
-    plan = plan_for(
+    plan = await plan_for(
         tiny_service,
         [np.array([[1, 2, 3], [4, 5, 6]])],
         ["tokens"],
@@ -107,10 +116,12 @@ async def test_rows_run_and_assemble_into_padded_tensors(tiny_service: Any) -> N
         config='{"max_tokens": 4, "logprobs": 3, "stop_token_ids": []}',
     )
     short = (PositionRange(3, 5),)  # row 1 stops after 2 tokens, so the tensors need padding
-    plan.specs[1] = dataclasses.replace(plan.specs[1], max_tokens=2, logprob_ranges=short, readout_ranges=short)
+    action = plan.turns[1].action
+    spec = dataclasses.replace(action.spec, max_tokens=2, logprob_ranges=short, readout_ranges=short)
+    plan.turns[1] = dataclasses.replace(plan.turns[1], action=dataclasses.replace(action, spec=spec))
     results = await run_plan(tiny_service, plan)
     manifest = tiny_service.info().readouts
-    tensors = dict(zip(outputs, mapping.assemble(plan, results, manifest), strict=True))
+    tensors = dict(zip(outputs, assemble(plan.shape, results, manifest), strict=True))
     n0, n1 = len(results[0].ids), len(results[1].ids)
     assert n1 <= 2 and n0 <= 4
     m = max(n0, n1)
@@ -135,7 +146,7 @@ async def test_metadata_describes_the_mapping(tiny_service: Any) -> None:
     meta = describe(info)
     assert meta.name == info.model_id and meta.server == "prismgate" and meta.version
     assert [io.name for io in meta.inputs] == ["prompt", "tokens"]
-    assert [io.name for io in meta.outputs] == list(mapping.OUTPUTS)
+    assert [io.name for io in meta.outputs] == list(OUTPUTS)
     assert all(io.type != gp.Type.Null and io.description for io in meta.inputs + meta.outputs)
     readouts = meta.outputs[-1]
     assert readouts.shape == (-1, -1, -1, len(info.readouts.concepts))

@@ -8,7 +8,8 @@ import pytest
 
 from prismgate.codecs.openai.errors import OpenAIError
 from prismgate.codecs.openai.request import parse_chat, parse_completion
-from prismgate.core.chat import Message, TextPart, assistant_closer, render, render_continuation
+from prismgate.core.chat import Message, TextPart, render
+from prismgate.core.prompts import assistant_closer, render_continuation
 
 BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -95,7 +96,7 @@ def test_completion_prompts() -> None:
 
 
 async def test_continuation_equals_the_whole_rendering(tiny_service: Any) -> None:
-    svc = tiny_service
+    svc = tiny_service.models
     first = [Message("system", [TextPart("Be brief.")]), Message("user", [TextPart("Hi")])]
     timeline = list(render(svc, first).tokens)
     reply = svc.info().tokenizer.encode("Hello!")

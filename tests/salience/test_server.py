@@ -12,8 +12,8 @@ from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from prismgate.codecs.grpc_guard import Guard, add_guarded
 from prismgate.codecs.salience.servicer import SalienceServicer
-from prismgate.codecs.salience.status import add_guarded
 from prismgate.core.errors import Code, GatewayError
 from prismgate.schemas import salience_images_pb2 as images_pb
 from prismgate.schemas import salience_pb2 as pb
@@ -179,7 +179,9 @@ def test_count_image_tokens_on_a_text_only_model_is_failed_precondition(client: 
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert TINY_MODEL_ID in error.details() and "no vision encoder" in error.details()
     wrong = images_pb.CountImageTokensRequest(image=b"\x89PNG", mime="image/png", model="other")
-    assert rpc_error(client.images.CountImageTokens, wrong).code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        rpc_error(client.images.CountImageTokens, wrong).code() == grpc.StatusCode.NOT_FOUND
+    )  # unknown model: NOT_FOUND on every wire
 
 
 # -- the guard: no bare exception reaches a client as UNKNOWN ---------------------------------
@@ -198,7 +200,12 @@ class _Failing(SalienceServicer):
 
 async def test_exceptions_become_statuses_with_messages(tiny_service: Any) -> None:
     server = grpc.aio.server()
-    name = add_guarded(server, salience_pb2_grpc.add_SalienceServicer_to_server, _Failing(tiny_service), None)
+    name = add_guarded(
+        server,
+        salience_pb2_grpc.add_SalienceServicer_to_server,
+        _Failing(tiny_service),
+        Guard(tiny_service, "salience", None),
+    )
     assert name == "salience.v1.Salience"
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -25,7 +25,7 @@ def test_open_returns_an_id_and_the_model_context(client: Client, live_server: A
 
 def test_open_with_the_wrong_model_names_both(client: Client) -> None:
     error = rpc_error(client.salience.OpenSession, pb.OpenSessionRequest(model="gpt-17"))
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.code() == grpc.StatusCode.NOT_FOUND  # an unknown model is NOT_FOUND on every wire
     assert "gpt-17" in error.details() and TINY_MODEL_ID in error.details()
 
 

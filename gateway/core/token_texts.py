@@ -6,6 +6,10 @@ are true. The core Tokenizer contract gives a token's text; for the common
 byte-level BPE tokenizers (GPT-2 style, which SmolLM2 and the test model use) and
 SentencePiece byte-fallback tokens (``<0xE2>``) the exact bytes are recovered from
 the vocabulary entry, otherwise they are the UTF-8 of the text.
+
+It lives in the core because recovering the bytes reads the Hugging Face tokenizer
+behind the :class:`~prismgate.core.engine.Tokenizer` contract; codecs ask
+:meth:`SessionService.token_texts` instead.
 """
 
 from __future__ import annotations

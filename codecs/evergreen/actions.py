@@ -1,0 +1,90 @@
+"""``Action`` messages -> what to run: GENERATE's inputs, outputs and config, DROP's and CANCEL's ids.
+
+Everything here is knowable from the action alone, so it is checked when the action
+arrives (a bad action aborts the session at once, not when its input tree completes).
+Whether the action fits the session and the model is the core's to say.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prismgate.codecs.evergreen.config import parse_configs
+from prismgate.codecs.evergreen.outputs import EXTRA_OUTPUTS, TEXT_OUTPUTS
+from prismgate.core.actions import GenerateSpec
+from prismgate.core.errors import invalid
+from prismgate.schemas import evergreen_generate_pb2 as gpb
+from prismgate.schemas import evergreen_pb2 as pb
+
+INPUT_NAMES = ("prompt", "text")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateCall:
+    """A GENERATE action, read: the input tree's root, the outputs by key, the decoding asked for."""
+
+    root: str
+    outputs: dict[str, str]  # "text" | "readouts" | "logprobs" | "usage" -> node id
+    config: gpb.GenerateConfig
+    sampling: GenerateSpec
+    target: str  # the model the client named ("" when none)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.config.max_tokens if self.config.HasField("max_tokens") else None
+
+    @property
+    def chat_template(self) -> bool:
+        return self.config.chat_template if self.config.HasField("chat_template") else True
+
+
+def read_generate(action: pb.Action, label: str) -> GenerateCall:
+    inputs = [(p.name, p.id) for p in action.inputs]
+    unknown_in = [n for n, _ in inputs if n not in INPUT_NAMES]
+    if unknown_in:
+        raise invalid(f"{label}: unknown input {unknown_in[0]!r}; GENERATE takes 'prompt' or 'text'")
+    if len(inputs) != 1:
+        raise invalid(f"{label}: GENERATE takes exactly one input ('prompt' or 'text'), got {len(inputs)}")
+    outputs: dict[str, str] = {}
+    for p in action.outputs:
+        if p.name not in TEXT_OUTPUTS + EXTRA_OUTPUTS:
+            raise invalid(
+                f"{label}: unknown output {p.name!r}; GENERATE writes 'response' or 'text', "
+                "and optionally 'readouts', 'logprobs', 'usage'"
+            )
+        key = "text" if p.name in TEXT_OUTPUTS else p.name
+        if key in outputs:
+            raise invalid(f"{label}: output {p.name!r} named twice")
+        outputs[key] = p.id
+    if "text" not in outputs:
+        raise invalid(f"{label}: GENERATE needs a 'response' (or 'text') output")
+    if len(set(outputs.values())) != len(outputs):
+        raise invalid(f"{label}: two outputs share one node id")
+    config = parse_configs(action.configs, label)
+    return GenerateCall(inputs[0][1], outputs, config, sampling(config), action.target_spec.id)
+
+
+def read_ids(action: pb.Action, label: str, what: str) -> list[str]:
+    ids = [p.id for p in action.inputs]
+    if not ids:
+        raise invalid(f"{label}: {what}")
+    return ids
+
+
+def sampling(config: gpb.GenerateConfig) -> GenerateSpec:
+    """GenerateConfig -> the core's sampling knobs (the core sets max_tokens and what is reported).
+
+    Building the spec checks the values (signs, ranges) as soon as the action arrives.
+    """
+    return GenerateSpec(
+        max_tokens=config.max_tokens,
+        temperature=config.temperature if config.HasField("temperature") else 0.0,
+        top_p=config.top_p if config.HasField("top_p") else 1.0,
+        top_k=config.top_k if config.HasField("top_k") else 0,
+        seed=config.seed if config.HasField("seed") else None,
+        stop_token_ids=tuple(config.stop_token_ids),
+        stop_strings=tuple(config.stop_strings),
+        ignore_eos=config.ignore_eos,
+        logprob_top_k=config.top_logprobs,
+        priority=config.priority,
+    )

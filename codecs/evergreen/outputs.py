@@ -1,0 +1,113 @@
+"""What GENERATE writes into its output nodes: the mimetypes and the bytes of each line.
+
+``response`` holds the generated text; ``readouts`` and ``logprobs`` hold one NDJSON
+line per generated token (readouts after a header line describing the manifest);
+``usage`` holds one JSON object once the action ends. docs/evergreen.md is the reference.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from prismgate.codecs.evergreen.fragments import NodeWriter
+from prismgate.core.engine import ReadoutManifest, Tokenizer
+from prismgate.core.events import Done, TokenEvent
+from prismgate.core.turns import Turn
+
+TEXT_MIME = "text/plain"
+OUTPUT_ROLE = "assistant"
+READOUTS_MIME = "application/x-ndjson; schema=prismgate.readouts.v1"
+LOGPROBS_MIME = "application/x-ndjson; schema=prismgate.logprobs.v1"
+USAGE_MIME = "application/json; schema=prismgate.usage.v1"
+
+TEXT_OUTPUTS = ("response", "text")
+EXTRA_OUTPUTS = ("readouts", "logprobs", "usage")
+
+_MIMES = {
+    "text": (TEXT_MIME, OUTPUT_ROLE),
+    "readouts": (READOUTS_MIME, ""),
+    "logprobs": (LOGPROBS_MIME, ""),
+    "usage": (USAGE_MIME, ""),
+}
+
+
+def writers(outputs: dict[str, str]) -> dict[str, NodeWriter]:
+    """One writer per output (key -> node id), with the output's mimetype."""
+    return {key: NodeWriter(node_id, *_MIMES[key]) for key, node_id in outputs.items()}
+
+
+def readout_header(model: str, manifest: ReadoutManifest) -> bytes:
+    return line(
+        {
+            "model": model,
+            "concepts": list(manifest.concepts),
+            "layers": list(manifest.layers),
+            "layerConvention": manifest.layer_convention,
+            "shape": ["layers", "concepts"],
+            "centers": None if manifest.centers is None else [[number(v) for v in row] for row in manifest.centers],
+        }
+    )
+
+
+def readout_line(index: int, event: TokenEvent) -> bytes:
+    assert event.readout is not None
+    values = [[number(v) for v in row] for row in event.readout.tolist()]
+    return line(
+        {"index": index, "position": event.position, "tokenId": event.id, "text": event.text or "", "values": values}
+    )
+
+
+def logprob_line(index: int, event: TokenEvent, tokenizer: Tokenizer) -> bytes:
+    assert event.logprob is not None
+    top = [
+        {"tokenId": t, "text": tokenizer.token_text(t), "logprob": number(lp)} for t, lp in (event.top_logprobs or [])
+    ]
+    return line(
+        {
+            "index": index,
+            "position": event.position,
+            "tokenId": event.id,
+            "text": event.text or "",
+            "logprob": number(event.logprob),
+            "top": top,
+        }
+    )
+
+
+def planned_usage(turn: Turn) -> dict[str, Any]:
+    """What the usage object says before the engine runs (how much of the session was reused)."""
+    return {
+        "promptTokens": turn.prompt_tokens,
+        "reusedTokens": turn.reused_tokens,
+        "appendedTokens": len(turn.append.tokens),
+    }
+
+
+def done_usage(done: Done) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "finishReason": done.finish_reason.value,
+        "promptTokens": done.prompt_tokens,
+        "completionTokens": done.completion_tokens,
+        "cachedTokens": done.cached_tokens,
+        "prefilledTokens": done.prefilled_tokens,
+    }
+    if done.stop_string is not None:
+        out["stopString"] = done.stop_string
+    return out
+
+
+def usage_bytes(usage: dict[str, Any]) -> bytes:
+    return json.dumps(usage, separators=(",", ":")).encode()
+
+
+def line(obj: Any) -> bytes:
+    return (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
+
+
+def number(value: float) -> float | None:
+    """A float for JSON: 6 significant digits, ``null`` for NaN and infinities."""
+    v = float(value)
+    if v != v or v in (float("inf"), float("-inf")):
+        return None
+    return float(f"{v:.6g}")

@@ -1,0 +1,205 @@
+"""The guard every gRPC service of the gateway runs inside (Salience, Evergreen, companions).
+
+Why one wrapper: each RPC must check the bearer token, log under the caller's request
+id, turn a request whose bytes do not parse into INVALID_ARGUMENT (not grpc's bare
+UNKNOWN), turn a :class:`GatewayError` into its status (through the one table,
+:mod:`prismgate.codecs.status`) with the message as details, and count every refusal
+in the errors metric. Doing it per method or per service is how services drifted
+apart. The server object is built by ``prismgate.server`` (no interceptors there), so
+the guard wraps the method handlers the generated ``add_*Servicer_to_server`` functions
+register: the same effect as a server interceptor, limited to the services it is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+import grpc
+
+from prismgate.auth import check_bearer
+from prismgate.codecs.status import wire_status
+from prismgate.core.errors import Code, GatewayError, invalid
+from prismgate.core.service import SessionService
+from prismgate.logs import log_context
+
+log = logging.getLogger(__name__)
+
+Unary = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+Streaming = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+T = TypeVar("T")
+
+
+def grpc_status(code: Code) -> grpc.StatusCode:
+    """The gRPC status for a core error code."""
+    return grpc.StatusCode[wire_status(code).grpc_name]
+
+
+@contextlib.asynccontextmanager
+async def closing(stream: AsyncIterator[T]) -> AsyncGenerator[AsyncIterator[T], None]:
+    """Close ``stream`` when the block ends, however it ends.
+
+    A cancelled or failed handler must release the session (its busy flag, the engine
+    request) at once, not whenever the garbage collector finalises the generator.
+    """
+    try:
+        yield stream
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def metadata(context: grpc.aio.ServicerContext, name: str) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key.lower() == name:
+            return value if isinstance(value, str) else value.decode("latin-1")
+    return None
+
+
+class _Malformed:
+    """A request whose bytes did not parse: reported as INVALID_ARGUMENT once the caller is authenticated.
+
+    grpc.aio parses requests before any handler runs and answers a parse failure with a
+    bare UNKNOWN; parsing leniently moves the failure into the guard, where it gets a
+    proper status and message.
+    """
+
+    def __init__(self, method: str, error: Exception) -> None:
+        self.error = invalid(f"{method}: the request is not a valid protobuf message ({error})")
+
+
+def _lenient(method: str, deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        if deserializer is None:
+            return data
+        try:
+            return deserializer(data)
+        except Exception as exc:  # DecodeError, or anything else a hostile buffer provokes
+            return _Malformed(method, exc)
+
+    return parse
+
+
+def _checked(request: Any) -> Any:
+    if isinstance(request, _Malformed):
+        raise request.error
+    return request
+
+
+async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """A client stream whose malformed message raises INVALID_ARGUMENT where the handler reads it."""
+    async for request in requests:
+        yield _checked(request)
+
+
+class Guard:
+    """Wraps the handlers of one protocol's services."""
+
+    def __init__(self, service: SessionService, protocol: str, token: str | None) -> None:
+        self.service = service
+        self.protocol = protocol
+        self.token = token
+
+    def _fields(self, context: grpc.aio.ServicerContext, method: str) -> dict[str, str]:
+        request_id = metadata(context, "x-request-id") or uuid.uuid4().hex
+        return {"protocol": self.protocol, "rpc": method, "request_id": request_id}
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        check_bearer(self.token, metadata(context, "authorization"))
+
+    async def _fail(self, context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+        """Abort the call with a status a client can act on; never a bare UNKNOWN."""
+        if isinstance(exc, GatewayError):
+            if not exc.reported:  # errors that ended a generation were counted by its monitor
+                self.service.monitor.refused(self.protocol, exc.code)
+            await context.abort(grpc_status(exc.code), exc.message)
+        log.exception("%s %s failed", self.protocol, method)
+        self.service.monitor.refused(self.protocol, Code.INTERNAL)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
+
+    def unary(self, method: str, behavior: Unary) -> Unary:
+        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                with log_context(**self._fields(context, method)):
+                    self._authenticate(context)
+                    return await behavior(_checked(request), context)
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as exc:
+                await self._fail(context, method, exc)
+
+        return guarded
+
+    def streaming(self, method: str, behavior: Streaming, *, client_streams: bool) -> Streaming:
+        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                with log_context(**self._fields(context, method)):
+                    self._authenticate(context)
+                    checked = _checked_stream(request) if client_streams else _checked(request)
+                    async with closing(behavior(checked, context)) as events:
+                        async for event in events:
+                            yield event
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as exc:
+                await self._fail(context, method, exc)
+
+        return guarded
+
+    def handlers(self, handlers: Mapping[str, grpc.RpcMethodHandler]) -> dict[str, grpc.RpcMethodHandler]:
+        """The same method handlers, each guarded."""
+        out: dict[str, grpc.RpcMethodHandler] = {}
+        for method, handler in handlers.items():
+            parse = _lenient(method, handler.request_deserializer)
+            serialize = handler.response_serializer
+            if handler.unary_unary is not None:
+                out[method] = grpc.unary_unary_rpc_method_handler(
+                    self.unary(method, handler.unary_unary), request_deserializer=parse, response_serializer=serialize
+                )
+            elif handler.unary_stream is not None:
+                out[method] = grpc.unary_stream_rpc_method_handler(
+                    self.streaming(method, handler.unary_stream, client_streams=False),
+                    request_deserializer=parse,
+                    response_serializer=serialize,
+                )
+            elif handler.stream_stream is not None:
+                out[method] = grpc.stream_stream_rpc_method_handler(
+                    self.streaming(method, handler.stream_stream, client_streams=True),
+                    request_deserializer=parse,
+                    response_serializer=serialize,
+                )
+            else:
+                raise TypeError(f"{method}: client-streaming methods with a unary answer are not guarded")
+        return out
+
+
+class _Capture:
+    """Stands in for the server while a generated ``add_*_to_server`` registers its handlers."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, _handlers: Any) -> None:
+        pass  # the same handlers arrive through add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
+        self.service = service
+        self.handlers = dict(handlers)
+
+
+def add_guarded(server: grpc.aio.Server, add_servicer: Callable[[Any, Any], None], servicer: Any, guard: Guard) -> str:
+    """Register ``servicer`` through its generated ``add_servicer`` function, guarded; return its service name."""
+    capture = _Capture()
+    add_servicer(servicer, capture)
+    if not capture.handlers:
+        raise RuntimeError(f"{add_servicer.__name__} registered no method handlers")
+    handlers = guard.handlers(capture.handlers)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.service, handlers),))
+    server.add_registered_method_handlers(capture.service, handlers)
+    return capture.service

@@ -1,0 +1,99 @@
+"""An OpenAI request -> a core :class:`~prismgate.core.turns.ChatTurn`, planned by the core.
+
+Translation only: OpenAI's fields become the turn's prompt (messages, text or token
+ids), sampling knobs, ``max_tokens`` (none: the rest of the context, or
+``openai_default_max_tokens`` when set) and reports; the core decides everything else.
+A ``session_id`` turn sends only its new messages, so its prompt is placed as a
+continuation of the session (``Placement.CONTINUE``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prismgate.codecs.openai.errors import from_gateway
+from prismgate.codecs.openai.readouts import ReadoutAxes, as_readouts_param, readout_axes
+from prismgate.codecs.openai.request import ChatRequest, Common, CompletionRequest
+from prismgate.core.actions import GenerateSpec
+from prismgate.core.errors import Code, GatewayError
+from prismgate.core.models import UnknownModel
+from prismgate.core.prompts import Messages, Placement, PromptSource, Text, Tokens
+from prismgate.core.service import SessionService
+from prismgate.core.turns import ChatTurn, Turn
+from prismgate.settings import Settings
+
+ORIGIN = "openai"
+
+
+@dataclass(slots=True)
+class Plan:
+    """Everything decided before the engine runs."""
+
+    model: str
+    turn: Turn
+    session_id: str | None
+    echo_text: str | None  # completions with echo: the prompt as text
+    axes: ReadoutAxes | None
+    want_logprobs: bool
+
+
+async def plan_chat(service: SessionService, settings: Settings, req: ChatRequest) -> Plan:
+    return await _plan(service, settings, req.common, Messages(req.messages), echo=False)
+
+
+async def plan_completion(service: SessionService, settings: Settings, req: CompletionRequest) -> Plan:
+    prompt: PromptSource = Text(req.prompt) if isinstance(req.prompt, str) else Tokens(req.prompt)
+    plan = await _plan(service, settings, req.common, prompt, echo=req.echo)
+    if req.echo:  # decoded once the core has checked the prompt against the context
+        plan.echo_text = (
+            req.prompt if isinstance(req.prompt, str) else service.info(plan.model).tokenizer.decode(req.prompt)
+        )
+    return plan
+
+
+async def _plan(
+    service: SessionService, settings: Settings, common: Common, prompt: PromptSource, *, echo: bool
+) -> Plan:
+    axes = None
+    if common.readouts is not None:
+        try:
+            manifest = service.readouts(common.model)
+        except UnknownModel:
+            raise
+        except GatewayError as exc:
+            raise as_readouts_param(exc) if exc.code is Code.INVALID_ARGUMENT else exc from None
+        axes = readout_axes(manifest, common.readouts)
+    turn = ChatTurn(
+        prompt=prompt,
+        origin=ORIGIN,
+        sampling=GenerateSpec(
+            temperature=common.temperature,
+            top_p=common.top_p,
+            top_k=common.top_k,
+            seed=common.seed,
+            stop_strings=common.stop,
+            logprob_top_k=common.top_logprobs or 0,
+        ),
+        max_tokens=common.max_tokens,
+        default_max_tokens=settings.openai_default_max_tokens,
+        logprobs=common.top_logprobs is not None,
+        readouts=axes is not None,
+        report_prompt=echo,
+        placement=Placement.CONTINUE,
+    )
+    try:
+        planned = await service.plan_turn(turn, session_id=common.session_id, model=common.model)
+    except UnknownModel:
+        raise
+    except GatewayError as exc:
+        if exc.code is Code.NOT_FOUND and common.session_id is not None:
+            raise from_gateway(exc, param="session_id", code="session_not_found") from None
+        raise
+    return Plan(
+        model=common.model,
+        turn=planned,
+        session_id=common.session_id,
+        echo_text=None,
+        axes=axes,
+        want_logprobs=common.top_logprobs is not None,
+    )

@@ -1,0 +1,100 @@
+"""The per-request budget: every count and size a request can carry, checked before the work.
+
+A request is hostile input until it has passed these checks: a few bytes on the wire can
+ask for a million position ranges or a prompt whose tokenizing alone takes seconds. The
+limits live in one :class:`RequestBudget`, with defaults that need no settings; the
+gateway builds one from its settings and hands it to
+:class:`~prismgate.core.service.SessionService`, which checks it for every protocol.
+
+Counts over a limit are INVALID_ARGUMENT (the request must change); a prompt too large
+for the model's context is RESOURCE_EXHAUSTED, like a prompt that tokenizes too long.
+Each refusal names the limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prismgate.core.actions import GenerateSpec
+from prismgate.core.chat import TextPart
+from prismgate.core.errors import exhausted, invalid
+from prismgate.core.limits import ContextOverflow
+from prismgate.core.prompts import Messages, PromptSource, Text
+
+
+@dataclass(frozen=True, slots=True)
+class RequestBudget:
+    max_stop_strings: int = 64
+    max_stop_token_ids: int = 1024
+    max_stop_string_chars: int = 1024
+    max_position_ranges: int = 256  # per kind: logprob ranges, readout ranges
+    # a prompt's text is refused unread when it has more UTF-8 bytes than this many per
+    # token of the model's context: no tokenizer packs that much into one token on average
+    prompt_bytes_per_context_token: int = 64
+    # a prompt tree (Evergreen) may share a node many times: leaves counted as expanded
+    max_expanded_leaves: int = 100_000
+    max_actions_in_flight: int = 1024  # per session (Evergreen: GENERATE and DROP not yet ended)
+
+    def check_leaves(self, count: int) -> None:
+        """A prompt tree whose expansion (a shared node counted each time it is used) is too large."""
+        if count > self.max_expanded_leaves:
+            raise exhausted(
+                f"the input tree expands to {count} leaves (shared nodes counted each time they are used); "
+                f"the limit is {self.max_expanded_leaves}"
+            )
+
+    def check_spec(self, spec: GenerateSpec) -> None:
+        """Lists in a spec that reach the engine, or the decode loop, once per token."""
+        self.check_lists(
+            stop_strings=spec.stop_strings,
+            stop_token_ids=len(spec.stop_token_ids),
+            logprob_ranges=len(spec.logprob_ranges),
+            readout_ranges=len(spec.readout_ranges),
+        )
+
+    def check_lists(
+        self,
+        *,
+        stop_strings: Sequence[str] = (),
+        stop_token_ids: int = 0,
+        logprob_ranges: int = 0,
+        readout_ranges: int = 0,
+    ) -> None:
+        """The same limits on counts a codec knows before it builds a spec (no objects per element yet)."""
+        if stop_token_ids > self.max_stop_token_ids:
+            raise invalid(f"{stop_token_ids} stop token ids; the limit is {self.max_stop_token_ids}")
+        if len(stop_strings) > self.max_stop_strings:
+            raise invalid(f"{len(stop_strings)} stop strings; the limit is {self.max_stop_strings}")
+        longest = max((len(s) for s in stop_strings), default=0)
+        if longest > self.max_stop_string_chars:
+            raise invalid(f"a stop string of {longest} characters; the limit is {self.max_stop_string_chars}")
+        for name, count in (("logprob", logprob_ranges), ("readout", readout_ranges)):
+            if count > self.max_position_ranges:
+                raise invalid(f"{count} {name} ranges; the limit is {self.max_position_ranges}")
+
+    def check_prompt(self, prompt: PromptSource, context: int) -> None:
+        """Refuse a prompt whose text cannot fit the context, from its size, before tokenizing it."""
+        limit = self.prompt_bytes_per_context_token * context
+        texts = _texts(prompt)
+        chars = sum(len(t) for t in texts)
+        # a character is 1 to 4 UTF-8 bytes: encode (bounded by the limit) only when that decides
+        size = (
+            chars
+            if chars > limit or chars * 4 <= limit
+            else sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        )
+        if size > limit:
+            raise ContextOverflow(
+                f"the prompt holds over {limit} bytes of text, more than the model's context of {context} tokens "
+                f"can take ({self.prompt_bytes_per_context_token} bytes per token)",
+                context=context,
+            )
+
+
+def _texts(prompt: PromptSource) -> list[str]:
+    if isinstance(prompt, Text):
+        return [prompt.text]
+    if isinstance(prompt, Messages):
+        return [part.text for m in prompt.messages for part in m.parts if isinstance(part, TextPart)]
+    return []

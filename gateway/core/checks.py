@@ -1,0 +1,104 @@
+"""Whether an action fits its session and its model: checked before anything changes.
+
+The rules every :class:`~prismgate.core.actions.GenerateAction` meets, whatever protocol
+sent it: the client's view of the session (offset, truncation), token ids inside the
+vocabulary, image blocks that are what they claim to be, readouts only where a concept
+pack is loaded, reported positions inside the turn. A failure here leaves the session
+untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from prismgate.core.actions import GenerateAction, GenerateSpec, ImageInput
+from prismgate.core.engine import EngineInfo
+from prismgate.core.errors import invalid, precondition
+from prismgate.core.models import Models, no_concept_pack
+from prismgate.core.session import ImageSpan, Session
+
+
+def check_offset(session: Session, action: GenerateAction) -> None:
+    """The client's view of the session length agrees with the session (or rewinds to a boundary)."""
+    if action.offset is None:
+        if action.truncating:
+            raise invalid("truncating needs an offset to rewind to")
+        return
+    length = len(session)
+    if action.offset == length:
+        return
+    if action.offset < length and action.truncating:
+        session.check_boundary(action.offset, "truncation")
+        return
+    if action.offset < length:
+        raise precondition(
+            f"offset {action.offset} is behind the session length {length}; "
+            "set truncating to rewind, or resynchronise with DumpSession"
+        )
+    raise precondition(f"offset {action.offset} is past the session length {length}")
+
+
+def check_vocabulary(info: EngineInfo, tokens: Sequence[int]) -> None:
+    for i, t in enumerate(tokens):
+        if not 0 <= t < info.vocab_size:
+            raise invalid(f"token id {t} at append index {i} is outside the vocabulary [0, {info.vocab_size})")
+
+
+def check_readouts(info: EngineInfo, spec: GenerateSpec) -> None:
+    """Readouts need a concept pack."""
+    if spec.wants_readouts and info.readouts is None:
+        raise no_concept_pack(info.model_id)
+
+
+def check_ranges(prompt_tokens: int, spec: GenerateSpec) -> None:
+    """Reported positions lie inside this turn's horizon (the prompt and the decode budget)."""
+    horizon = prompt_tokens + spec.max_tokens
+    for name, ranges in (("logprob", spec.logprob_ranges), ("readout", spec.readout_ranges)):
+        for r in ranges:
+            if r.end > horizon:
+                raise invalid(
+                    f"{name} range [{r.start}, {r.end}) reaches past position {horizon} "
+                    f"(prompt {prompt_tokens} + max_tokens {spec.max_tokens})"
+                )
+
+
+async def check_images(
+    models: Models, info: EngineInfo, base: int, tokens: list[int], images: Sequence[ImageInput]
+) -> list[ImageSpan]:
+    """Each declared image is a well-formed vision block of the size this model makes of it."""
+    vision = info.vision
+    if vision is None:
+        if images:
+            raise invalid(f"model {info.model_id!r} takes no images (it has no vision encoder)")
+        return []
+    spans: list[ImageSpan] = []
+    for i, image in enumerate(sorted(images, key=lambda im: im.start)):
+        where = f"image {i} at [{image.start}, {image.end})"
+        if image.start < base or image.end > len(tokens) or image.end - image.start < 3:
+            raise invalid(
+                f"{where} must lie inside this call's appended tokens [{base}, {len(tokens)}) "
+                "and hold at least start, one pad and end"
+            )
+        if spans and image.start < spans[-1].end:
+            raise invalid(f"{where} overlaps the image at [{spans[-1].start}, {spans[-1].end})")
+        run = tokens[image.start : image.end]
+        if (
+            run[0] != vision.vision_start
+            or run[-1] != vision.vision_end
+            or any(t != vision.image_pad for t in run[1:-1])
+        ):
+            raise invalid(f"{where} is not a <|vision_start|> + N*<|image_pad|> + <|vision_end|> run")
+        # decoding and resizing an image takes a while: keep it off the event loop
+        expected, _ = await asyncio.to_thread(models.image_tokens, image.data, image.mime, info.model_id)
+        if expected != len(run) - 2:
+            raise invalid(
+                f"{where} holds {len(run) - 2} image pad tokens but this image becomes "
+                f"{expected} under {info.model_id!r}; expected a range of length {expected + 2}"
+            )
+        spans.append(ImageSpan.of(image.start, image.end, image.data, image.mime))
+    declared = {p for s in spans for p in range(s.start, s.end)}
+    for position in range(base, len(tokens)):
+        if tokens[position] == vision.image_pad and position not in declared:
+            raise invalid(f"image pad token at position {position} belongs to no declared image")
+    return spans
