@@ -1,25 +1,45 @@
-"""The Starlette application: health, metrics, and every HTTP codec's routes."""
+"""The Starlette application: health, metrics, every HTTP codec's routes, and the edge in front of them.
+
+Every request passes the edge middleware in this order before a route sees it:
+:class:`~prismgate.edge.refusals.RefusalMiddleware` (one error path: refusals in the
+wire's form, each failed request counted once), then
+:class:`~prismgate.edge.auth.BearerAuth` (the shared token). A route that raises a
+:class:`~prismgate.core.errors.GatewayError` is answered by the same error path.
+"""
 
 from __future__ import annotations
 
+from typing import cast
+
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
+from starlette.types import ExceptionHandler
 
+from prismgate.core.errors import GatewayError
 from prismgate.core.service import SessionService
-from prismgate.metrics import metrics_endpoint
+from prismgate.drain import Drain
+from prismgate.edge.auth import BearerAuth
+from prismgate.edge.refusals import RefusalMiddleware, Wires, on_client_disconnect, on_gateway_error
+from prismgate.metrics import GatewayMetrics, metrics_endpoint
 from prismgate.settings import Settings
 
 
-def create_app(service: SessionService, settings: Settings) -> Starlette:
+def create_app(
+    service: SessionService,
+    settings: Settings,
+    *,
+    metrics: GatewayMetrics | None = None,
+    drain: Drain | None = None,
+) -> Starlette:
     async def healthz(_request: Request) -> Response:
         return PlainTextResponse("ok")
 
     async def readyz(_request: Request) -> Response:
         if not service.pool.ready:
-            draining = getattr(service.monitor, "draining", False)
-            reason = "shutting down" if draining else "model loading"
+            reason = "shutting down" if drain is not None and drain.draining else "model loading"
             return JSONResponse({"ready": False, "reason": reason}, status_code=503)
         info = service.info()
         return JSONResponse({"ready": True, "model": info.model_id, "engine": info.engine_name})
@@ -30,9 +50,19 @@ def create_app(service: SessionService, settings: Settings) -> Starlette:
         Route("/metrics", metrics_endpoint),
     ]
     routes += codec_routes(service, settings)
-    app = Starlette(routes=routes)
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(RefusalMiddleware), Middleware(BearerAuth, settings=settings)],
+        # one handler for HTTP and WebSocket routes (Starlette passes either connection)
+        exception_handlers={
+            GatewayError: cast(ExceptionHandler, on_gateway_error),
+            ClientDisconnect: on_client_disconnect,
+        },
+    )
     app.state.service = service
     app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.wires = Wires(settings)
     return app
 
 

@@ -35,10 +35,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from prismgate.app import create_app
+from prismgate.compose import build_service
 from prismgate.core.service import SessionService
+from prismgate.drain import Drain
 from prismgate.metrics import GatewayMetrics
-from prismgate.monitor import GatewayMonitor
-from prismgate.runtime import build_service
+from prismgate.observer import GenerationObserver
 from prismgate.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -70,10 +71,10 @@ class Gateway:
         self.service = service or build_service(settings)
         self.metrics = GatewayMetrics()
         self.metrics.bind(self.service)
-        self.monitor = GatewayMonitor(self.metrics, settings, self.service)
-        self.service.monitor = self.monitor
-        self.app = create_app(self.service, settings)
-        self.app.state.metrics = self.metrics
+        self.drain = Drain(settings.shutdown_grace_s)
+        self.observer = GenerationObserver(self.metrics, settings, self.service, self.drain)
+        self.service.monitor = self.observer
+        self.app = create_app(self.service, settings, metrics=self.metrics, drain=self.drain)
         self.http_port = settings.http_port
         self.grpc_port = settings.grpc_port
         self._uvicorn: _Uvicorn | None = None
@@ -191,7 +192,7 @@ class Gateway:
         # 1. stop accepting
         self.service.pool.ready = False  # /readyz answers 503: load balancers take this replica out
         self.metrics.ready.set(0)
-        self.monitor.start_draining()
+        self.drain.start_draining()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._uvicorn is not None:
@@ -202,22 +203,22 @@ class Gateway:
         grpc_stop = asyncio.ensure_future(self._grpc.stop(grace + CUT_OFF_S)) if self._grpc is not None else None
 
         # 2. let in-flight generations finish
-        in_flight = self.monitor.in_flight
-        drained = await self.monitor.wait_idle(deadline - loop.time(), abort=self._skip_grace)
+        in_flight = self.drain.in_flight
+        drained = await self.drain.wait_idle(deadline - loop.time(), abort=self._skip_grace)
         log.info(
             "drained" if drained else "grace period over",
             extra={
                 "in_flight_at_stop": in_flight,
-                "still_running": self.monitor.in_flight,
+                "still_running": self.drain.in_flight,
                 "waited_s": round(loop.time() - t0, 3),
             },
         )
 
         # 3. end what outlived the grace period (each codec reports UNAVAILABLE on its wire),
         #    then close connections: idle keep-alives and WebSockets (1012) go at once
-        cut = self.monitor.cut_off() if not drained else 0
+        cut = self.drain.cut_off() if not drained else 0
         if cut:
-            await self.monitor.wait_idle(CUT_OFF_S)
+            await self.drain.wait_idle(CUT_OFF_S)
         if self._uvicorn is not None and self._uvicorn_task is not None:
             # responses still being written get a moment; uvicorn cancels what remains after it
             self._uvicorn.config.timeout_graceful_shutdown = math.ceil(CUT_OFF_S) if cut else 1
@@ -262,7 +263,7 @@ class Gateway:
         waiter.cancel()
         stopped.cancel()
         log.info(
-            "shutting down (grace %.1fs)", self.settings.shutdown_grace_s, extra={"in_flight": self.monitor.in_flight}
+            "shutting down (grace %.1fs)", self.settings.shutdown_grace_s, extra={"in_flight": self.drain.in_flight}
         )
         await self.stop()
 

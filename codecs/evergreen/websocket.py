@@ -20,7 +20,6 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from prismgate.auth import check_bearer
 from prismgate.codecs.evergreen.errors import close_code, close_reason
 from prismgate.codecs.evergreen.session import EvergreenSession, Options
 from prismgate.core.errors import Code, GatewayError, invalid
@@ -66,9 +65,6 @@ class EvergreenEndpoint:
     async def handle(self, websocket: WebSocket) -> None:
         await websocket.accept()
         try:
-            authorization = websocket.headers.get("authorization")
-            token = websocket.query_params.get("access_token")
-            check_bearer(self.auth_token, authorization or (f"Bearer {token}" if token else None))
             if not self.service.pool.ready:
                 raise GatewayError(Code.UNAVAILABLE, "the model is still loading; retry once the server reports ready")
             session = EvergreenSession(self.service, self.options)

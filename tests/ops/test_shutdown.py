@@ -53,11 +53,11 @@ def test_stop_lets_in_flight_generations_finish(server_factory: Any) -> None:
         running = asyncio.run_coroutine_threadsafe(consume(service.run(long), first), server.loop)
         queued = asyncio.run_coroutine_threadsafe(consume(service.run(long), threading.Event()), server.loop)
         assert first.wait(30)
-        assert gateway.monitor.in_flight == 2  # one decoding, one waiting for the only engine slot
+        assert gateway.drain.in_flight == 2  # one decoding, one waiting for the only engine slot
         started = time.monotonic()
         stopping = asyncio.run_coroutine_threadsafe(gateway.stop(), server.loop)
         deadline = time.monotonic() + 5
-        while not gateway.monitor.draining and time.monotonic() < deadline:
+        while not gateway.drain.draining and time.monotonic() < deadline:
             time.sleep(0.005)
         # draining: not ready, new work refused with a clear error, running work goes on
         assert not service.pool.ready
@@ -69,7 +69,7 @@ def test_stop_lets_in_flight_generations_finish(server_factory: Any) -> None:
             assert done.finish_reason is FinishReason.LENGTH and decoded == 480
         stopping.result(30)
         assert time.monotonic() - started < 20
-        assert gateway.monitor.in_flight == 0
+        assert gateway.drain.in_flight == 0
 
 
 def test_stop_cancels_what_outlives_the_grace_period(long_model_dir: Path, tiny_pack: Path) -> None:
@@ -92,7 +92,7 @@ def test_stop_cancels_what_outlives_the_grace_period(long_model_dir: Path, tiny_
             with pytest.raises(GatewayError) as cut:
                 future.result(10)
             assert cut.value.code is Code.UNAVAILABLE and "retry on another replica" in cut.value.message
-        assert gateway.monitor.in_flight == 0
+        assert gateway.drain.in_flight == 0
         assert len(service.store) == 0
         assert gateway.metrics.errors.labels("ops-cut", "UNAVAILABLE")._value.get() == 3
 
