@@ -1,10 +1,18 @@
 """The Starlette application: health, metrics, every HTTP codec's routes, and the edge in front of them.
 
 Every request passes the edge middleware in this order before a route sees it:
-:class:`~prismgate.edge.refusals.RefusalMiddleware` (one error path: refusals in the
-wire's form, each failed request counted once), then
-:class:`~prismgate.edge.auth.BearerAuth` (the shared token). A route that raises a
-:class:`~prismgate.core.errors.GatewayError` is answered by the same error path.
+
+1. :class:`~prismgate.edge.refusals.RefusalMiddleware`: the one error path (refusals in
+   the wire's form, each failed request counted once);
+2. :class:`~prismgate.edge.origins.OriginPolicy`: ``Host`` on loopback, ``Origin``, CORS
+   preflights on ``/v1`` (before auth: browsers send no token on a preflight);
+3. :class:`~prismgate.edge.auth.BearerAuth`: the shared token;
+4. :class:`~prismgate.edge.connections.WebSocketCap`: open WebSockets per client address;
+5. :class:`~prismgate.edge.timeouts.BodyTimeout`: the request-body read timeout.
+
+A route that raises a :class:`~prismgate.core.errors.GatewayError` is answered by the
+same error path. Limits that apply before a request exists (head timeout and size,
+connections per client) live in the HTTP protocol, :mod:`prismgate.edge.connections`.
 """
 
 from __future__ import annotations
@@ -22,7 +30,10 @@ from prismgate.core.errors import GatewayError
 from prismgate.core.service import SessionService
 from prismgate.drain import Drain
 from prismgate.edge.auth import BearerAuth
+from prismgate.edge.connections import ClientConnections, WebSocketCap
+from prismgate.edge.origins import OriginPolicy
 from prismgate.edge.refusals import RefusalMiddleware, Wires, on_client_disconnect, on_gateway_error
+from prismgate.edge.timeouts import BodyTimeout
 from prismgate.metrics import GatewayMetrics, metrics_endpoint
 from prismgate.settings import Settings
 
@@ -50,9 +61,16 @@ def create_app(
         Route("/metrics", metrics_endpoint),
     ]
     routes += codec_routes(service, settings)
+    clients = ClientConnections(settings.max_connections_per_client)
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(RefusalMiddleware), Middleware(BearerAuth, settings=settings)],
+        middleware=[
+            Middleware(RefusalMiddleware),
+            Middleware(OriginPolicy, settings=settings),
+            Middleware(BearerAuth, settings=settings),
+            Middleware(WebSocketCap, clients=clients),
+            Middleware(BodyTimeout, settings=settings),
+        ],
         # one handler for HTTP and WebSocket routes (Starlette passes either connection)
         exception_handlers={
             GatewayError: cast(ExceptionHandler, on_gateway_error),
@@ -63,6 +81,7 @@ def create_app(
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.wires = Wires(settings)
+    app.state.clients = clients  # shared with the HTTP protocol (prismgate.server)
     return app
 
 

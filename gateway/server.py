@@ -38,6 +38,8 @@ from prismgate.app import create_app
 from prismgate.compose import build_service
 from prismgate.core.service import SessionService
 from prismgate.drain import Drain
+from prismgate.edge import accept_errors, log_scrub
+from prismgate.edge.connections import guarded_http
 from prismgate.metrics import GatewayMetrics
 from prismgate.observer import GenerationObserver
 from prismgate.settings import Settings
@@ -90,6 +92,8 @@ class Gateway:
     async def start(self) -> None:
         """Bind both ports and start serving; the model keeps loading in the background."""
         s = self.settings
+        log_scrub.install()
+        accept_errors.install(asyncio.get_running_loop())
         options = [
             ("grpc.max_receive_message_length", s.grpc_max_message_bytes),
             ("grpc.max_send_message_length", s.grpc_max_message_bytes),
@@ -117,6 +121,7 @@ class Gateway:
         self.http_port = sock.getsockname()[1]
         config = uvicorn.Config(
             self.app,
+            http=guarded_http(s, self.app.state.clients, self.observer.refused),
             log_config=None,
             lifespan="off",
             timeout_graceful_shutdown=math.ceil(s.shutdown_grace_s),

@@ -85,6 +85,12 @@ class Wires:
 
     def response(self, protocol: str, error: GatewayError, request: Request) -> Response:
         """``error`` as ``protocol``'s clients expect to read it."""
+        response = self._response(protocol, error, request)
+        if status_of(error) == 408:  # the body was not read to its end: the connection cannot go on
+            response.headers["connection"] = "close"
+        return response
+
+    def _response(self, protocol: str, error: GatewayError, request: Request) -> Response:
         status = status_of(error)
         if protocol == "openai":
             response = openai_error_response(error)
@@ -120,7 +126,8 @@ async def _close_websocket(websocket: WebSocket, error: GatewayError) -> None:
     """
     if websocket.client_state is WebSocketState.CONNECTING:
         await websocket.accept()
-    await websocket.close(close_code(error.code), close_reason(error))
+    code = 4000 + error.status if isinstance(error, Refusal) else close_code(error.code)
+    await websocket.close(code, close_reason(error))
 
 
 async def on_gateway_error(connection: HTTPConnection, exc: Exception) -> Response | None:

@@ -8,16 +8,10 @@ OpenAI-compatible stream is running over a real socket.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, FinishReason
 from tests.conftest import run_server, tiny_settings
-from tests.ops.helpers import action, collect, scrape, value
+from tests.ops.helpers import action, collect, scrape, serve, value
 
 # -- in-process ---------------------------------------------------------------------------
 
@@ -109,58 +103,6 @@ def test_stop_closes_sessions(server_factory: Any) -> None:
 
 
 # -- the real command, SIGTERM ------------------------------------------------------------------
-
-
-@dataclass
-class Served:
-    process: subprocess.Popen[str]
-    http_url: str
-    grpc_target: str
-    port_file: Path
-    log_path: Path
-
-    def logs(self) -> list[dict[str, Any]]:
-        """The server's stderr, one JSON object per line (--log-json); progress bars are not log lines."""
-        out = []
-        for line in self.log_path.read_text().splitlines():
-            if line.startswith("{"):
-                out.append(json.loads(line))
-        return out
-
-
-@contextlib.contextmanager
-def serve(tmp_path: Path, model_dir: Path, *args: str) -> Iterator[Served]:
-    port_file = tmp_path / "ports.json"
-    log_path = tmp_path / "server.log"
-    command = [
-        str(Path(sys.executable).parent / "prismgate"), "serve",
-        "--model", str(model_dir), "--model-name", "tiny-llama", "--concept-pack", "none", "--threads", "1",
-        "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
-        "--port-file", str(port_file), "--log-json", *args,
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not port_file.exists():
-            assert process.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "the server never wrote its port file"
-            time.sleep(0.05)
-        ports = json.loads(port_file.read_text())
-        assert ports["pid"] == process.pid
-        served = Served(
-            process, f"http://127.0.0.1:{ports['http_port']}", f"127.0.0.1:{ports['grpc_port']}", port_file, log_path
-        )
-        while httpx.get(served.http_url + "/readyz", timeout=5).status_code != 200:
-            assert process.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "the server never became ready"
-            time.sleep(0.1)
-        yield served
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
 
 
 def grpc_health(target: str) -> int:
