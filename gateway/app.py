@@ -6,9 +6,11 @@ Every request passes the edge middleware in this order before a route sees it:
    the wire's form, each failed request counted once);
 2. :class:`~prismgate.edge.origins.OriginPolicy`: ``Host`` on loopback, ``Origin``, CORS
    preflights on ``/v1`` (before auth: browsers send no token on a preflight);
-3. :class:`~prismgate.edge.auth.BearerAuth`: the shared token;
-4. :class:`~prismgate.edge.connections.WebSocketCap`: open WebSockets per client address;
-5. :class:`~prismgate.edge.timeouts.BodyTimeout`: the request-body read timeout.
+3. :class:`~prismgate.edge.landing.LandingPage`: ``GET /`` from a browser (open, like
+   the playground; GraphPipe clients on ``/`` pass through);
+4. :class:`~prismgate.edge.auth.BearerAuth`: the shared token;
+5. :class:`~prismgate.edge.connections.WebSocketCap`: open WebSockets per client address;
+6. :class:`~prismgate.edge.timeouts.BodyTimeout`: the request-body read timeout.
 
 A route that raises a :class:`~prismgate.core.errors.GatewayError` is answered by the
 same error path. Limits that apply before a request exists (head timeout and size,
@@ -31,6 +33,7 @@ from prismgate.core.service import SessionService
 from prismgate.drain import Drain
 from prismgate.edge.auth import BearerAuth
 from prismgate.edge.connections import ClientConnections, WebSocketCap
+from prismgate.edge.landing import LandingPage
 from prismgate.edge.origins import OriginPolicy
 from prismgate.edge.refusals import RefusalMiddleware, Wires, on_client_disconnect, on_gateway_error
 from prismgate.edge.timeouts import BodyTimeout
@@ -67,6 +70,7 @@ def create_app(
         middleware=[
             Middleware(RefusalMiddleware),
             Middleware(OriginPolicy, settings=settings),
+            Middleware(LandingPage, settings=settings),
             Middleware(BearerAuth, settings=settings),
             Middleware(WebSocketCap, clients=clients),
             Middleware(BodyTimeout, settings=settings),

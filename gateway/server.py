@@ -94,9 +94,12 @@ class Gateway:
         s = self.settings
         log_scrub.install()
         accept_errors.install(asyncio.get_running_loop())
+        http_socket = _listen_http(s.host, s.http_port)
+        self.http_port = http_socket.getsockname()[1]
         options = [
             ("grpc.max_receive_message_length", s.grpc_max_message_bytes),
             ("grpc.max_send_message_length", s.grpc_max_message_bytes),
+            ("grpc.so_reuseport", 0),  # a second server on this port must fail, not share it silently
         ]
         self._grpc = grpc.aio.server(options=options)
         names = grpc_services(self._grpc, self.service, s)
@@ -105,20 +108,18 @@ class Gateway:
         for name in ["", *names]:
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port(f"{_grpc_host(s.host)}:{s.grpc_port}")
+        try:
+            self.grpc_port = self._grpc.add_insecure_port(f"{_grpc_host(s.host)}:{s.grpc_port}")
+        except RuntimeError as exc:  # grpc reports a failed bind this way
+            self.grpc_port = 0
+            reason = str(exc)
+        else:
+            reason = "the address is in use or not available"
         if self.grpc_port == 0:
-            raise OSError(f"cannot bind gRPC port {s.host}:{s.grpc_port}")
+            http_socket.close()
+            raise CannotListen(s.host, s.grpc_port, "--grpc-port", reason)
         await self._grpc.start()
 
-        # IPPROTO_TCP explicitly: asyncio turns on TCP_NODELAY only for sockets whose proto says TCP,
-        # and without it a keep-alive response (headers, then body) waits ~40 ms for a delayed ACK.
-        family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((s.host, s.http_port))
-        sock.listen(2048)
-        sock.setblocking(False)
-        self.http_port = sock.getsockname()[1]
         config = uvicorn.Config(
             self.app,
             http=guarded_http(s, self.app.state.clients, self.observer.refused),
@@ -130,7 +131,7 @@ class Gateway:
             access_log=False,
         )
         self._uvicorn = _Uvicorn(config)
-        self._uvicorn_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]), name="uvicorn")
+        self._uvicorn_task = asyncio.create_task(self._uvicorn.serve(sockets=[http_socket]), name="uvicorn")
         self._tasks.append(asyncio.create_task(self._load(names), name="model-load"))
         self._tasks.append(asyncio.create_task(self._evict(), name="session-eviction"))
         log.info(
@@ -273,6 +274,31 @@ class Gateway:
         await self.stop()
 
 
+class CannotListen(OSError):
+    """A port could not be bound: one line that names the address and the flag that sets it."""
+
+    def __init__(self, host: str, port: int, flag: str, reason: str) -> None:
+        super().__init__(f"cannot listen on {host}:{port} ({reason}); choose another port with {flag}")
+
+
+def _listen_http(host: str, port: int) -> socket.socket:
+    # IPPROTO_TCP explicitly: asyncio turns on TCP_NODELAY only for sockets whose proto says TCP,
+    # and without it a keep-alive response (headers, then body) waits ~40 ms for a delayed ACK.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        # SO_REUSEADDR lets a restart bind while old connections sit in TIME_WAIT; on Linux
+        # it does not let two servers listen on one port (SO_REUSEPORT would)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise CannotListen(host, port, "--http-port", exc.strerror or str(exc)) from None
+    sock.setblocking(False)
+    return sock
+
+
 def _write_port_file(path: Path, http_port: int, grpc_port: int) -> None:
     """Write atomically, so a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -286,7 +312,11 @@ def _grpc_host(host: str) -> str:
 
 
 def serve(settings: Settings) -> int:
-    """Run until SIGTERM/SIGINT; the exit status is 0 after a clean stop, 1 if the model failed to load."""
+    """Run until SIGTERM/SIGINT; the exit status is 0 after a clean stop, 1 if a port or the model failed."""
     gateway = Gateway(settings)
-    asyncio.run(gateway.run_until_signal())
+    try:
+        asyncio.run(gateway.run_until_signal())
+    except CannotListen as exc:
+        log.error("%s", exc)
+        return 1
     return 1 if gateway.failed else 0
