@@ -32,8 +32,8 @@ from pathlib import Path
 import grpc
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from prismgate import reflection
 from prismgate.app import create_app
 from prismgate.compose import build_service
 from prismgate.core.service import SessionService
@@ -107,7 +107,7 @@ class Gateway:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         for name in ["", *names]:
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._grpc)
+        reflection.enable(self._grpc, [*names, health.SERVICE_NAME])
         try:
             self.grpc_port = self._grpc.add_insecure_port(f"{_grpc_host(s.host)}:{s.grpc_port}")
         except RuntimeError as exc:  # grpc reports a failed bind this way
