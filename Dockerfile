@@ -45,7 +45,7 @@ RUN pip install . \
 # and make sure its concept pack was installed with the package (readouts need it).
 RUN python -c "from prismgate.engines.models import default_model_path; print(default_model_path())" \
     && test -f /opt/prismgate/cache/models/SmolLM2-135M-Instruct-bf16/model.safetensors \
-    && python -c "from prismgate.runtime import DEFAULT_PACK; assert DEFAULT_PACK.is_file(), DEFAULT_PACK"
+    && python -c "from prismgate.compose import DEFAULT_PACK; assert DEFAULT_PACK.is_file(), DEFAULT_PACK"
 
 # -- runtime: the virtualenv and the model cache, a non-root user, nothing else ----------
 FROM ${PYTHON_IMAGE} AS runtime

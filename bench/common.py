@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from prismgate.background import RunningGateway, serve_in_thread
+from prismgate.thread_server import RunningGateway, serve_in_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -67,7 +67,7 @@ def settings(**values: Any) -> Any:
 # -- a real gateway in a background thread ------------------------------------------------
 
 
-Server = RunningGateway  # a started gateway on its own thread (prismgate.background)
+Server = RunningGateway  # a started gateway on its own thread (prismgate.thread_server)
 
 
 def serve(config: Any, engine: Any = None) -> contextlib.AbstractContextManager[Server]:

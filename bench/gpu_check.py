@@ -155,9 +155,9 @@ async def main(args: argparse.Namespace) -> int:
                 )
             ours = [await core_run(p, s) for p, s in zip(prompts, specs, strict=True)]
             if not args.no_reference:
+                from prismgate.compose import concept_pack_for
                 from prismgate.engines.hf import TransformersEngine
                 from prismgate.engines.models import resolve_model
-                from prismgate.runtime import concept_pack_for
 
                 folder, name = resolve_model(settings.model)
                 pack = concept_pack_for(settings, served_default=not settings.model)

@@ -1,25 +1,59 @@
-"""The Starlette application: health, metrics, and every HTTP codec's routes."""
+"""The Starlette application: health, metrics, every HTTP codec's routes, and the edge in front of them.
+
+Every request passes the edge middleware in this order before a route sees it:
+
+1. :class:`~prismgate.edge.refusals.RefusalMiddleware`: the one error path (refusals in
+   the wire's form, each failed request counted once);
+2. :class:`~prismgate.edge.origins.OriginPolicy`: ``Host`` on loopback, ``Origin``, CORS
+   preflights on ``/v1`` (before auth: browsers send no token on a preflight);
+3. :class:`~prismgate.edge.landing.LandingPage`: ``GET /`` from a browser (open, like
+   the playground; GraphPipe clients on ``/`` pass through);
+4. :class:`~prismgate.edge.auth.BearerAuth`: the shared token;
+5. :class:`~prismgate.edge.connections.WebSocketCap`: open WebSockets per client address;
+6. :class:`~prismgate.edge.timeouts.BodyTimeout`: the request-body read timeout.
+
+A route that raises a :class:`~prismgate.core.errors.GatewayError` is answered by the
+same error path. Limits that apply before a request exists (head timeout and size,
+connections per client) live in the HTTP protocol, :mod:`prismgate.edge.connections`.
+"""
 
 from __future__ import annotations
 
+from typing import cast
+
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
+from starlette.types import ExceptionHandler
 
+from prismgate.core.errors import GatewayError
 from prismgate.core.service import SessionService
-from prismgate.metrics import metrics_endpoint
+from prismgate.drain import Drain
+from prismgate.edge.auth import BearerAuth
+from prismgate.edge.connections import ClientConnections, WebSocketCap
+from prismgate.edge.landing import LandingPage
+from prismgate.edge.origins import OriginPolicy
+from prismgate.edge.refusals import RefusalMiddleware, Wires, on_client_disconnect, on_gateway_error
+from prismgate.edge.timeouts import BodyTimeout
+from prismgate.metrics import GatewayMetrics, metrics_endpoint
 from prismgate.settings import Settings
 
 
-def create_app(service: SessionService, settings: Settings) -> Starlette:
+def create_app(
+    service: SessionService,
+    settings: Settings,
+    *,
+    metrics: GatewayMetrics | None = None,
+    drain: Drain | None = None,
+) -> Starlette:
     async def healthz(_request: Request) -> Response:
         return PlainTextResponse("ok")
 
     async def readyz(_request: Request) -> Response:
         if not service.pool.ready:
-            draining = getattr(service.monitor, "draining", False)
-            reason = "shutting down" if draining else "model loading"
+            reason = "shutting down" if drain is not None and drain.draining else "model loading"
             return JSONResponse({"ready": False, "reason": reason}, status_code=503)
         info = service.info()
         return JSONResponse({"ready": True, "model": info.model_id, "engine": info.engine_name})
@@ -30,9 +64,28 @@ def create_app(service: SessionService, settings: Settings) -> Starlette:
         Route("/metrics", metrics_endpoint),
     ]
     routes += codec_routes(service, settings)
-    app = Starlette(routes=routes)
+    clients = ClientConnections(settings.max_connections_per_client)
+    app = Starlette(
+        routes=routes,
+        middleware=[
+            Middleware(RefusalMiddleware),
+            Middleware(OriginPolicy, settings=settings),
+            Middleware(LandingPage, settings=settings),
+            Middleware(BearerAuth, settings=settings),
+            Middleware(WebSocketCap, clients=clients),
+            Middleware(BodyTimeout, settings=settings),
+        ],
+        # one handler for HTTP and WebSocket routes (Starlette passes either connection)
+        exception_handlers={
+            GatewayError: cast(ExceptionHandler, on_gateway_error),
+            ClientDisconnect: on_client_disconnect,
+        },
+    )
     app.state.service = service
     app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.wires = Wires(settings)
+    app.state.clients = clients  # shared with the HTTP protocol (prismgate.server)
     return app
 
 

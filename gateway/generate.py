@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from prismgate.compose import build_service
 from prismgate.core.actions import GenerateAction, GenerateSpec, PositionRange
 from prismgate.core.events import Done, TokenEvent
-from prismgate.runtime import build_service
 from prismgate.settings import Settings
 
 

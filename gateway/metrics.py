@@ -3,7 +3,7 @@
 Each :class:`~prismgate.server.Gateway` owns one :class:`GatewayMetrics` with its own
 registry, so that two gateways in one process (tests) never mix their counts; the
 gateway puts it on ``app.state.metrics`` and ``/metrics`` serves that registry.
-What the metrics count is decided in one place, :mod:`prismgate.monitor`, which sees
+What the metrics count is decided in one place, :mod:`prismgate.observer`, which sees
 every generation of every protocol as it passes through the core service.
 
 Names follow the Prometheus conventions (``_total`` for counters, base units in

@@ -32,13 +32,16 @@ from pathlib import Path
 import grpc
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from prismgate import reflection
 from prismgate.app import create_app
+from prismgate.compose import build_service
 from prismgate.core.service import SessionService
+from prismgate.drain import Drain
+from prismgate.edge import accept_errors, log_scrub
+from prismgate.edge.connections import guarded_http
 from prismgate.metrics import GatewayMetrics
-from prismgate.monitor import GatewayMonitor
-from prismgate.runtime import build_service
+from prismgate.observer import GenerationObserver
 from prismgate.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -70,10 +73,10 @@ class Gateway:
         self.service = service or build_service(settings)
         self.metrics = GatewayMetrics()
         self.metrics.bind(self.service)
-        self.monitor = GatewayMonitor(self.metrics, settings, self.service)
-        self.service.monitor = self.monitor
-        self.app = create_app(self.service, settings)
-        self.app.state.metrics = self.metrics
+        self.drain = Drain(settings.shutdown_grace_s)
+        self.observer = GenerationObserver(self.metrics, settings, self.service, self.drain)
+        self.service.monitor = self.observer
+        self.app = create_app(self.service, settings, metrics=self.metrics, drain=self.drain)
         self.http_port = settings.http_port
         self.grpc_port = settings.grpc_port
         self._uvicorn: _Uvicorn | None = None
@@ -89,9 +92,14 @@ class Gateway:
     async def start(self) -> None:
         """Bind both ports and start serving; the model keeps loading in the background."""
         s = self.settings
+        log_scrub.install()
+        accept_errors.install(asyncio.get_running_loop())
+        http_socket = _listen_http(s.host, s.http_port)
+        self.http_port = http_socket.getsockname()[1]
         options = [
             ("grpc.max_receive_message_length", s.grpc_max_message_bytes),
             ("grpc.max_send_message_length", s.grpc_max_message_bytes),
+            ("grpc.so_reuseport", 0),  # a second server on this port must fail, not share it silently
         ]
         self._grpc = grpc.aio.server(options=options)
         names = grpc_services(self._grpc, self.service, s)
@@ -99,23 +107,22 @@ class Gateway:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         for name in ["", *names]:
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port(f"{_grpc_host(s.host)}:{s.grpc_port}")
+        reflection.enable(self._grpc, [*names, health.SERVICE_NAME])
+        try:
+            self.grpc_port = self._grpc.add_insecure_port(f"{_grpc_host(s.host)}:{s.grpc_port}")
+        except RuntimeError as exc:  # grpc reports a failed bind this way
+            self.grpc_port = 0
+            reason = str(exc)
+        else:
+            reason = "the address is in use or not available"
         if self.grpc_port == 0:
-            raise OSError(f"cannot bind gRPC port {s.host}:{s.grpc_port}")
+            http_socket.close()
+            raise CannotListen(s.host, s.grpc_port, "--grpc-port", reason)
         await self._grpc.start()
 
-        # IPPROTO_TCP explicitly: asyncio turns on TCP_NODELAY only for sockets whose proto says TCP,
-        # and without it a keep-alive response (headers, then body) waits ~40 ms for a delayed ACK.
-        family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((s.host, s.http_port))
-        sock.listen(2048)
-        sock.setblocking(False)
-        self.http_port = sock.getsockname()[1]
         config = uvicorn.Config(
             self.app,
+            http=guarded_http(s, self.app.state.clients, self.observer.refused),
             log_config=None,
             lifespan="off",
             timeout_graceful_shutdown=math.ceil(s.shutdown_grace_s),
@@ -124,7 +131,7 @@ class Gateway:
             access_log=False,
         )
         self._uvicorn = _Uvicorn(config)
-        self._uvicorn_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]), name="uvicorn")
+        self._uvicorn_task = asyncio.create_task(self._uvicorn.serve(sockets=[http_socket]), name="uvicorn")
         self._tasks.append(asyncio.create_task(self._load(names), name="model-load"))
         self._tasks.append(asyncio.create_task(self._evict(), name="session-eviction"))
         log.info(
@@ -191,7 +198,7 @@ class Gateway:
         # 1. stop accepting
         self.service.pool.begin_stopping()  # /readyz answers 503: load balancers take this replica out
         self.metrics.ready.set(0)
-        self.monitor.start_draining()
+        self.drain.start_draining()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._uvicorn is not None:
@@ -202,22 +209,22 @@ class Gateway:
         grpc_stop = asyncio.ensure_future(self._grpc.stop(grace + CUT_OFF_S)) if self._grpc is not None else None
 
         # 2. let in-flight generations finish
-        in_flight = self.monitor.in_flight
-        drained = await self.monitor.wait_idle(deadline - loop.time(), abort=self._skip_grace)
+        in_flight = self.drain.in_flight
+        drained = await self.drain.wait_idle(deadline - loop.time(), abort=self._skip_grace)
         log.info(
             "drained" if drained else "grace period over",
             extra={
                 "in_flight_at_stop": in_flight,
-                "still_running": self.monitor.in_flight,
+                "still_running": self.drain.in_flight,
                 "waited_s": round(loop.time() - t0, 3),
             },
         )
 
         # 3. end what outlived the grace period (each codec reports UNAVAILABLE on its wire),
         #    then close connections: idle keep-alives and WebSockets (1012) go at once
-        cut = self.monitor.cut_off() if not drained else 0
+        cut = self.drain.cut_off() if not drained else 0
         if cut:
-            await self.monitor.wait_idle(CUT_OFF_S)
+            await self.drain.wait_idle(CUT_OFF_S)
         if self._uvicorn is not None and self._uvicorn_task is not None:
             # responses still being written get a moment; uvicorn cancels what remains after it
             self._uvicorn.config.timeout_graceful_shutdown = math.ceil(CUT_OFF_S) if cut else 1
@@ -262,9 +269,34 @@ class Gateway:
         waiter.cancel()
         stopped.cancel()
         log.info(
-            "shutting down (grace %.1fs)", self.settings.shutdown_grace_s, extra={"in_flight": self.monitor.in_flight}
+            "shutting down (grace %.1fs)", self.settings.shutdown_grace_s, extra={"in_flight": self.drain.in_flight}
         )
         await self.stop()
+
+
+class CannotListen(OSError):
+    """A port could not be bound: one line that names the address and the flag that sets it."""
+
+    def __init__(self, host: str, port: int, flag: str, reason: str) -> None:
+        super().__init__(f"cannot listen on {host}:{port} ({reason}); choose another port with {flag}")
+
+
+def _listen_http(host: str, port: int) -> socket.socket:
+    # IPPROTO_TCP explicitly: asyncio turns on TCP_NODELAY only for sockets whose proto says TCP,
+    # and without it a keep-alive response (headers, then body) waits ~40 ms for a delayed ACK.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        # SO_REUSEADDR lets a restart bind while old connections sit in TIME_WAIT; on Linux
+        # it does not let two servers listen on one port (SO_REUSEPORT would)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise CannotListen(host, port, "--http-port", exc.strerror or str(exc)) from None
+    sock.setblocking(False)
+    return sock
 
 
 def _write_port_file(path: Path, http_port: int, grpc_port: int) -> None:
@@ -280,7 +312,11 @@ def _grpc_host(host: str) -> str:
 
 
 def serve(settings: Settings) -> int:
-    """Run until SIGTERM/SIGINT; the exit status is 0 after a clean stop, 1 if the model failed to load."""
+    """Run until SIGTERM/SIGINT; the exit status is 0 after a clean stop, 1 if a port or the model failed."""
     gateway = Gateway(settings)
-    asyncio.run(gateway.run_until_signal())
+    try:
+        asyncio.run(gateway.run_until_signal())
+    except CannotListen as exc:
+        log.error("%s", exc)
+        return 1
     return 1 if gateway.failed else 0

@@ -40,6 +40,28 @@ class Settings:
         "How long an idle HTTP keep-alive connection stays open; keep it above a load balancer's idle timeout, "
         "or the balancer may reuse a connection the gateway is closing.",
     )
+    http_header_timeout_s: float = setting(
+        60.0,
+        "Time a client has to send a request's headers, from connecting (or a keep-alive request's first byte); "
+        "past it: 408 and the connection closes (nginx's client_header_timeout).",
+    )
+    http_body_timeout_s: float = setting(
+        60.0,
+        "Longest wait for the next piece of a request body; past it: 408 and the connection closes "
+        "(nginx's client_body_timeout).",
+    )
+    http_max_header_bytes: int = setting(
+        32 * 1024, "Largest request line plus headers; past it: 431 (nginx's large_client_header_buffers)."
+    )
+    max_connections_per_client: int = setting(
+        128, "Open HTTP connections and WebSockets from one client address (0: no cap); past it: 503 or close 4429."
+    )
+    allowed_origins: str | None = setting(
+        None,
+        "Comma-separated origins (scheme://host[:port]) whose web pages may call the HTTP API and /evergreen "
+        "(CORS on /v1); '*' allows any; unset: the server's own origin and localhost pages only. Requests "
+        "without an Origin header (non-browser clients) are not affected.",
+    )
 
     # -- engine ---------------------------------------------------------------------
     engine: str = setting("transformers", "Engine that runs the model.", choices=("transformers", "vllm"))
@@ -171,6 +193,11 @@ class Settings:
             value = getattr(self, f.name)
             if choices and value not in choices:
                 raise invalid(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
+        for name in ("http_header_timeout_s", "http_body_timeout_s", "http_max_header_bytes"):
+            if getattr(self, name) <= 0:
+                raise invalid(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_connections_per_client < 0:
+            raise invalid(f"max_connections_per_client must be >= 0, got {self.max_connections_per_client}")
         for name in ("http_port", "grpc_port"):
             port = getattr(self, name)
             if not 0 <= port < 65536:

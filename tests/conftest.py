@@ -14,7 +14,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from prismgate.background import RunningGateway, serve_in_thread
+from prismgate.thread_server import RunningGateway, serve_in_thread
 from tests.tiny_model import build_eos_free_llama, build_random_pack, build_tiny_llama
 
 TINY_MODEL_ID = "tiny-llama"
@@ -57,7 +57,7 @@ def tiny_settings(model_dir: Path, pack: Path, **overrides: Any) -> Any:
 @pytest.fixture
 async def tiny_service(tiny_model_dir: Path, tiny_pack: Path) -> AsyncIterator[Any]:
     """A started SessionService on the tiny model (one per test: engines hold threads)."""
-    from prismgate.runtime import build_service
+    from prismgate.compose import build_service
 
     service = build_service(tiny_settings(tiny_model_dir, tiny_pack))
     await service.pool.start()

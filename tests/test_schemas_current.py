@@ -11,6 +11,7 @@ from types import ModuleType
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tests" / "golden" / "salience_v1.descriptor.json"
 
 
 def _script() -> ModuleType:
@@ -67,17 +68,19 @@ def test_the_rewrite_handles_plain_and_nested_imports() -> None:
 
 
 def test_the_project_proto_keeps_the_spec_definitions(tmp_path: Path) -> None:
-    """Only comments may differ from the spec: a client compiled from the spec must work unchanged."""
-    # the shared specs folder sits beside the checkout (CI clones main next to it)
-    spec = Path(__file__).resolve().parents[2] / "shared" / "specs" / "salience.proto"
-    assert spec.exists(), f"the Salience spec is expected at {spec}"
-    from google.protobuf import descriptor_pb2
+    """Only comments may differ from the seed's salience.v1: a client compiled from the spec must work unchanged.
+
+    ``tests/golden/salience_v1.descriptor.json`` is the seed proto's FileDescriptorSet as
+    protoc makes it (no source info, so no comments), written once as proto3 JSON and
+    never regenerated from the project's proto: salience.v1 is frozen.
+    """
+    from google.protobuf import descriptor_pb2, json_format
     from grpc_tools import protoc
 
-    def descriptor(path: Path, out: Path) -> descriptor_pb2.FileDescriptorSet:
-        assert protoc.main(["protoc", f"-I{path.parent}", f"--descriptor_set_out={out}", str(path)]) == 0
-        return descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
-
-    ours = descriptor(ROOT / "schemas" / "salience.proto", tmp_path / "ours.pb")
-    theirs = descriptor(spec, tmp_path / "theirs.pb")
-    assert ours == theirs
+    out = tmp_path / "ours.pb"
+    proto = ROOT / "schemas" / "salience.proto"
+    assert protoc.main(["protoc", f"-I{proto.parent}", f"--descriptor_set_out={out}", str(proto)]) == 0
+    ours = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
+    golden = json_format.Parse(GOLDEN.read_text(), descriptor_pb2.FileDescriptorSet())
+    assert [f.package for f in golden.file] == ["salience.v1"]
+    assert json_format.MessageToDict(ours) == json_format.MessageToDict(golden)

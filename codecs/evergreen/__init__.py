@@ -43,7 +43,7 @@ def options_from(settings: Settings) -> Options:
 def routes(service: SessionService, settings: Settings) -> list[BaseRoute]:
     """The WebSocket endpoint, and the playground unless it is turned off."""
     out: list[BaseRoute] = [
-        WebSocketRoute(WEBSOCKET_PATH, EvergreenEndpoint(service, options_from(settings), settings.auth_token).handle)
+        WebSocketRoute(WEBSOCKET_PATH, EvergreenEndpoint(service, options_from(settings)).handle)
     ]
     if settings.playground:
         from prismgate.playground import routes as playground_routes

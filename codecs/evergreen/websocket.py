@@ -21,7 +21,6 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from prismgate.auth import check_bearer
 from prismgate.codecs.evergreen.errors import close_reason
 from prismgate.codecs.evergreen.session import EvergreenSession, Options
 from prismgate.codecs.status import close_code
@@ -62,17 +61,13 @@ def encode(message: pb.SessionMessage, as_json: bool) -> str | bytes:
 
 
 class EvergreenEndpoint:
-    def __init__(self, service: SessionService, options: Options, auth_token: str | None) -> None:
+    def __init__(self, service: SessionService, options: Options) -> None:
         self.service = service
         self.options = options
-        self.auth_token = auth_token
 
     async def handle(self, websocket: WebSocket) -> None:
         await websocket.accept()
         try:
-            authorization = websocket.headers.get("authorization")
-            token = websocket.query_params.get("access_token")
-            check_bearer(self.auth_token, authorization or (f"Bearer {token}" if token else None))
             self.service.models.require_ready()
             session = EvergreenSession(self.service, self.options)
         except GatewayError as exc:

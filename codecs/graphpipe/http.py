@@ -20,7 +20,6 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from prismgate.auth import check_bearer
 from prismgate.codecs.graphpipe import wire
 from prismgate.codecs.graphpipe.infer import run_plan
 from prismgate.codecs.graphpipe.metadata import describe
@@ -104,14 +103,12 @@ class GraphPipeEndpoint:
 
     async def get(self, request: Request) -> Response:
         try:
-            check_bearer(self.settings.auth_token, request.headers.get("authorization"))
             return JSONResponse(wire.metadata_json(self.metadata()))
         except GatewayError as exc:
             return JSONResponse({"error": exc.message, "code": int(exc.code)}, status_code=http_status(exc))
 
     async def post(self, request: Request) -> Response:
         try:
-            check_bearer(self.settings.auth_token, request.headers.get("authorization"))
             body = await read_body(request, self.settings.graphpipe_max_body_bytes)
             return Response(await self.answer(body, request), media_type=OCTET)
         except ClientDisconnect:

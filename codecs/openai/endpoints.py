@@ -19,7 +19,6 @@ from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from prismgate.auth import check_bearer
 from prismgate.codecs.openai.errors import OpenAIError, bad_request, from_gateway, to_openai
 from prismgate.codecs.openai.formats import ChatFormat, CompletionFormat, Format
 from prismgate.codecs.openai.generation import Generation, Piece
@@ -80,9 +79,6 @@ class OpenAIEndpoints:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _auth(self, request: Request) -> None:
-        check_bearer(self.settings.auth_token, request.headers.get("authorization"))
-
     @staticmethod
     async def _body(request: Request) -> Any:
         raw = await request.body()
@@ -101,7 +97,6 @@ class OpenAIEndpoints:
 
     async def _complete(self, request: Request, *, chat: bool) -> Response:
         try:
-            self._auth(request)
             body = await self._body(request)
             common: Common
             plan: Plan
@@ -171,15 +166,10 @@ class OpenAIEndpoints:
         return out
 
     async def list_models(self, request: Request) -> Response:
-        try:
-            self._auth(request)
-        except GatewayError as exc:
-            return error_response(exc)
         return JSONResponse({"object": "list", "data": [self._model(m) for m in self.service.models.names]})
 
     async def get_model(self, request: Request) -> Response:
         try:
-            self._auth(request)
             model = self.service.models.resolve(request.path_params["model"])
         except Exception as exc:
             return error_response(exc)
@@ -203,7 +193,6 @@ class OpenAIEndpoints:
 
     async def open_session(self, request: Request) -> Response:
         try:
-            self._auth(request)
             raw = await request.body()
             body = await self._body(request) if raw.strip() else {}
             if not isinstance(body, dict):
@@ -218,14 +207,12 @@ class OpenAIEndpoints:
 
     async def get_session(self, request: Request) -> Response:
         try:
-            self._auth(request)
             return JSONResponse(self._session(request.path_params["session_id"]))
         except Exception as exc:
             return error_response(exc)
 
     async def delete_session(self, request: Request) -> Response:
         try:
-            self._auth(request)
             session_id = request.path_params["session_id"]
             self._session(session_id)  # 404 when unknown
             self.service.close(session_id)
@@ -234,10 +221,6 @@ class OpenAIEndpoints:
             return error_response(exc)
 
     async def not_found(self, request: Request) -> Response:
-        try:
-            self._auth(request)
-        except GatewayError as exc:
-            return error_response(exc)
         if request.url.path.rstrip("/") in _ENDPOINTS:
             return error_response(
                 OpenAIError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")

@@ -94,8 +94,8 @@ async def test_tiny_model_agrees_with_transformers(tiny_pair: Any) -> None:
 @pytest.mark.slow
 async def test_smollm2_agrees_with_transformers() -> None:
     require_vllm()
+    from prismgate.compose import DEFAULT_PACK
     from prismgate.engines.models import DEFAULT_MODEL_ID, default_model_path
-    from prismgate.runtime import DEFAULT_PACK
 
     pack = DEFAULT_PACK if DEFAULT_PACK.exists() else None
     hf, vl = await pair(default_model_path(), pack, DEFAULT_MODEL_ID)

@@ -53,7 +53,7 @@ def test_the_wheel_holds_what_the_container_needs(tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     needed = [
         "prismgate/server.py",
-        "prismgate/monitor.py",
+        "prismgate/observer.py",
         "prismgate/codecs/openai/__init__.py",
         "prismgate/schemas/salience.proto",
         # the default model's concept pack: without it the image serves no readouts

@@ -8,16 +8,10 @@ OpenAI-compatible stream is running over a real socket.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, FinishReason
 from tests.conftest import run_server, tiny_settings
-from tests.ops.helpers import action, collect, scrape, value
+from tests.ops.helpers import action, collect, scrape, serve, value
 
 # -- in-process ---------------------------------------------------------------------------
 
@@ -53,11 +47,11 @@ def test_stop_lets_in_flight_generations_finish(server_factory: Any) -> None:
         running = asyncio.run_coroutine_threadsafe(consume(service.run(long), first), server.loop)
         queued = asyncio.run_coroutine_threadsafe(consume(service.run(long), threading.Event()), server.loop)
         assert first.wait(30)
-        assert gateway.monitor.in_flight == 2  # one decoding, one waiting for the only engine slot
+        assert gateway.drain.in_flight == 2  # one decoding, one waiting for the only engine slot
         started = time.monotonic()
         stopping = asyncio.run_coroutine_threadsafe(gateway.stop(), server.loop)
         deadline = time.monotonic() + 5
-        while not gateway.monitor.draining and time.monotonic() < deadline:
+        while not gateway.drain.draining and time.monotonic() < deadline:
             time.sleep(0.005)
         # draining: not ready, new work refused with a clear error, running work goes on
         assert not service.pool.ready
@@ -69,7 +63,7 @@ def test_stop_lets_in_flight_generations_finish(server_factory: Any) -> None:
             assert done.finish_reason is FinishReason.LENGTH and decoded == 480
         stopping.result(30)
         assert time.monotonic() - started < 20
-        assert gateway.monitor.in_flight == 0
+        assert gateway.drain.in_flight == 0
 
 
 def test_stop_cancels_what_outlives_the_grace_period(long_model_dir: Path, tiny_pack: Path) -> None:
@@ -92,7 +86,7 @@ def test_stop_cancels_what_outlives_the_grace_period(long_model_dir: Path, tiny_
             with pytest.raises(GatewayError) as cut:
                 future.result(10)
             assert cut.value.code is Code.UNAVAILABLE and "retry on another replica" in cut.value.message
-        assert gateway.monitor.in_flight == 0
+        assert gateway.drain.in_flight == 0
         assert len(service.store) == 0
         assert gateway.metrics.errors.labels("ops-cut", "UNAVAILABLE")._value.get() == 3
 
@@ -109,58 +103,6 @@ def test_stop_closes_sessions(server_factory: Any) -> None:
 
 
 # -- the real command, SIGTERM ------------------------------------------------------------------
-
-
-@dataclass
-class Served:
-    process: subprocess.Popen[str]
-    http_url: str
-    grpc_target: str
-    port_file: Path
-    log_path: Path
-
-    def logs(self) -> list[dict[str, Any]]:
-        """The server's stderr, one JSON object per line (--log-json); progress bars are not log lines."""
-        out = []
-        for line in self.log_path.read_text().splitlines():
-            if line.startswith("{"):
-                out.append(json.loads(line))
-        return out
-
-
-@contextlib.contextmanager
-def serve(tmp_path: Path, model_dir: Path, *args: str) -> Iterator[Served]:
-    port_file = tmp_path / "ports.json"
-    log_path = tmp_path / "server.log"
-    command = [
-        str(Path(sys.executable).parent / "prismgate"), "serve",
-        "--model", str(model_dir), "--model-name", "tiny-llama", "--concept-pack", "none", "--threads", "1",
-        "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
-        "--port-file", str(port_file), "--log-json", *args,
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not port_file.exists():
-            assert process.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "the server never wrote its port file"
-            time.sleep(0.05)
-        ports = json.loads(port_file.read_text())
-        assert ports["pid"] == process.pid
-        served = Served(
-            process, f"http://127.0.0.1:{ports['http_port']}", f"127.0.0.1:{ports['grpc_port']}", port_file, log_path
-        )
-        while httpx.get(served.http_url + "/readyz", timeout=5).status_code != 200:
-            assert process.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "the server never became ready"
-            time.sleep(0.1)
-        yield served
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
 
 
 def grpc_health(target: str) -> int:

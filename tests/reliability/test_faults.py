@@ -303,7 +303,7 @@ class FailingEngine:
 
 @pytest.fixture(scope="module")
 def failing_server(long_model_dir: Path, big_pack: Path) -> Iterator[LiveServer]:
-    from prismgate.runtime import build_engine
+    from prismgate.compose import build_engine
 
     settings = tiny_settings(long_model_dir, big_pack)
     with run_gateway(settings, engine=FailingEngine(build_engine(settings))) as server:

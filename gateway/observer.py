@@ -1,18 +1,25 @@
-"""What the gateway watches on every generation: metrics, one log line, the shutdown drain.
+"""What the gateway counts and logs: every generation as it passes the core, every refused request.
 
-The core service hands each generation stream to :meth:`GatewayMonitor.watch`
+The core service hands each generation stream to :meth:`GenerationObserver.watch`
 (``SessionService.monitor``), whatever protocol sent it, so counting happens in one
-place and no codec has to remember to. The monitor never changes an event; it
-times them, counts them, logs one line when the generation ends, and keeps the set
-of generations in flight so that shutdown can wait for them (and refuse new ones).
+place and no codec has to remember to. The observer never changes an event; it
+times them, counts them, logs one line when the generation ends, and enters the
+generation in the shutdown :class:`~prismgate.drain.Drain` while it runs.
+
+Requests refused before any generation (auth, parse, validation) reach
+``prismgate_request_errors_total`` through :meth:`GenerationObserver.refused`. An HTTP
+request is counted at most once: the edge middleware opens a :func:`request_tally`
+and counts a failed response only when nothing inside the request counted it already.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +27,7 @@ from prismgate.core.actions import GenerateAction
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, Event, TokenEvent
 from prismgate.core.service import SessionService
+from prismgate.drain import Drain
 from prismgate.logs import context_field
 from prismgate.metrics import GatewayMetrics
 from prismgate.settings import Settings
@@ -41,6 +49,33 @@ _CLIENT_CODES = frozenset(
 
 
 @dataclass
+class RequestTally:
+    """Whether an error of the current request has been counted (set by whoever counts it)."""
+
+    counted: bool = False
+
+
+_TALLY: contextvars.ContextVar[RequestTally | None] = contextvars.ContextVar("prismgate_request_tally", default=None)
+
+
+@contextlib.contextmanager
+def request_tally() -> Iterator[RequestTally]:
+    """Track, for the request handled inside the block (tasks it spawns included), whether it was counted."""
+    tally = RequestTally()
+    token = _TALLY.set(tally)
+    try:
+        yield tally
+    finally:
+        _TALLY.reset(token)
+
+
+def _mark_counted() -> None:
+    tally = _TALLY.get()
+    if tally is not None:
+        tally.counted = True
+
+
+@dataclass
 class _Generation:
     """Running tallies for one generation."""
 
@@ -59,23 +94,24 @@ class _Generation:
     streamed: Any = None
 
 
-class GatewayMonitor:
-    def __init__(self, metrics: GatewayMetrics, settings: Settings, service: SessionService) -> None:
+class GenerationObserver:
+    """The core's ``GenerationMonitor`` for a gateway: metrics and one log line per generation."""
+
+    def __init__(self, metrics: GatewayMetrics, settings: Settings, service: SessionService, drain: Drain) -> None:
         self.metrics = metrics
         self.settings = settings
         self.service = service
-        self.draining = False
-        self._in_flight: dict[str, asyncio.Task[object] | None] = {}
-        self._cut: set[asyncio.Task[object]] = set()
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    # -- the hook the service calls ---------------------------------------------------
+        self.drain = drain
 
     def watch(
         self, action: GenerateAction, session_id: str, request_id: str, events: AsyncGenerator[Event, None]
     ) -> AsyncGenerator[Event, None]:
         return self._watch(action, session_id, context_field("request_id") or request_id, events)
+
+    def refused(self, protocol: str, code: Code) -> None:
+        """Count a request refused before it reached a generation (auth, parse, validation)."""
+        self.metrics.errors.labels(protocol, code.name).inc()
+        _mark_counted()
 
     async def _watch(
         self, action: GenerateAction, session_id: str, request_id: str, events: AsyncGenerator[Event, None]
@@ -83,14 +119,14 @@ class GatewayMonitor:
         protocol = action.origin or "unknown"
         m = self.metrics
         m.requests.labels(protocol).inc()
-        if self.draining:
+        try:
+            self.drain.enter(request_id)
+        except GatewayError as exc:
             await events.aclose()
-            m.errors.labels(protocol, Code.UNAVAILABLE.name).inc()
-            raise GatewayError(Code.UNAVAILABLE, "the server is shutting down; retry on another replica")
+            self.refused(protocol, exc.code)
+            raise
         g = _Generation(protocol, session_id, request_id, time.perf_counter())
         g.itl, g.streamed = m.itl.labels(protocol), m.streamed_tokens.labels(protocol)
-        self._in_flight[request_id] = asyncio.current_task()
-        self._idle.clear()
         m.active.labels(protocol).inc()
         error: GatewayError | None = None
         try:
@@ -104,17 +140,11 @@ class GatewayMonitor:
             error = exc
             raise
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            ours = task is not None and task in self._cut
-            self._cut.discard(task)
-            if ours and task is not None and task.uncancel() == 0:
+            cut = self.drain.cut_error()
+            if cut is not None:
                 # our own cancellation at the end of the grace period: the codec reports it as an error on its wire
-                error = GatewayError(
-                    Code.UNAVAILABLE,
-                    f"the server shut down before this generation finished (grace period "
-                    f"{self.settings.shutdown_grace_s:g}s); retry on another replica",
-                )
-                raise error from None
+                error = cut
+                raise cut from None
             raise  # the client went away: a cancelled generation, not an error
         except GeneratorExit:
             raise  # the caller closed the stream early: cancelled, not an error
@@ -130,9 +160,7 @@ class GatewayMonitor:
             return
         g.ended = True
         self.metrics.active.labels(g.protocol).dec()
-        self._in_flight.pop(g.request_id, None)
-        if not self._in_flight:
-            self._idle.set()
+        self.drain.leave(g.request_id)
         self._finish(g, action, error)
 
     def _see(self, g: _Generation, event: Event) -> None:
@@ -164,6 +192,7 @@ class GatewayMonitor:
         fields: dict[str, object] = {"protocol": p, "session_id": g.session_id, "request_id": g.request_id}
         if error is not None and g.done is None:
             m.errors.labels(p, error.code.name).inc()
+            _mark_counted()
             fields.update(code=error.code.name, error=error.message, duration_s=round(duration, 4))
             level = logging.INFO if error.code in _CLIENT_CODES else logging.ERROR
             if error.code is Code.UNAVAILABLE:
@@ -196,43 +225,3 @@ class GatewayMonitor:
             return {"prompt_text": decode(list(action.append_tokens)), "output_text": decode(g.output_ids)}
         except Exception:  # logging must never fail a request
             return {}
-
-    # -- shutdown -----------------------------------------------------------------------
-
-    def refused(self, protocol: str, code: Code) -> None:
-        """Count a request refused before it reached a generation (auth, parse, validation)."""
-        self.metrics.errors.labels(protocol, code.name).inc()
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._in_flight)
-
-    def start_draining(self) -> None:
-        """From now on new generations fail UNAVAILABLE; running ones go on."""
-        self.draining = True
-
-    async def wait_idle(self, seconds: float, abort: asyncio.Event | None = None) -> bool:
-        """Wait until no generation is in flight (True), ``seconds`` pass or ``abort`` is set (False)."""
-        waits = [asyncio.ensure_future(self._idle.wait())]
-        if abort is not None:
-            waits.append(asyncio.ensure_future(abort.wait()))
-        try:
-            await asyncio.wait(waits, timeout=max(0.0, seconds), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
-        return self._idle.is_set()
-
-    def cut_off(self) -> int:
-        """The grace period is over: end every generation still running with UNAVAILABLE.
-
-        The consuming tasks are cancelled, and the monitor turns that cancellation into
-        a GatewayError where the generation is waiting on the engine, so each codec
-        tells its client on its own wire (HTTP 503, an SSE error, a gRPC status, an
-        Evergreen abort) instead of the connection just dropping.
-        """
-        tasks = {t for t in self._in_flight.values() if t is not None and not t.done()}
-        for task in tasks:
-            self._cut.add(task)
-            task.cancel("the gateway is shutting down")
-        return len(tasks)

@@ -14,9 +14,9 @@ from collections.abc import Awaitable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from prismgate.compose import build_service
 from prismgate.core.engine import Engine
 from prismgate.core.service import SessionService
-from prismgate.runtime import build_service
 from prismgate.server import Gateway
 from prismgate.settings import Settings
 

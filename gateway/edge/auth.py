@@ -1,0 +1,96 @@
+"""The shared bearer token on every HTTP route and the ``/evergreen`` WebSocket, checked once.
+
+Routes never see an unauthenticated request: :class:`BearerAuth` refuses it first, in
+the wire's own form (:mod:`prismgate.edge.refusals`). Health, readiness, metrics, the
+playground's static files and the GraphPipe control probes stay open: probes and
+browsers need them before they hold a token. gRPC services check the same token in
+their guard (:func:`prismgate.auth.check_bearer`).
+
+A client presents the token as ``Authorization: Bearer <token>``. Browsers cannot set
+headers on a WebSocket, so they may offer it as the subprotocol ``bearer.<token>``
+(it then never appears in a URL, so never in a log); the ``access_token`` query
+parameter still works for older clients.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qsl
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from prismgate.auth import check_bearer
+from prismgate.core.errors import GatewayError
+from prismgate.edge.refusals import refuse
+from prismgate.settings import Settings
+
+TOKEN_SUBPROTOCOL = "bearer."
+
+
+def open_paths(settings: Settings) -> frozenset[str]:
+    """Paths served without a token: probes, metrics, the playground's static files."""
+    paths = {"/healthz", "/readyz", "/metrics", "/playground", "/playground/", "/playground/app.js"}
+    paths.add("/playground/style.css")
+    prefix = settings.graphpipe_path.rstrip("/")
+    bases = {prefix} | ({""} if settings.graphpipe_root or not prefix else set())
+    for base in bases:
+        paths |= {f"{base}/control/is_ready", f"{base}/control/is_alive"}
+    return frozenset(paths)
+
+
+def presented_token(scope: Scope) -> str | None:
+    """The ``Authorization`` value the client sent, or one built from the subprotocol or query carrier."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            return str(value.decode("latin-1"))
+    for offered in scope.get("subprotocols", ()):
+        if offered.startswith(TOKEN_SUBPROTOCOL):
+            return "Bearer " + offered[len(TOKEN_SUBPROTOCOL) :]
+    for key, value in parse_qsl(scope.get("query_string", b"").decode("latin-1")):
+        if key == "access_token":
+            return "Bearer " + value
+    return None
+
+
+class BearerAuth:
+    """Refuse HTTP requests and WebSockets without the shared token, before any route runs."""
+
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+        self.app = app
+        self.token = settings.auth_token
+        self.open = open_paths(settings)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in {"http", "websocket"}:
+            await self.app(scope, receive, send)
+            return
+        if self.token is not None and scope["path"] not in self.open:
+            try:
+                check_bearer(self.token, presented_token(scope))
+            except GatewayError as exc:
+                await refuse(scope, receive, send, exc)
+                return
+        if scope["type"] == "websocket":
+            scope, send = _without_token_subprotocol(scope, send)
+        await self.app(scope, receive, send)
+
+
+def _without_token_subprotocol(scope: Scope, send: Send) -> tuple[Scope, Send]:
+    """Hide a token subprotocol from the route, and still answer with a subprotocol the client offered.
+
+    A browser fails the handshake when it offered subprotocols and the server picks none,
+    so a route that accepts without choosing answers with the client's first other
+    subprotocol, or with the token entry when it offered nothing else.
+    """
+    offered: list[str] = list(scope.get("subprotocols", ()))
+    tokens = [p for p in offered if p.startswith(TOKEN_SUBPROTOCOL)]
+    if not tokens:
+        return scope, send
+    others = [p for p in offered if not p.startswith(TOKEN_SUBPROTOCOL)]
+    answer = others[0] if others else tokens[0]
+
+    async def send_with_subprotocol(message: Message) -> None:
+        if message["type"] == "websocket.accept" and not message.get("subprotocol"):
+            message = {**message, "subprotocol": answer}
+        await send(message)
+
+    return {**scope, "subprotocols": others}, send_with_subprotocol

@@ -1,0 +1,228 @@
+"""Connection limits below ASGI: how long a request head may take, how big it may be, how many per client.
+
+A request that never finishes its headers never reaches an ASGI app, so these limits
+live in uvicorn's HTTP protocol (a subclass of its httptools protocol, handed to
+``uvicorn.Config(http=...)``), with nginx's defaults in mind:
+
+* ``http_header_timeout_s`` (nginx ``client_header_timeout``, 60 s): from the connection
+  opening, or a keep-alive request's first byte, to the end of its headers; past it the
+  client gets ``408`` and the connection closes;
+* ``http_max_header_bytes`` (nginx ``large_client_header_buffers``, 4 x 8 KiB): the request
+  line and headers together; past it ``431``;
+* ``max_connections_per_client``: open connections from one address; past it ``503`` and
+  the new connection closes. (nginx has no default here; one address must not be able
+  to take every file descriptor.) Once a connection becomes a WebSocket the protocol
+  hands it over to :class:`WebSocketCap`, which counts it for as long as it is open.
+
+Refused connections get a lingering close, as from nginx: the answer, then FIN, and the
+socket closes once the client closes or after ``LINGER_S``, so that the client can read
+why before the connection goes.
+
+Each refusal is counted in ``prismgate_request_errors_total`` under the protocol label
+``http`` (the path is unknown at that point).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from prismgate.core.errors import Code
+from prismgate.edge.refusals import Refusal, refuse
+from prismgate.settings import Settings
+
+Refused = Callable[[str, Code], None]
+LINGER_S = 2.0
+
+
+class ClientConnections:
+    """Open connections per client address, shared by the HTTP protocol and the WebSocket middleware."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._open: Counter[str] = Counter()
+
+    def acquire(self, address: str) -> bool:
+        """Count one more connection from ``address``; False (and nothing counted) when it is at the limit."""
+        if self.limit and self._open[address] >= self.limit:
+            return False
+        self._open[address] += 1
+        return True
+
+    def release(self, address: str) -> None:
+        self._open[address] -= 1
+        if self._open[address] <= 0:
+            del self._open[address]
+
+    def __getitem__(self, address: str) -> int:
+        return self._open[address]
+
+
+class WebSocketCap:
+    """Count each open WebSocket against its client's connections (the HTTP protocol counted it until the upgrade)."""
+
+    def __init__(self, app: ASGIApp, clients: ClientConnections) -> None:
+        self.app = app
+        self.clients = clients
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        client = scope.get("client")
+        if scope["type"] != "websocket" or not client:
+            await self.app(scope, receive, send)
+            return
+        address = client[0]
+        if not self.clients.acquire(address):
+            limit = self.clients.limit
+            message = f"too many connections from {address} (max_connections_per_client={limit})"
+            await refuse(scope, receive, send, Refusal(Code.RESOURCE_EXHAUSTED, message, 429))
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.clients.release(address)
+
+
+def _raw_response(status: int, reason: str, message: str) -> bytes:
+    body = message.encode() + b"\n"
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+class GuardedHTTP(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a request-head deadline, a head size limit and a per-client cap."""
+
+    header_timeout_s: float
+    max_header_bytes: int
+    clients: ClientConnections
+    refused: Refused
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_received = 0  # bytes received while a head was still incomplete
+        self._head_size = 0  # the parsed request line and headers
+        self._address: str | None = None
+        self._refused = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        address = self.client[0] if self.client else None
+        if address is not None:
+            if not self.clients.acquire(address):
+                limit = self.clients.limit
+                message = f"too many connections from {address} (max_connections_per_client={limit})"
+                self._refuse(503, "Service Unavailable", message)
+                return
+            self._address = address
+        self._start_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head()
+        self._release()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+        if self._head_timer is not None and not self._refused:  # the chunk ended inside a head
+            self._head_received += len(data)
+            if self._head_received > self.max_header_bytes:
+                self._refuse_large_head()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_size = 0
+        if self._head_timer is None:
+            self._start_head()
+
+    def on_url(self, url: bytes) -> None:
+        self._head_size += len(url)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_size += len(name) + len(value) + 4
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._stop_head()
+        if self._head_size > self.max_header_bytes:
+            self._refuse_large_head()
+            return
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self._refused:
+            super().on_message_complete()
+
+    def handle_websocket_upgrade(self) -> None:
+        # the WebSocket protocol takes over the transport: the WebSocket middleware counts it from here
+        self._stop_head()
+        self._release()
+        super().handle_websocket_upgrade()
+
+    def _start_head(self) -> None:
+        self._head_received = 0
+        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+
+    def _stop_head(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _release(self) -> None:
+        if self._address is not None:
+            self.clients.release(self._address)
+            self._address = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        message = f"the request headers did not arrive within {self.header_timeout_s:g}s (http_header_timeout_s)"
+        self._refuse(408, "Request Timeout", message)
+
+    def _refuse_large_head(self) -> None:
+        message = f"the request head is over {self.max_header_bytes} bytes (http_max_header_bytes)"
+        self._refuse(431, "Request Header Fields Too Large", message)
+
+    def _refuse(self, status: int, reason: str, message: str) -> None:
+        """Answer in plain HTTP and close: no ASGI app has seen this request."""
+        self._stop_head()
+        if self._refused or self.transport.is_closing():
+            return
+        self._refused = True
+        self.refused("http", Code.RESOURCE_EXHAUSTED)
+        self.transport.write(_raw_response(status, reason, message))
+        # a lingering close, as nginx does: closing with the client's data unread would reset the
+        # connection and could destroy the answer before the client reads it; so send FIN, drop
+        # what still comes, and close when the client does (or after LINGER_S)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.transport.close)
+        else:
+            self.transport.close()
+
+
+def guarded_http(settings: Settings, clients: ClientConnections, refused: Refused) -> type[GuardedHTTP]:
+    """The protocol class for one gateway, its limits bound (uvicorn instantiates it per connection)."""
+    return type(
+        "GuardedHTTP",
+        (GuardedHTTP,),
+        {
+            "header_timeout_s": settings.http_header_timeout_s,
+            "max_header_bytes": settings.http_max_header_bytes,
+            "clients": clients,
+            "refused": staticmethod(refused),
+        },
+    )
