@@ -32,7 +32,12 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL = {"sh", "bash", "shell"}
 CHECKED = SHELL | {"python", "json", "promql"}
 BLOCKS = [b for path in DOCS for b in blocks(path)]
-RUNNABLE = [b for b in BLOCKS if b.marker != "output"]
+ON_DEFAULT_MODEL = ("default-model", "evergreen")  # both quote the default model's answers
+RUNNABLE = [
+    pytest.param(b, marks=pytest.mark.slow) if b.marker in ON_DEFAULT_MODEL else b
+    for b in BLOCKS
+    if b.marker != "output"
+]
 
 
 def _expected_output(block: Block) -> Block | None:
@@ -83,9 +88,7 @@ def test_every_block_is_run_or_says_why_not() -> None:
 def test_doc_block(block: Block, request: pytest.FixtureRequest) -> None:
     if block.marker == "skip":
         pytest.skip(f"{block.name} is not run: {block.reason}")
-    on_default = block.marker in ("default-model", "evergreen")  # both quote the default model's answers
-    if on_default and os.environ.get("PRISMGATE_SKIP_SLOW_DOCS"):
-        pytest.skip("PRISMGATE_SKIP_SLOW_DOCS is set")
+    on_default = block.marker in ON_DEFAULT_MODEL
     server: Served = request.getfixturevalue("default_docs_server" if on_default else "tiny_docs_server")
     tiny = None if on_default else (request.getfixturevalue("tiny_model_dir"), request.getfixturevalue("tiny_pack"))
     code = _on_ports(block.code, server)
