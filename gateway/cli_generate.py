@@ -16,6 +16,7 @@ from prismgate.core.actions import GenerateAction, GenerateSpec, PositionRange
 from prismgate.core.engine import ReadoutManifest
 from prismgate.core.errors import invalid
 from prismgate.core.events import Done, Readout, TokenEvent
+from prismgate.engines.readouts.pack import PREFERRED_VIEW_LAYER, view_layer
 from prismgate.runtime import build_service
 from prismgate.settings import Settings, add_arguments
 
@@ -36,8 +37,6 @@ SETTINGS = (
     "log_level",
     "log_json",
 )
-# The README reports the pack's held-out accuracy at this layer: the default view.
-PREFERRED_LAYER = 16
 TOKEN_WIDTH = 16
 
 
@@ -58,7 +57,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--layers",
         metavar="L,L",
         help=f"Readout layers to show, model layer numbers from the pack or 'all' "
-        f"(default: {PREFERRED_LAYER} when the pack has it, else its middle layer).",
+        f"(default: {PREFERRED_VIEW_LAYER} when the pack has it, else its middle layer).",
     )
     gen.add_argument("--concepts", metavar="NAME,NAME", help="Concepts to show, by name (default: all).")
     # Settings.add_arguments defines every setting; generate takes only the ones it uses, so its
@@ -89,9 +88,7 @@ def _names(text: str) -> list[str]:
 
 def _pick_layers(manifest: ReadoutManifest, wanted: str | None) -> tuple[int, ...]:
     if wanted is None:
-        if PREFERRED_LAYER in manifest.layers:
-            return (manifest.layers.index(PREFERRED_LAYER),)
-        return (len(manifest.layers) // 2,)
+        return (view_layer(manifest.layers),)
     if wanted.strip() == "all":
         return tuple(range(len(manifest.layers)))
     picked = []

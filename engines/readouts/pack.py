@@ -43,6 +43,13 @@ from prismgate.core.errors import invalid
 FORMAT = "prismgate.concept-pack/1"
 LAYER_CONVENTION = "residual stream after decoder layer L"
 DEFAULT_PACKS = Path(__file__).parent / "packs"
+# The layer displays open on: the README reports the default pack's held-out accuracy there.
+PREFERRED_VIEW_LAYER = 16
+
+
+def view_layer(layers: tuple[int, ...]) -> int:
+    """Index of the layer a display shows first: :data:`PREFERRED_VIEW_LAYER`, else the middle one."""
+    return layers.index(PREFERRED_VIEW_LAYER) if PREFERRED_VIEW_LAYER in layers else len(layers) // 2
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from prismgate.auth import check_bearer
 from prismgate.codecs.status import http_status
 from prismgate.core.errors import GatewayError
 from prismgate.core.service import SessionService
+from prismgate.engines.readouts.pack import view_layer
 from prismgate.playground.calibration import scales_for
 from prismgate.playground.scoring import BodyTooLarge, parse_messages, read_body, score
 from prismgate.settings import Settings
@@ -29,8 +30,6 @@ from prismgate.settings import Settings
 STATIC = Path(__file__).parent
 FILES = {"app.js": "text/javascript", "style.css": "text/css"}
 NO_CACHE = {"cache-control": "no-cache"}
-# The README reports the default pack's held-out accuracy at this layer: the page opens on it.
-PREFERRED_LAYER = 16
 
 
 def manifest(service: SessionService, settings: Settings) -> dict[str, object]:
@@ -52,7 +51,7 @@ def manifest(service: SessionService, settings: Settings) -> dict[str, object]:
             "layerConvention": m.layer_convention,
             "centers": None if m.centers is None else [list(row) for row in m.centers],
             "scales": scales_for(settings, m, served_default=settings.model is None),
-            "defaultLayer": m.layers.index(PREFERRED_LAYER) if PREFERRED_LAYER in m.layers else len(m.layers) // 2,
+            "defaultLayer": view_layer(m.layers),
         }
     return {
         "ready": True,

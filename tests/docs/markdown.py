@@ -44,7 +44,7 @@ def blocks(path: Path) -> list[Block]:
     while i < len(lines):
         m = FENCE.match(lines[i])
         if not m:
-            if "doc-test" in lines[i] and not MARKER.match(lines[i]):
+            if lines[i].lstrip().startswith("<!--") and "doc-test" in lines[i] and not MARKER.match(lines[i]):
                 raise ValueError(f"{path.name}:{i + 1}: malformed doc-test marker: {lines[i]!r}")
             i += 1
             continue
