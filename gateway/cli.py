@@ -25,14 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="Serve the model over every protocol (HTTP and gRPC).")
     add_arguments(serve)
-    gen = commands.add_parser("generate", help="Run the model once on a prompt and stream the answer.")
-    gen.add_argument("prompt", help="The user message (sent through the model's chat template).")
-    gen.add_argument("--max-tokens", type=int, default=128, help="Decode budget (default 128).")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default).")
-    gen.add_argument("--seed", type=int, default=None, help="Sampling seed.")
-    gen.add_argument("--readouts", action="store_true", help="Print a compact concept readout per token.")
-    gen.add_argument("--raw", action="store_true", help="Send the prompt as plain text, without the chat template.")
-    add_arguments(gen)
+    from prismgate.cli_generate import add_parser as add_generate
+
+    add_generate(commands)
     commands.add_parser("concepts", help="Build or inspect concept packs (prismgate concepts --help).")
     args = parser.parse_args(argv)
     try:
@@ -46,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         from prismgate.server import serve as run_server
 
         return run_server(settings)
-    from prismgate.generate import run as run_generate
+    from prismgate.cli_generate import run as run_generate
 
     try:
         return asyncio.run(run_generate(settings, args))

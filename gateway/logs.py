@@ -7,6 +7,11 @@ added to every record logged inside that context, in any module.
 
 Prompt and output text never reach the logs unless ``settings.log_prompts`` is on:
 code that has text to log checks :func:`prompts_allowed` first.
+
+With JSON logs the stream must hold nothing else, or a log shipper drops or mangles lines, so
+the libraries' own outputs are routed or silenced (:func:`_json_only`): progress bars are off,
+``warnings`` become records, and transformers' and vLLM's loggers propagate to ours instead of
+printing text through handlers of their own.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import contextlib
 import contextvars
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -107,3 +113,22 @@ def configure(settings: Settings) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(settings.log_level.upper())
+    if settings.log_json:
+        _json_only()
+
+
+def _json_only() -> None:
+    """Keep non-JSON text off the log stream: progress bars off, library logs through our handler."""
+    # Read when huggingface_hub / tqdm / vLLM are first imported, which is after this (the CLI
+    # configures logging before it loads an engine); transformers is told directly below.
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    os.environ["TQDM_DISABLE"] = "1"
+    os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
+    logging.captureWarnings(True)
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - transformers is a dependency; vLLM-only images have it too
+        return
+    hf_logging.disable_progress_bar()
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()

@@ -6,7 +6,8 @@ A build is four steps, each in its own module:
 2. run every distinct prompt through the model and keep its mean residual stream after each
    wanted layer (:mod:`.capture`, which says why these tokens and how it stays deterministic);
 3. per concept and layer, the normalised difference of the positive and negative means, and
-   the center: the midpoint of the two classes' mean readout on that direction (:mod:`.directions`);
+   the center: the midpoint of the two classes' mean readout on that direction (:mod:`.directions`),
+   and the scale: half the gap between them (:func:`concept_scales`);
 4. optionally, the held-out separation report (:mod:`.report`), which is how
    :data:`DEFAULT_LAYERS` were chosen.
 
@@ -24,11 +25,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from prismgate.engines.readouts.capture import (
     DEFAULT_BATCH,
     OUTLIER_FACTOR,
     SKIP_FIRST,
     Capture,
+    CapturedPrompts,
     PromptMeans,
     capture_prompts,
     check_layers,
@@ -73,6 +78,7 @@ __all__ = [
     "collect_prompt_means",
     "collect_token_projections",
     "concept_centers",
+    "concept_scales",
     "describe",
     "direction",
     "fit_folds",
@@ -101,6 +107,32 @@ DEFAULT_LAYERS_NOTE = (
     "(prismgate concepts build --report-layers all --report): held-out token accuracy, averaged over concepts, "
     "is 0.76/0.75 at L4/L8 (lexical stage), 0.83 at L12, 0.87-0.89 from L14 to L28, 0.79 at the last layer (excluded)"
 )
+
+SCALES_METHOD = (
+    "scales: scale = 0.5 * (mean over positive prompts - mean over negative prompts) of the same prompt "
+    "readouts, per concept and layer: (value - center) / scale is +1 at the typical positive prompt"
+)
+
+
+def concept_scales(
+    sets: Sequence[PromptSet], prompts: CapturedPrompts, layers: Sequence[int], directions: npt.NDArray[np.float32]
+) -> npt.NDArray[np.float32]:
+    """``[n_layers, n_concepts]`` float32: half the gap between each set's mean positive and negative readout.
+
+    A display needs one yardstick per concept and layer that does not move with the text shown:
+    scaled to the largest value of each answer, a French answer shaded by ``code`` looks as
+    saturated as real code. The pack's own contrast is that yardstick: ``(value - center) / scale``
+    is +1 where the typical positive prompt sits and -1 at the typical negative one. It is > 0 by
+    construction (the direction is the normalised gap between the two means).
+    """
+    scales = np.zeros(directions.shape[:2], dtype=np.float64)
+    for li, layer in enumerate(layers):
+        for ci, s in enumerate(sets):
+            d = directions[li, ci].astype(np.float64)
+            pos = float((prompts.means(s.positive, layer) @ d).mean())
+            neg = float((prompts.means(s.negative, layer) @ d).mean())
+            scales[li, ci] = 0.5 * (pos - neg)
+    return scales.astype(np.float32)
 
 
 def build_pack_and_report(
@@ -146,9 +178,12 @@ def build_pack_and_report(
         model_id=model_id or Path(model_dir).resolve().name,
         method=method_text(
             sets, capture, dtype=str(next(model.parameters()).dtype).removeprefix("torch."), layer_note=layer_note
-        ),
+        )
+        + "; "
+        + SCALES_METHOD,
         descriptions={s.name: s.description for s in sets},
         centers=concept_centers(sets, prompts, layers, directions),
+        scales=concept_scales(sets, prompts, layers, directions),
     )
     report = None
     if report_layers is not None:

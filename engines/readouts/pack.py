@@ -10,6 +10,11 @@ Format (version 1):
   of those tokens' readouts and every prompt weighs the same (the threshold the separation report
   scores tokens against). Readouts stay raw dot products; ``value - center`` is what is > 0 on
   the positive side. Packs without it (older ones) load with ``centers = None``;
+* optional tensor ``scales``: float32 ``[n_layers, n_concepts]``, each > 0: half the gap between
+  the positive and the negative prompts' mean readout (``0.5 * (mean pos - mean neg)`` of the same
+  ``m(p) . d`` as the center). ``(value - center) / scale`` is +1 at the typical positive prompt and
+  -1 at the typical negative one, the same yardstick for every answer: displays (the playground)
+  use it as a fixed colour scale per concept and layer. Packs without it load with ``scales = None``;
 * metadata (strings): ``format`` = ``prismgate.concept-pack/1``, ``model_id``,
   ``layers`` and ``concepts`` (JSON lists), ``hidden_size``, ``layer_convention``
   (always "residual stream after decoder layer L"), ``method`` (how the vectors were
@@ -38,6 +43,13 @@ from prismgate.core.errors import invalid
 FORMAT = "prismgate.concept-pack/1"
 LAYER_CONVENTION = "residual stream after decoder layer L"
 DEFAULT_PACKS = Path(__file__).parent / "packs"
+# The layer displays open on: the README reports the default pack's held-out accuracy there.
+PREFERRED_VIEW_LAYER = 16
+
+
+def view_layer(layers: tuple[int, ...]) -> int:
+    """Index of the layer a display shows first: :data:`PREFERRED_VIEW_LAYER`, else the middle one."""
+    return layers.index(PREFERRED_VIEW_LAYER) if PREFERRED_VIEW_LAYER in layers else len(layers) // 2
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,7 @@ class ConceptPack:
     method: str = ""
     descriptions: dict[str, str] = field(default_factory=dict)
     centers: npt.NDArray[np.float32] | None = None  # [n_layers, n_concepts]; see the module docstring
+    scales: npt.NDArray[np.float32] | None = None  # [n_layers, n_concepts], > 0; see the module docstring
 
     def __post_init__(self) -> None:
         d = self.directions
@@ -69,6 +82,15 @@ class ConceptPack:
                 )
             if not np.all(np.isfinite(c)):
                 raise invalid("concept pack centers must be finite numbers")
+        s = self.scales
+        if s is not None:
+            if s.shape != d.shape[:2]:
+                raise invalid(
+                    f"concept pack scales have shape {s.shape}, expected "
+                    f"[{len(self.layers)} layers, {len(self.concepts)} concepts]"
+                )
+            if not np.all(np.isfinite(s) & (s > 0)):
+                raise invalid("concept pack scales must be finite numbers above zero")
 
     @property
     def hidden_size(self) -> int:
@@ -105,6 +127,8 @@ class ConceptPack:
         tensors = {"directions": np.ascontiguousarray(self.directions, dtype="<f4")}
         if self.centers is not None:
             tensors["centers"] = np.ascontiguousarray(self.centers, dtype="<f4")
+        if self.scales is not None:
+            tensors["scales"] = np.ascontiguousarray(self.scales, dtype="<f4")
         Path(path).write_bytes(_safetensors_bytes(tensors, metadata))
 
     @classmethod
@@ -121,7 +145,7 @@ class ConceptPack:
         tensors = load_file(str(path))
         if "directions" not in tensors:
             raise invalid(f"{path}: concept pack has no 'directions' tensor")
-        centers = tensors.get("centers")
+        centers, scales = tensors.get("centers"), tensors.get("scales")
         return cls(
             directions=tensors["directions"].astype(np.float32),
             layers=tuple(int(x) for x in json.loads(meta["layers"])),
@@ -130,6 +154,7 @@ class ConceptPack:
             method=meta.get("method", ""),
             descriptions=json.loads(meta.get("descriptions", "{}")),
             centers=None if centers is None else centers.astype(np.float32),
+            scales=None if scales is None else scales.astype(np.float32),
         )
 
 
@@ -138,10 +163,10 @@ def _safetensors_bytes(tensors: dict[str, npt.NDArray[np.float32]], metadata: di
 
     safetensors' own writer orders metadata differently from run to run; the layout (8-byte
     little-endian header size, JSON header padded to 8 bytes with spaces, then the raw data) is
-    simple enough to write directly. Tensors go in name order (``centers`` before
-    ``directions``): each one's ``data_offsets`` are ``[begin, end)`` relative to the end of the
-    header, and their data is concatenated in that same order with no gaps. A pack with only
-    ``directions`` gives exactly the bytes it gave before centers existed.
+    simple enough to write directly. Tensors go in name order (``centers``, ``directions``,
+    ``scales``): each one's ``data_offsets`` are ``[begin, end)`` relative to the end of the
+    header, and their data is concatenated in that same order with no gaps. A pack without
+    ``scales`` gives exactly the bytes it gave before scales existed.
     """
     header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))}
     chunks: list[bytes] = []

@@ -45,7 +45,7 @@ class GenerationMonitor(Protocol):
     """Sees every generation stream as it passes (metrics, logs, shutdown drain).
 
     ``watch`` returns the stream to hand to the caller: the events of ``events``
-    unchanged, in order. The gateway installs one (``prismgate.monitor``); the
+    unchanged, in order. The gateway installs one (``prismgate.observer``); the
     default passes the stream through untouched.
     """
 

@@ -2,10 +2,12 @@
 
 Plain HTML, CSS and JavaScript served from this folder by the gateway itself (nothing is
 fetched from elsewhere at run time, no build step). The page opens the Evergreen
-WebSocket, sends JSON text frames, streams each answer token by token and shades every
-token by the readout of a chosen concept at a chosen layer. ``/playground/manifest.json``
-tells it the model and the readout manifest (concepts, layers and, when the concept pack has
-them, each concept's center per layer: the page shades ``value - center``).
+WebSocket, sends JSON text frames and streams each answer token by token; prompt tokens come
+from ``POST /playground/score`` (:mod:`.scoring`). Every token is shaded by ``value - center``
+of a chosen concept at a chosen layer on a fixed scale per concept and layer (:mod:`.calibration`),
+and grids show one layer's concepts or one concept's layers for the whole conversation.
+``/playground/manifest.json`` tells the page the model, the readout manifest with centers and
+scales, and the view to open with.
 """
 
 from __future__ import annotations
@@ -17,8 +19,12 @@ from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import BaseRoute, Route
 
 from prismgate.auth import check_bearer
+from prismgate.codecs.status import http_status
 from prismgate.core.errors import GatewayError
 from prismgate.core.service import SessionService
+from prismgate.engines.readouts.pack import view_layer
+from prismgate.playground.calibration import scales_for
+from prismgate.playground.scoring import BodyTooLarge, parse_messages, read_body, score
 from prismgate.settings import Settings
 
 STATIC = Path(__file__).parent
@@ -26,8 +32,12 @@ FILES = {"app.js": "text/javascript", "style.css": "text/css"}
 NO_CACHE = {"cache-control": "no-cache"}
 
 
-def manifest(service: SessionService) -> dict[str, object]:
-    """What the page needs to know about the model (readouts: null when no concept pack is loaded)."""
+def manifest(service: SessionService, settings: Settings) -> dict[str, object]:
+    """What the page needs to know about the model (readouts: null when no concept pack is loaded).
+
+    ``scales`` is ``[layer][concept]`` or null (a pack without them: the page then scales to the
+    conversation's largest value and says so); ``defaultLayer`` is an index into ``layers``.
+    """
     if not service.pool.ready:
         return {"ready": False}
     info = service.info()
@@ -40,6 +50,8 @@ def manifest(service: SessionService) -> dict[str, object]:
             "hiddenSize": m.hidden_size,
             "layerConvention": m.layer_convention,
             "centers": None if m.centers is None else [list(row) for row in m.centers],
+            "scales": scales_for(settings, m, served_default=settings.model is None),
+            "defaultLayer": view_layer(m.layers),
         }
     return {
         "ready": True,
@@ -64,18 +76,32 @@ def routes(service: SessionService, settings: Settings) -> list[BaseRoute]:
             return JSONResponse({"error": f"no playground file {name!r}"}, status_code=404)
         return FileResponse(STATIC / name, media_type=FILES[name], headers=NO_CACHE)
 
-    async def manifest_json(request: Request) -> Response:
+    def authorize(request: Request) -> None:
         token = request.query_params.get("access_token")
-        authorization = request.headers.get("authorization") or (f"Bearer {token}" if token else None)
+        check_bearer(
+            settings.auth_token, request.headers.get("authorization") or (f"Bearer {token}" if token else None)
+        )
+
+    async def manifest_json(request: Request) -> Response:
         try:
-            check_bearer(settings.auth_token, authorization)
+            authorize(request)
         except GatewayError as exc:
             return JSONResponse({"error": exc.message}, status_code=401)
-        return JSONResponse(manifest(service), headers=NO_CACHE)
+        return JSONResponse(manifest(service, settings), headers=NO_CACHE)
+
+    async def score_json(request: Request) -> Response:
+        try:
+            authorize(request)
+            messages = parse_messages(await read_body(request))
+            return JSONResponse(await score(service, messages), headers=NO_CACHE)
+        except GatewayError as exc:
+            status = 413 if isinstance(exc, BodyTooLarge) else http_status(exc.code)
+            return JSONResponse({"error": exc.message, "code": exc.code.name}, status_code=status)
 
     return [
         Route("/playground", page),
         Route("/playground/", slash),
         Route("/playground/manifest.json", manifest_json),
+        Route("/playground/score", score_json, methods=["POST"]),
         Route("/playground/{name}", asset),
     ]

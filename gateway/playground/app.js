@@ -5,9 +5,18 @@
 // server keeps them, so they are not re-sent) plus the new question leaf. The answer
 // streams back as fragments of the `response` node, with `readouts` and `logprobs`
 // NDJSON nodes alongside (one line per token) and a `usage` JSON node at the end.
+// Evergreen reports readouts for generated tokens only, so the same conversation is also
+// sent to /playground/score, which returns every prompt token with its readouts and logprob.
+//
+// Shading: value - center (the concept's neutral point), on a fixed scale per concept and
+// layer from the concept pack (`scales`): full colour at twice the scale. A pack without
+// scales falls back to the largest value in the conversation, and the legend says so.
 "use strict";
 
 const STRUCT_URL = "type.googleapis.com/google.protobuf.Struct";
+const POSITIVE = [255, 140, 0];
+const NEGATIVE = [30, 144, 255];
+const FULL_AT = 2; // scales at which the colour is full
 const $ = (id) => document.getElementById(id);
 
 const state = {
@@ -15,8 +24,10 @@ const state = {
   ws: null,
   wsReady: null,
   history: [], // node ids of earlier question and answer leaves, in order
+  messages: [], // the same conversation for /playground/score: {role, content, tokens?}
   nodes: new Map(), // output node id -> {turn, kind}
   turns: [],
+  nextPosition: 0, // where the next turn's prompt tokens start in the session's timeline
   busy: false,
 };
 
@@ -71,6 +82,10 @@ async function loadManifest() {
   }
 }
 
+function readoutsManifest() {
+  return state.manifest && state.manifest.readouts;
+}
+
 function showManifest(m) {
   document.body.dataset.ready = "1";
   $("model").textContent = `model ${m.model} · context ${m.maxModelLen} tokens` + (m.readouts ? "" : " · no concept pack: no readouts");
@@ -80,11 +95,13 @@ function showManifest(m) {
   layer.innerHTML = "";
   if (!m.readouts) {
     concept.disabled = layer.disabled = true;
+    document.querySelectorAll("#view input").forEach((input) => (input.disabled = true));
     return;
   }
   m.readouts.concepts.forEach((name, i) => concept.add(new Option(name, String(i))));
   m.readouts.layers.forEach((l, i) => layer.add(new Option(`L${l}`, String(i))));
-  layer.value = String(m.readouts.layers.length - 1);
+  layer.value = String(m.readouts.defaultLayer ?? m.readouts.layers.length - 1);
+  renderAll();
 }
 
 function connect() {
@@ -93,6 +110,8 @@ function connect() {
   const ws = new WebSocket(`${scheme}//${location.host}/evergreen${authQuery()}`);
   state.ws = ws;
   state.history = [];
+  state.messages = [];
+  state.nextPosition = 0;
   state.wsReady = new Promise((resolve, reject) => {
     ws.onopen = () => resolve(ws);
     ws.onerror = () => reject(new Error("the WebSocket failed to open"));
@@ -119,8 +138,7 @@ function el(tag, cls, text) {
 }
 
 function addError(text) {
-  const box = el("div", "turn error", text);
-  $("chat").appendChild(box);
+  $("chat").appendChild(el("div", "turn error", text));
 }
 
 function finishBusy() {
@@ -143,19 +161,27 @@ async function send(prompt) {
     return;
   }
   const ids = { prompt: uuid(), question: uuid(), response: uuid(), readouts: uuid(), logprobs: uuid(), usage: uuid() };
-  const withReadouts = Boolean(state.manifest && state.manifest.readouts);
+  const withReadouts = Boolean(readoutsManifest());
   const outputs = [{ name: "response", id: ids.response }, { name: "logprobs", id: ids.logprobs }, { name: "usage", id: ids.usage }];
   if (withReadouts) outputs.push({ name: "readouts", id: ids.readouts });
   const config = { maxTokens: Number($("max-tokens").value) || 64, temperature: Number($("temperature").value) || 0, topLogprobs: 5 };
 
-  const userBox = el("div", "turn user", prompt);
+  const userBox = el("div", "turn user");
+  const userBody = el("span", "prompt", prompt);
+  userBox.append(el("span", "role muted", "prompt"), userBody);
   $("chat").appendChild(userBox);
   const box = el("div", "turn assistant");
   const body = el("span", "answer");
   const stats = el("span", "stats muted", "");
-  box.append(body, stats);
+  box.append(el("span", "role muted", "answer"), body, stats);
   $("chat").appendChild(box);
-  const turn = { ids, box, body, stats, tokens: [], text: "", decoder: new TextDecoder(), lines: {}, done: false };
+  const turn = {
+    index: state.turns.length,
+    ids, userBox, userBody, box, body, stats,
+    prompt: [], // prompt tokens, from /playground/score
+    tokens: [], // answer tokens, from the Evergreen stream
+    text: "", decoder: new TextDecoder(), lines: {}, done: false,
+  };
   state.turns.push(turn);
   for (const kind of ["response", "readouts", "logprobs", "usage"]) state.nodes.set(ids[kind], { turn, kind });
 
@@ -167,7 +193,36 @@ async function send(prompt) {
     ],
   }));
   state.history.push(ids.question, ids.response);
+  state.messages.push({ role: "user", content: prompt });
+  scorePrompt(turn, state.messages.slice(), state.nextPosition);
   setStatus("generating...");
+}
+
+// The prompt tokens this turn added to the session, with their readouts and logprobs.
+async function scorePrompt(turn, messages, start) {
+  turn.scoring = true;
+  try {
+    const response = await fetch(`/playground/score${authQuery()}`, {
+      method: "POST",
+      headers: { "content-type": "application/json" },
+      body: JSON.stringify({ messages }),
+    });
+    const body = await response.json();
+    if (!response.ok) throw new Error(body.error || response.statusText);
+    turn.userBody.textContent = "";
+    for (const t of body.tokens) {
+      if (t.position < start) continue;
+      const token = makeToken(turn, "prompt", t);
+      turn.prompt.push(token);
+      turn.userBody.appendChild(token.span);
+    }
+    turn.userBox.classList.add("scored");
+  } catch (err) {
+    turn.userBox.appendChild(el("span", "stats muted", `no prompt readouts: ${err.message || err}`));
+  } finally {
+    turn.scoring = false;
+    renderAll();
+  }
 }
 
 function onMessage(message) {
@@ -195,29 +250,44 @@ function onMessage(message) {
   }
 }
 
-function tokenAt(turn, index) {
-  while (turn.tokens.length <= index) {
-    const span = el("span", "tok");
-    span.dataset.index = String(turn.tokens.length);
-    const token = { span, text: "", readout: null, logprob: null };
-    span.addEventListener("mouseenter", (e) => showTip(e, turn, token));
-    span.addEventListener("mousemove", moveTip);
-    span.addEventListener("mouseleave", hideTip);
+function makeToken(turn, part, record) {
+  const span = el("span", "tok");
+  const token = {
+    turn, part, span,
+    position: record.position, id: record.tokenId, text: record.text || "",
+    logprob: record.logprob ?? null, top: record.top || null, values: record.values || null,
+  };
+  span.textContent = token.text;
+  if (/^<\|.*\|>$/.test(token.text)) span.classList.add("special");
+  span.dataset.position = String(token.position);
+  span.addEventListener("mouseenter", (e) => showTip(e, token));
+  span.addEventListener("mousemove", moveTip);
+  span.addEventListener("mouseleave", hideTip);
+  if (token.logprob !== null) span.dataset.logprob = String(token.logprob);
+  return token;
+}
+
+function answerToken(turn, record) {
+  while (turn.tokens.length <= record.index) {
+    const token = makeToken(turn, "answer", { position: null, text: "" });
+    token.span.dataset.index = String(turn.tokens.length);
     turn.tokens.push(token);
-    turn.body.appendChild(span);
+    turn.body.appendChild(token.span);
   }
-  return turn.tokens[index];
+  return turn.tokens[record.index];
 }
 
 function onRecord(turn, kind, record) {
   if (record.index === undefined) return; // the readouts header line (concepts, layers)
-  const token = tokenAt(turn, record.index);
+  const token = answerToken(turn, record);
   token.text = record.text;
   token.id = record.tokenId;
+  token.position = record.position;
   token.span.textContent = record.text;
+  token.span.dataset.position = String(record.position);
   if (kind === "readouts") {
-    token.readout = record.values;
-    shade(turn);
+    token.values = record.values;
+    shadeToken(token, selection(), scaleOf(selection()));
   } else {
     token.logprob = record.logprob;
     token.top = record.top;
@@ -233,78 +303,207 @@ function endTurn(turn) {
   } else if (!turn.tokens.length) {
     turn.body.textContent = turn.text;
   }
+  const ids = turn.tokens.map((t) => t.id);
+  state.messages.push(ids.length ? { role: "assistant", content: turn.text, tokens: ids } : { role: "assistant", content: turn.text });
+  const last = turn.tokens.length ? turn.tokens[turn.tokens.length - 1].position : null;
+  if (last !== null && last !== undefined) state.nextPosition = last + 1;
   turn.box.classList.add("done");
-  shade(turn);
+  $("export-json").disabled = $("export-csv").disabled = false;
+  renderAll();
   finishBusy();
   setStatus("idle");
 }
+
+// -- scale, colour and the views ------------------------------------------------------------
 
 function selection() {
   return { concept: Number($("concept").value || 0), layer: Number($("layer").value || 0) };
 }
 
+function view() {
+  const checked = document.querySelector("#view input:checked");
+  return checked ? checked.value : "text";
+}
+
+function allTokens() {
+  return state.turns.flatMap((turn) => [...turn.prompt, ...turn.tokens]);
+}
+
 // The concept's center at a layer (its neutral point, from the concept pack), or null when the
-// pack has none. Readouts arrive as raw dot products; each concept has its own baseline, so the
-// page shades and shows value - center.
+// pack has none. Readouts arrive as raw dot products; each concept has its own baseline.
 function centerOf(layer, concept) {
-  const centers = state.manifest && state.manifest.readouts && state.manifest.readouts.centers;
+  const centers = readoutsManifest() && readoutsManifest().centers;
   if (!centers || !centers[layer]) return null;
   const c = centers[layer][concept];
   return c === null || c === undefined ? null : Number(c);
 }
 
 function centered(value, layer, concept) {
+  if (value === null || value === undefined) return null;
   const c = centerOf(layer, concept);
-  return value === null || value === undefined || c === null ? value : value - c;
+  return c === null ? value : value - c;
 }
 
-function shade(turn) {
-  const { concept, layer } = selection();
-  const raw = turn.tokens.map((t) => (t.readout && t.readout[layer] ? t.readout[layer][concept] : null));
-  const values = raw.map((v) => centered(v, layer, concept));
-  const scale = Math.max(1e-9, ...values.filter((v) => v !== null && v !== undefined).map((v) => Math.abs(v)));
-  const hasCenter = centerOf(layer, concept) !== null;
-  turn.tokens.forEach((token, i) => {
-    const v = values[i];
-    if (v === null || v === undefined) return;
-    const alpha = Math.min(1, Math.abs(v) / scale) * 0.75 + 0.05;
-    const rgb = v >= 0 ? "255, 140, 0" : "30, 144, 255";
-    token.span.style.backgroundColor = `rgba(${rgb}, ${alpha.toFixed(3)})`;
-    token.span.dataset.value = String(raw[i]);
-    if (hasCenter) token.span.dataset.centered = String(v);
-    else delete token.span.dataset.centered;
-  });
+function rawValue(token, layer, concept) {
+  return token.values && token.values[layer] ? token.values[layer][concept] : null;
 }
 
-function reshadeAll() {
-  state.turns.forEach(shade);
+// {scale, calibrated}: the pack's scale for the concept at the layer, or (a pack without
+// scales) the largest |value - center| in the conversation, position 0 (the attention sink) left out.
+function scaleOf({ layer, concept }) {
+  const scales = readoutsManifest() && readoutsManifest().scales;
+  if (scales && scales[layer] && scales[layer][concept] > 0) return { scale: scales[layer][concept], calibrated: true };
+  let largest = 1e-9;
+  for (const t of allTokens()) {
+    const v = centered(rawValue(t, layer, concept), layer, concept);
+    if (t.position !== 0 && v !== null) largest = Math.max(largest, Math.abs(v));
+  }
+  return { scale: largest / FULL_AT, calibrated: false };
 }
 
-function fmt(x) {
-  return x === null || x === undefined ? "-" : Number(x).toFixed(3);
+function colour(v, scale) {
+  const t = Math.max(-1, Math.min(1, v / (FULL_AT * scale)));
+  const rgb = t >= 0 ? POSITIVE : NEGATIVE;
+  return { css: `rgba(${rgb.join(", ")}, ${(Math.abs(t) * 0.85).toFixed(3)})`, strength: Math.abs(t) };
 }
 
-function showTip(event, turn, token) {
+function shadeToken(token, { layer, concept }, { scale }) {
+  const span = token.span;
+  const raw = rawValue(token, layer, concept);
+  const v = token.position === 0 ? null : centered(raw, layer, concept);
+  if (v === null) {
+    span.style.backgroundColor = "";
+    delete span.dataset.value;
+    delete span.dataset.centered;
+    return;
+  }
+  const { css, strength } = colour(v, scale);
+  span.style.backgroundColor = css;
+  span.dataset.value = String(raw);
+  span.dataset.strength = strength.toFixed(4);
+  if (centerOf(layer, concept) !== null) span.dataset.centered = String(v);
+  else delete span.dataset.centered;
+}
+
+function renderAll() {
+  if (!readoutsManifest()) return;
+  const sel = selection();
+  const scale = scaleOf(sel);
+  for (const token of allTokens()) shadeToken(token, sel, scale);
+  renderLegend(sel, scale);
+  renderGrid(sel);
+}
+
+function fmt(x, digits = 3) {
+  return x === null || x === undefined ? "-" : Number(x).toFixed(digits);
+}
+
+function signed(x, digits = 2) {
+  return `${x >= 0 ? "+" : "\u2212"}${Math.abs(x).toFixed(digits)}`;
+}
+
+function renderLegend({ layer, concept }, { scale, calibrated }) {
+  const m = readoutsManifest();
+  const name = m.concepts[concept];
+  const legend = $("legend");
+  legend.hidden = false;
+  const gridView = view();
+  const what = gridView === "concepts" ? `every concept at layer L${m.layers[layer]}`
+    : gridView === "layers" ? `${name} at every layer` : `${name} at layer L${m.layers[layer]}`;
+  $("legend-title").textContent = `Shading: ${what}, value \u2212 center`;
+  const ticks = $("legend-ticks");
+  ticks.innerHTML = "";
+  for (const k of [-FULL_AT, -1, 0, 1, FULL_AT]) {
+    const tick = el("span", "tick");
+    tick.append(el("b", "", k === 0 ? "0" : signed(k * scale, scale >= 10 ? 1 : 2)), el("small", "", k === 0 ? "center" : `${signed(k, 0)} scale`));
+    ticks.appendChild(tick);
+  }
+  legend.dataset.scale = String(scale);
+  legend.dataset.calibrated = calibrated ? "1" : "0";
+  $("legend-note").textContent = calibrated
+    ? `Fixed scale from the concept pack: 1 scale = ${fmt(scale, 2)} for ${name} at L${m.layers[layer]}, half the gap between its positive and negative prompts. ${gridView === "text" ? "" : "Grid cells use each row's own scale."}`
+    : "This concept pack has no scales: shading is relative to the largest value in this conversation.";
+}
+
+function renderGrid({ layer, concept }) {
+  const v = view();
+  const grid = $("grid");
+  const table = $("grid-table");
+  table.innerHTML = "";
+  const m = readoutsManifest();
+  const tokens = allTokens().filter((t) => t.values && t.position !== 0);
+  if (v === "text" || !m || !tokens.length) {
+    grid.hidden = true;
+    return;
+  }
+  grid.hidden = false;
+  const rows = v === "concepts"
+    ? m.concepts.map((name, c) => ({ label: name, layer, concept: c }))
+    : m.layers.map((l, li) => ({ label: `L${l}`, layer: li, concept }));
+  $("grid-title").textContent = v === "concepts"
+    ? `Concepts \u00d7 tokens at layer L${m.layers[layer]} (prompt tokens in grey headers)`
+    : `Layers \u00d7 tokens for ${m.concepts[concept]} (prompt tokens in grey headers)`;
+  table.dataset.view = v;
+  const head = el("tr");
+  head.appendChild(el("th", "corner"));
+  let previousTurn = null;
+  for (const t of tokens) {
+    const th = el("th", `tokhead ${t.part}`);
+    th.appendChild(el("span", "", t.text.replace(/\n/g, "\u21b5") || "\u00b7"));
+    if (t.turn !== previousTurn) th.classList.add("turn-start");
+    previousTurn = t.turn;
+    head.appendChild(th);
+  }
+  table.appendChild(head);
+  for (const row of rows) {
+    const tr = el("tr");
+    tr.appendChild(el("th", "rowhead", row.label));
+    const scale = scaleOf(row);
+    previousTurn = null;
+    for (const t of tokens) {
+      const value = centered(rawValue(t, row.layer, row.concept), row.layer, row.concept);
+      const td = el("td", "cell");
+      if (t.turn !== previousTurn) td.classList.add("turn-start");
+      previousTurn = t.turn;
+      if (value !== null) {
+        td.style.backgroundColor = colour(value, scale.scale).css;
+        td.dataset.centered = String(value);
+      }
+      td.addEventListener("mouseenter", (e) => showCellTip(e, t, row, value, scale.scale));
+      td.addEventListener("mousemove", moveTip);
+      td.addEventListener("mouseleave", hideTip);
+      tr.appendChild(td);
+    }
+    table.appendChild(tr);
+  }
+}
+
+// -- tooltips -------------------------------------------------------------------------------
+
+function showTip(event, token) {
   const tip = $("tooltip");
-  const m = state.manifest;
+  const m = readoutsManifest();
   const { concept, layer } = selection();
   tip.innerHTML = "";
-  tip.appendChild(el("div", "", `token ${JSON.stringify(token.text)} (id ${token.id ?? "?"})`));
+  tip.appendChild(el("div", "", `${token.part} token ${JSON.stringify(token.text)} (id ${token.id ?? "?"}, position ${token.position ?? "?"})`));
   tip.appendChild(el("div", "", `logprob ${fmt(token.logprob)}` + (token.logprob !== null && token.logprob !== undefined ? ` (p=${Math.exp(token.logprob).toFixed(3)})` : "")));
   if (token.top && token.top.length) {
     tip.appendChild(el("div", "muted", "top: " + token.top.map((t) => `${JSON.stringify(t.text)} ${fmt(t.logprob)}`).join(", ")));
   }
-  if (token.readout && m && m.readouts) {
-    const withCenters = Boolean(m.readouts.centers);
-    tip.appendChild(el("div", "", `readouts at layer L${m.readouts.layers[layer]}` + (withCenters ? " (raw, and minus the concept's center):" : ":")));
+  if (token.position === 0) tip.appendChild(el("div", "muted", "position 0 is the attention sink: its readouts are not comparable"));
+  if (token.values && m) {
+    const withCenters = Boolean(m.centers);
+    tip.appendChild(el("div", "", `readouts at layer L${m.layers[layer]}` + (withCenters ? " (raw, minus the concept's center, in scales):" : ":")));
     const table = el("table");
-    m.readouts.concepts.forEach((name, c) => {
+    m.concepts.forEach((name, c) => {
       const row = el("tr", c === concept ? "sel" : "");
-      const value = token.readout[layer][c];
+      const value = token.values[layer][c];
       row.append(el("td", "", name), el("td", "", fmt(value)));
       if (withCenters) {
         const v = centered(value, layer, c);
         row.append(el("td", "centered", `${v >= 0 ? "+" : ""}${fmt(v)}`));
+        const { scale, calibrated } = scaleOf({ layer, concept: c });
+        if (calibrated) row.append(el("td", "units", `${signed(v / scale, 2)}\u00d7`));
       }
       table.appendChild(row);
     });
@@ -314,9 +513,21 @@ function showTip(event, turn, token) {
   moveTip(event);
 }
 
+function showCellTip(event, token, row, value, scale) {
+  const tip = $("tooltip");
+  const m = readoutsManifest();
+  tip.innerHTML = "";
+  tip.appendChild(el("div", "", `${token.part} token ${JSON.stringify(token.text)} (position ${token.position})`));
+  tip.appendChild(el("div", "", `${m.concepts[row.concept]} at L${m.layers[row.layer]}: value \u2212 center ${value === null ? "-" : signed(value, 3)}`));
+  if (value !== null) tip.appendChild(el("div", "muted", `${signed(value / scale, 2)} scales (1 scale = ${fmt(scale, 2)})`));
+  tip.appendChild(el("div", "muted", `logprob ${fmt(token.logprob)}`));
+  tip.hidden = false;
+  moveTip(event);
+}
+
 function moveTip(event) {
   const tip = $("tooltip");
-  tip.style.left = `${Math.min(event.clientX + 12, window.innerWidth - tip.offsetWidth - 8)}px`;
+  tip.style.left = `${Math.max(8, Math.min(event.clientX + 12, window.innerWidth - tip.offsetWidth - 8))}px`;
   tip.style.top = `${event.clientY + 16}px`;
 }
 
@@ -324,13 +535,72 @@ function hideTip() {
   $("tooltip").hidden = true;
 }
 
+// -- export ---------------------------------------------------------------------------------
+
+function exportRecords() {
+  return state.turns.flatMap((turn) => [...turn.prompt, ...turn.tokens].map((t) => ({
+    turn: turn.index, part: t.part, position: t.position, tokenId: t.id, text: t.text,
+    logprob: t.logprob, top: t.top, values: t.values,
+  })));
+}
+
+function exportJSON() {
+  const m = readoutsManifest();
+  return JSON.stringify({
+    model: state.manifest ? state.manifest.model : null,
+    readouts: m ? { concepts: m.concepts, layers: m.layers, layerConvention: m.layerConvention, centers: m.centers, scales: m.scales } : null,
+    tokens: exportRecords(),
+  }, null, 2);
+}
+
+function csvField(x) {
+  if (x === null || x === undefined) return "";
+  const s = String(x);
+  return /[",\n\r]/.test(s) ? `"${s.replace(/"/g, '""')}"` : s;
+}
+
+// One row per token; readout columns are raw values named L<layer>:<concept> (centers and
+// scales are in the JSON export and /playground/manifest.json).
+function exportCSV() {
+  const m = readoutsManifest();
+  const columns = ["turn", "part", "position", "token_id", "token", "logprob"];
+  const cells = [];
+  if (m) m.layers.forEach((l, li) => m.concepts.forEach((c, ci) => { columns.push(`L${l}:${c}`); cells.push([li, ci]); }));
+  const lines = [columns.join(",")];
+  for (const r of exportRecords()) {
+    const row = [r.turn, r.part, r.position, r.tokenId, r.text, r.logprob];
+    for (const [li, ci] of cells) row.push(r.values ? r.values[li][ci] : null);
+    lines.push(row.map(csvField).join(","));
+  }
+  return lines.join("\r\n") + "\r\n";
+}
+
+function download(name, type, text) {
+  const url = URL.createObjectURL(new Blob([text], { type }));
+  const a = el("a");
+  a.href = url;
+  a.download = name;
+  document.body.appendChild(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 1000);
+}
+
+window.prismgatePlayground = { exportJSON, exportCSV };
+
+// -- the rest -------------------------------------------------------------------------------
+
 function newChat() {
   if (state.ws) state.ws.close(1000, "new chat");
   state.ws = null;
   state.history = [];
+  state.messages = [];
+  state.nextPosition = 0;
   state.turns = [];
   state.nodes.clear();
   $("chat").innerHTML = "";
+  $("export-json").disabled = $("export-csv").disabled = true;
+  renderAll();
   finishBusy();
   setStatus("idle");
 }
@@ -344,7 +614,10 @@ $("composer").addEventListener("submit", (event) => {
 $("prompt").addEventListener("keydown", (event) => {
   if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) $("composer").requestSubmit();
 });
-$("concept").addEventListener("change", reshadeAll);
-$("layer").addEventListener("change", reshadeAll);
+$("concept").addEventListener("change", renderAll);
+$("layer").addEventListener("change", renderAll);
+document.querySelectorAll("#view input").forEach((input) => input.addEventListener("change", renderAll));
 $("new-chat").addEventListener("click", newChat);
+$("export-json").addEventListener("click", () => download("prismgate-conversation.json", "application/json", exportJSON()));
+$("export-csv").addEventListener("click", () => download("prismgate-conversation.csv", "text/csv", exportCSV()));
 loadManifest();

@@ -35,6 +35,8 @@ def test_manifest_describes_the_readouts(live_server) -> None:
     assert body["ready"] and body["model"] == live_server.service.info().model_id
     assert body["readouts"]["concepts"] == list(readouts.concepts)
     assert body["readouts"]["layers"] == list(readouts.layers)
+    assert body["readouts"]["scales"] is None  # the tiny pack has none
+    assert body["readouts"]["defaultLayer"] == len(readouts.layers) // 2  # no layer 16 in the tiny model
 
 
 def test_nothing_is_loaded_from_elsewhere() -> None:
@@ -239,3 +241,273 @@ def test_browser_shades_value_minus_center(centered, browser) -> None:  # type: 
     cells = tip.find_elements(By.CSS_SELECTOR, "tr.sel td")
     raw = float(cells[1].text)
     assert float(cells[2].text) == pytest.approx(raw - float(pack.centers[-1, -1]), abs=2e-3)
+
+
+# -- /playground/score: the prompt's tokens with their readouts ---------------------------------
+
+
+def test_score_returns_every_prompt_token(live_server) -> None:  # type: ignore[no-untyped-def]
+    from prismgate.core.chat import Message, TextPart, render
+
+    messages = [{"role": "user", "content": "Tell me about prisms"}]
+    body = httpx.post(live_server.http_url + "/playground/score", json={"messages": messages}).json()
+    expected = render(live_server.service, [Message("user", [TextPart("Tell me about prisms")])]).tokens
+    assert [t["tokenId"] for t in body["tokens"]] == list(expected)
+    assert [t["position"] for t in body["tokens"]] == list(range(len(expected)))
+    first, *rest = body["tokens"]
+    assert first["values"] is None and first["logprob"] is None  # position 0: nothing to condition on
+    n_layers, n_concepts = live_server.service.info().readouts.shape
+    assert all(np.array(t["values"]).shape == (n_layers, n_concepts) for t in rest)
+    assert all(t["logprob"] <= 0 for t in rest)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        (b"{not json", 400, "not JSON"),
+        (b'{"messages": []}', 400, "non-empty list"),
+        (b'{"messages": [{"role": "robot", "content": "hi"}]}', 400, "messages[0] must be"),
+        (b'{"messages": [{"role": "user", "content": "hi", "tokens": ["a"]}]}', 400, "messages[0].tokens"),
+        (b'{"messages": [{"role": "user", "content": "' + b"x" * (1 << 20) + b'"}]}', 413, "over 1048576 bytes"),
+    ],
+)
+def test_score_refuses_bad_bodies(live_server, body: bytes, status: int, message: str) -> None:  # type: ignore[no-untyped-def]
+    answer = httpx.post(live_server.http_url + "/playground/score", content=body)
+    assert answer.status_code == status and message in answer.json()["error"], answer.text
+
+
+def test_score_refuses_tokens_outside_the_vocabulary(live_server) -> None:  # type: ignore[no-untyped-def]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "tokens": [10**9]}]
+    answer = httpx.post(live_server.http_url + "/playground/score", json={"messages": messages})
+    assert answer.status_code == 400 and answer.json()["code"] == "INVALID_ARGUMENT"
+
+
+def test_score_needs_the_token_when_auth_is_on(server_factory) -> None:  # type: ignore[no-untyped-def]
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    with server_factory(auth_token="s3cret") as server:
+        assert httpx.post(server.http_url + "/playground/score", json=body).status_code == 401
+        ok = httpx.post(server.http_url + "/playground/score?access_token=s3cret", json=body)
+        assert ok.status_code == 200 and ok.json()["tokens"]
+
+
+# -- the calibrated page: fixed scales, prompt shading, grids, legend, export ----------------------
+
+ORANGE, BLUE = (255, 140, 0), (30, 144, 255)
+SCREENSHOTS = os.environ.get("PRISMGATE_SCREENSHOTS")  # a folder to keep the screenshots in, to look at
+
+
+@pytest.fixture(scope="module")
+def calibrated(tiny_pack: Path, server_factory, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A live server whose pack has centers and scales, as the pack builder writes them."""
+    from prismgate.engines.readouts.pack import ConceptPack
+
+    base = ConceptPack.load(tiny_pack)
+    shape = (len(base.layers), len(base.concepts))
+    rng = np.random.default_rng(1)
+    pack = dataclasses.replace(
+        base,
+        centers=rng.normal(0, 0.05, shape).astype(np.float32),
+        scales=rng.uniform(0.05, 0.2, shape).astype(np.float32),
+    )
+    path = tmp_path_factory.mktemp("calibrated") / "calibrated.safetensors"
+    pack.save(path)
+    with server_factory(concept_pack=str(path)) as server:
+        yield server, pack
+
+
+def _ask(browser, server, prompt: str, max_tokens: int, *, new_chat: bool = True):  # type: ignore[no-untyped-def]
+    from selenium.webdriver.common.by import By
+
+    if new_chat:
+        browser.get(server.http_url + "/playground")
+        wait_for(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
+    done = len(browser.find_elements(By.CSS_SELECTOR, ".turn.assistant.done"))
+    field = browser.find_element(By.ID, "max-tokens")
+    field.clear()
+    field.send_keys(str(max_tokens))
+    browser.find_element(By.ID, "prompt").send_keys(prompt)
+    browser.find_element(By.ID, "send").click()
+    wait_for(
+        lambda: (
+            len(browser.find_elements(By.CSS_SELECTOR, ".turn.assistant.done")) == done + 1
+            and len(browser.find_elements(By.CSS_SELECTOR, ".turn.user.scored")) == done + 1
+        )
+    )
+    turns = browser.find_elements(By.CSS_SELECTOR, ".turn")
+    return turns[-2], turns[-1]  # the prompt's box and the answer's
+
+
+def _pixels(element, name: str) -> np.ndarray:  # type: ignore[no-untyped-def]
+    import io
+
+    from PIL import Image
+
+    png = element.screenshot_as_png
+    if SCREENSHOTS:
+        Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
+        (Path(SCREENSHOTS) / f"{name}.png").write_bytes(png)
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)
+
+
+def _tinted(pixels: np.ndarray, rgb: tuple[int, int, int]) -> int:
+    """Pixels whose colour is white blended with ``rgb`` (a shade of it), not grey text or background."""
+    r, g, b = (pixels[..., i] for i in range(3))
+    if rgb == ORANGE:
+        return int(((r > 240) & (r - b > 40) & (g > b) & (r > g)).sum())
+    return int(((b > 240) & (b - r > 40) & (g > r) & (b > g)).sum())
+
+
+def test_calibrated_shading_of_prompt_and_answer(calibrated, browser) -> None:  # type: ignore[no-untyped-def]
+    from selenium.webdriver.common.by import By
+
+    server, pack = calibrated
+    browser.set_window_size(1280, 1000)
+    prompt_box, answer_box = _ask(browser, server, "Tell me about prisms", 12)
+    layer = int(browser.find_element(By.ID, "layer").get_attribute("value"))
+    concept = int(browser.find_element(By.ID, "concept").get_attribute("value"))
+    center, scale = float(pack.centers[layer, concept]), float(pack.scales[layer, concept])
+
+    prompt_tokens = prompt_box.find_elements(By.CSS_SELECTOR, ".tok")
+    answer_tokens = answer_box.find_elements(By.CSS_SELECTOR, ".tok")
+    assert len(answer_tokens) == 12 and len(prompt_tokens) > 3
+    for token in prompt_tokens[1:] + answer_tokens:  # position 0, the attention sink, stays unshaded
+        raw = float(token.get_attribute("data-value"))
+        assert float(token.get_attribute("data-centered")) == pytest.approx(raw - center, abs=1e-4)
+        # strength = |value - center| / (2 * scale), capped at 1: fixed by the pack, not by the answer
+        strength = min(1.0, abs(raw - center) / (2 * scale))
+        assert float(token.get_attribute("data-strength")) == pytest.approx(strength, abs=1e-3)
+    assert prompt_tokens[0].get_attribute("data-position") == "0"
+    assert not prompt_tokens[0].get_attribute("style")
+
+    # the shading is on screen, on the prompt as on the answer
+    for box, name in ((prompt_box, "prompt"), (answer_box, "answer")):
+        pixels = _pixels(box, f"calibrated-{name}")
+        assert _tinted(pixels, ORANGE) + _tinted(pixels, BLUE) > 200, name
+
+    # the legend prints the scale's numbers
+    legend = browser.find_element(By.ID, "legend")
+    assert legend.get_attribute("data-calibrated") == "1"
+    assert float(legend.get_attribute("data-scale")) == pytest.approx(scale, rel=1e-6)
+    ticks = browser.find_element(By.ID, "legend-ticks").text
+    assert f"+{2 * scale:.2f}" in ticks and f"\u2212{2 * scale:.2f}" in ticks and "center" in ticks
+    _pixels(browser.find_element(By.TAG_NAME, "body"), "calibrated-page")
+
+
+def test_shades_do_not_depend_on_the_answer(calibrated, browser) -> None:  # type: ignore[no-untyped-def]
+    """The same prompt, answered at two lengths: every shared token looks the same, to the pixel."""
+    from selenium.webdriver.common.by import By
+
+    server, _ = calibrated
+    browser.set_window_size(1280, 1000)
+    seen = []
+    for max_tokens in (2, 16):
+        prompt_box, answer_box = _ask(browser, server, "Tell me about prisms", max_tokens)
+        answer = answer_box.find_elements(By.CSS_SELECTOR, ".tok")
+        seen.append(
+            (
+                _pixels(prompt_box, f"independent-prompt-{max_tokens}"),
+                [t.value_of_css_property("background-color") for t in answer[:2]],
+                [_pixels(t, f"independent-token{i}-{max_tokens}") for i, t in enumerate(answer[:2])],
+            )
+        )
+    (prompt_a, colours_a, tokens_a), (prompt_b, colours_b, tokens_b) = seen
+    assert prompt_a.shape == prompt_b.shape and np.array_equal(prompt_a, prompt_b)
+    assert colours_a == colours_b
+    for a, b in zip(tokens_a, tokens_b, strict=True):
+        # the token's own box, less a 2-pixel rim where a neighbour's shade (in the longer answer) may bleed in
+        assert a.shape == b.shape and np.array_equal(a[2:-2, 2:-2], b[2:-2, 2:-2])
+
+
+def test_grids_of_concepts_and_of_layers(calibrated, browser) -> None:  # type: ignore[no-untyped-def]
+    from selenium.webdriver.common.by import By
+
+    server, pack = calibrated
+    browser.set_window_size(1280, 1000)
+    prompt_box, _ = _ask(browser, server, "Tell me about prisms", 8)
+    shown = len(prompt_box.find_elements(By.CSS_SELECTOR, ".tok")) - 1 + 8  # position 0 has no readouts
+    assert browser.find_element(By.ID, "grid").get_attribute("hidden")  # the text view has no grid
+
+    for view, rows in (("concepts", pack.concepts), ("layers", [f"L{layer}" for layer in pack.layers])):
+        browser.find_element(By.CSS_SELECTOR, f"#view input[value={view}]").find_element(By.XPATH, "..").click()
+        table = browser.find_element(By.ID, "grid-table")
+        assert table.get_attribute("data-view") == view
+        heads = [th.text for th in table.find_elements(By.CSS_SELECTOR, "th.rowhead")]
+        assert heads == list(rows)
+        for row in table.find_elements(By.CSS_SELECTOR, "tr")[1:]:
+            assert len(row.find_elements(By.CSS_SELECTOR, "td.cell")) == shown
+        pixels = _pixels(browser.find_element(By.ID, "grid"), f"grid-{view}")
+        assert _tinted(pixels, ORANGE) + _tinted(pixels, BLUE) > 500, view
+
+    from selenium.webdriver import ActionChains
+
+    ActionChains(browser).move_to_element(browser.find_elements(By.CSS_SELECTOR, "td.cell")[3]).perform()
+    tip = wait_for(
+        lambda: browser.find_element(By.ID, "tooltip").is_displayed() and browser.find_element(By.ID, "tooltip")
+    )
+    assert "value \u2212 center" in tip.text and "scales (1 scale =" in tip.text
+
+
+def test_export_json_and_csv(calibrated, browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import csv
+    import io
+    import json
+
+    from selenium.webdriver.common.by import By
+
+    server, pack = calibrated
+    browser.execute_cdp_cmd("Page.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(tmp_path)})
+    prompt_box, _ = _ask(browser, server, "Tell me about prisms", 4)
+    _ask(browser, server, "And then?", 3, new_chat=False)
+    browser.find_element(By.ID, "export-json").click()
+    browser.find_element(By.ID, "export-csv").click()
+    json_file, csv_file = tmp_path / "prismgate-conversation.json", tmp_path / "prismgate-conversation.csv"
+    wait_for(lambda: json_file.exists() and csv_file.exists(), timeout=20)
+
+    exported = json.loads(json_file.read_text())
+    assert exported["readouts"]["layers"] == list(pack.layers)
+    np.testing.assert_allclose(np.array(exported["readouts"]["scales"]), pack.scales, rtol=1e-6)
+    tokens = exported["tokens"]
+    parts = [(t["turn"], t["part"]) for t in tokens]
+    assert parts.count((0, "answer")) == 4 and parts.count((1, "answer")) == 3
+    assert parts.count((0, "prompt")) == len(prompt_box.find_elements(By.CSS_SELECTOR, ".tok"))
+    assert parts.count((1, "prompt")) > 2  # the second question and the template around it
+    positions = [t["position"] for t in tokens]
+    assert positions == list(range(len(tokens)))  # the whole session, each position once, in order
+    on_page = browser.find_elements(By.CSS_SELECTOR, ".tok[data-value]")
+    shown = {int(t.get_attribute("data-position")): float(t.get_attribute("data-value")) for t in on_page}
+    layer = int(browser.find_element(By.ID, "layer").get_attribute("value"))
+    concept = int(browser.find_element(By.ID, "concept").get_attribute("value"))
+    for t in tokens[1:]:
+        assert t["values"][layer][concept] == pytest.approx(shown[t["position"]], abs=1e-6)
+        assert t["logprob"] is not None and t["logprob"] <= 0
+
+    rows = list(csv.DictReader(io.StringIO(csv_file.read_text())))
+    assert len(rows) == len(tokens)
+    assert list(rows[0])[:6] == ["turn", "part", "position", "token_id", "token", "logprob"]
+    assert len(rows[0]) == 6 + len(pack.layers) * len(pack.concepts)
+    name = f"L{pack.layers[layer]}:{pack.concepts[concept]}"
+    for row, t in zip(rows, tokens, strict=True):
+        assert (int(row["position"]), int(row["token_id"]), row["token"]) == (t["position"], t["tokenId"], t["text"])
+        if t["values"] is not None:
+            assert float(row[name]) == pytest.approx(t["values"][layer][concept], rel=1e-6)
+    assert browser.execute_script("return window.prismgatePlayground.exportJSON()") == json_file.read_text()
+
+
+def test_prompt_readouts_line_up_with_the_streamed_ones(calibrated, browser) -> None:  # type: ignore[no-untyped-def]
+    """Scoring the conversation gives, at the answer's positions, the readouts Evergreen streamed."""
+    import json
+
+    server, _ = calibrated
+    _ask(browser, server, "Tell me about prisms", 6)
+    tokens = json.loads(browser.execute_script("return window.prismgatePlayground.exportJSON()"))["tokens"]
+    answer = [t for t in tokens if t["part"] == "answer"]
+    messages = [
+        {"role": "user", "content": "Tell me about prisms"},
+        {"role": "assistant", "content": "", "tokens": [t["tokenId"] for t in answer]},
+    ]
+    scored = httpx.post(server.http_url + "/playground/score", json={"messages": messages}).json()["tokens"]
+    by_position = {t["position"]: t for t in scored}
+    for t in answer[:-1]:  # the last decoded token is the one a follow-up's rendering may close differently
+        again = by_position[t["position"]]
+        assert again["tokenId"] == t["tokenId"]
+        np.testing.assert_allclose(np.array(again["values"]), np.array(t["values"]), rtol=1e-3, atol=1e-4)

@@ -43,6 +43,10 @@ def test_default_pack_rebuilds_and_separates_held_out_prompts() -> None:
     # Centers are stored, and the rebuild's agree (same scale as the readouts: tens to hundreds).
     assert committed.centers is not None and pack.centers is not None
     np.testing.assert_allclose(pack.centers, committed.centers, rtol=1e-3, atol=0.05)
+    # Scales too (half the gap between the classes: always > 0, and they grow with depth like the readouts).
+    assert committed.scales is not None and pack.scales is not None
+    np.testing.assert_allclose(pack.scales, committed.scales, rtol=1e-3, atol=0.05)
+    assert (committed.scales > 0).all() and (committed.scales[-1] > committed.scales[0]).all()
 
     # Measured (4 folds, bf16, 1 thread): at L16 prompt accuracy 0.94-1.00 and token accuracy 0.83-0.96
     # for all 8 concepts; mean token accuracy 0.89 at L16 and L19, 0.75 at L8.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -115,3 +116,30 @@ def test_bad_centers_are_refused() -> None:
         _pack(_centers().T.copy())
     with pytest.raises(GatewayError, match="finite"):
         _pack(np.array([[0.0, np.nan, 0.0], [0.0, 0.0, 0.0]], dtype=np.float32))
+
+
+def test_scales_round_trip_in_name_order(tmp_path: Path) -> None:
+    scales = np.array([[9.5, 0.25, 3.0], [17.0, 4.5, 0.125]], dtype=np.float32)
+    path = tmp_path / "p.safetensors"
+    dataclasses.replace(_pack(_centers()), scales=scales).save(path)
+    again = ConceptPack.load(path)
+    assert again.scales is not None and again.scales.tobytes() == scales.tobytes()
+    with safe_open(str(path), framework="numpy") as f:
+        assert sorted(f.keys()) == ["centers", "directions", "scales"]
+    header = json.loads(path.read_bytes()[8 : 8 + int.from_bytes(path.read_bytes()[:8], "little")])
+    assert header["scales"]["data_offsets"][0] == header["directions"]["data_offsets"][1]  # after directions
+    # without scales, a pack's bytes are what they were before scales existed
+    without = tmp_path / "q.safetensors"
+    _pack(_centers()).save(without)
+    assert ConceptPack.load(without).scales is None
+    assert b"scales" not in without.read_bytes()
+
+
+def test_bad_scales_are_refused() -> None:
+    for bad, message in (
+        (np.ones((3, 2), dtype=np.float32), r"scales have shape \(3, 2\)"),
+        (np.array([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]], dtype=np.float32), "above zero"),
+        (np.array([[1.0, np.inf, 1.0], [1.0, 1.0, 1.0]], dtype=np.float32), "finite"),
+    ):
+        with pytest.raises(GatewayError, match=message):
+            dataclasses.replace(_pack(_centers()), scales=bad)

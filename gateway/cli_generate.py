@@ -1,0 +1,204 @@
+"""``prismgate generate``: the model once, from the shell, through the same core the server runs.
+
+With ``--readouts`` every generated token gets one table row: its position, text and logprob,
+then the chosen concepts at the chosen layers, each **minus the concept's center** (the value a
+reader should look at: above zero leans to the concept's positive side) when the pack has
+centers. Only the settings that load and run a model are flags here; the server's are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+from prismgate.core.actions import GenerateAction, GenerateSpec, PositionRange
+from prismgate.core.engine import ReadoutManifest
+from prismgate.core.errors import invalid
+from prismgate.core.events import Done, Readout, TokenEvent
+from prismgate.engines.readouts.pack import PREFERRED_VIEW_LAYER, view_layer
+from prismgate.compose import build_service
+from prismgate.settings import Settings, add_arguments
+
+# The settings that change what `generate` loads or how it runs the model.
+SETTINGS = (
+    "engine",
+    "model",
+    "model_name",
+    "concept_pack",
+    "device",
+    "dtype",
+    "threads",
+    "max_model_len",
+    "prefill_chunk",
+    "gpu_memory_utilization",
+    "tensor_parallel_size",
+    "vllm_block_size",
+    "log_level",
+    "log_json",
+)
+TOKEN_WIDTH = 16
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    gen = commands.add_parser(
+        "generate",
+        help="Run the model once on a prompt and stream the answer.",
+        description="Run the model once on a prompt and stream the answer (no server). "
+        "With --readouts, one row per token: logprob and concept readouts minus each concept's center.",
+    )
+    gen.add_argument("prompt", help="The user message (sent through the model's chat template).")
+    gen.add_argument("--max-tokens", type=int, default=128, help="Decode budget (default 128).")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default).")
+    gen.add_argument("--seed", type=int, default=None, help="Sampling seed.")
+    gen.add_argument("--raw", action="store_true", help="Send the prompt as plain text, without the chat template.")
+    gen.add_argument("--readouts", action="store_true", help="Print a table: one row of concept readouts per token.")
+    gen.add_argument(
+        "--layers",
+        metavar="L,L",
+        help=f"Readout layers to show, model layer numbers from the pack or 'all' "
+        f"(default: {PREFERRED_VIEW_LAYER} when the pack has it, else its middle layer).",
+    )
+    gen.add_argument("--concepts", metavar="NAME,NAME", help="Concepts to show, by name (default: all).")
+    # Settings.add_arguments defines every setting; generate takes only the ones it uses, so its
+    # --help lists no server flags (argparse's own `parents=` copies actions the same way).
+    every = argparse.ArgumentParser(add_help=False)
+    add_arguments(every)
+    for action in every._actions:
+        if action.dest in SETTINGS or action.dest == "config":
+            gen._add_action(action)
+    return gen
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Which readout cells the table shows: (manifest layer index, concept index) pairs, in order."""
+
+    layers: tuple[int, ...]  # indices into manifest.layers
+    concepts: tuple[int, ...]  # indices into manifest.concepts
+
+    @classmethod
+    def choose(cls, manifest: ReadoutManifest, layers: str | None, concepts: str | None) -> Columns:
+        return cls(_pick_layers(manifest, layers), _pick_concepts(manifest, concepts))
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _pick_layers(manifest: ReadoutManifest, wanted: str | None) -> tuple[int, ...]:
+    if wanted is None:
+        return (view_layer(manifest.layers),)
+    if wanted.strip() == "all":
+        return tuple(range(len(manifest.layers)))
+    picked = []
+    for name in _names(wanted):
+        if not name.isdigit() or int(name) not in manifest.layers:
+            raise invalid(f"--layers: no layer {name!r} in the concept pack (it has {list(manifest.layers)})")
+        picked.append(manifest.layers.index(int(name)))
+    if not picked:
+        raise invalid("--layers: give at least one layer")
+    return tuple(picked)
+
+
+def _pick_concepts(manifest: ReadoutManifest, wanted: str | None) -> tuple[int, ...]:
+    if wanted is None:
+        return tuple(range(len(manifest.concepts)))
+    picked = []
+    for name in _names(wanted):
+        if name not in manifest.concepts:
+            known = ", ".join(manifest.concepts)
+            raise invalid(f"--concepts: no concept {name!r} in the concept pack (it has {known})")
+        picked.append(manifest.concepts.index(name))
+    if not picked:
+        raise invalid("--concepts: give at least one concept")
+    return tuple(picked)
+
+
+class ReadoutTable:
+    """Prints the header once, then one aligned row per token; cells are ``value - center``."""
+
+    def __init__(self, manifest: ReadoutManifest, columns: Columns) -> None:
+        self.manifest = manifest
+        self.columns = columns
+        self.width = max(8, *(len(manifest.concepts[c]) + 1 for c in columns.concepts))
+
+    @property
+    def centered(self) -> bool:
+        return self.manifest.centers is not None
+
+    def header(self) -> list[str]:
+        m, cols = self.manifest, self.columns
+        what = "value - center" if self.centered else "raw values (this pack has no centers)"
+        lead = f"{'pos':>5} {'token':<{TOKEN_WIDTH}} {'logprob':>8} |"
+        group = len(cols.concepts) * self.width
+        layers = " ".join(f"{'layer ' + str(m.layers[li]):^{group}}" for li in cols.layers)
+        names = " ".join("".join(f"{m.concepts[c]:>{self.width}}" for c in cols.concepts) for _ in cols.layers)
+        return [f"readouts, {what}:", f"{'':{len(lead)}}{layers}".rstrip(), f"{lead}{names}"]
+
+    def row(self, position: int, token: str, logprob: float | None, readout: Readout) -> str:
+        m, cols = self.manifest, self.columns
+        groups = []
+        for li in cols.layers:
+            cells = []
+            for c in cols.concepts:
+                value = float(readout[li][c])
+                if m.centers is not None:
+                    value -= m.centers[li][c]
+                cells.append(f"{value:>+{self.width}.2f}")
+            groups.append("".join(cells))
+        lp = f"{logprob:>8.3f}" if logprob is not None else " " * 8
+        text = repr(token)
+        text = text if len(text) <= TOKEN_WIDTH else text[: TOKEN_WIDTH - 1] + "…"
+        return f"{position:>5} {text:<{TOKEN_WIDTH}} {lp} |" + " ".join(groups)
+
+
+async def run(settings: Settings, args: argparse.Namespace) -> int:
+    service = build_service(settings)
+    await service.pool.start()
+    try:
+        info = service.info()
+        tokenizer = info.tokenizer
+        if args.raw:
+            prompt = tokenizer.encode(args.prompt)
+        else:
+            prompt = tokenizer.render_chat([{"role": "user", "content": args.prompt}])
+        manifest = info.readouts
+        table = None
+        if args.readouts and manifest is None:
+            print("note: no concept pack is loaded, so there are no readouts", file=sys.stderr)
+        elif args.readouts and manifest is not None:
+            table = ReadoutTable(manifest, Columns.choose(manifest, args.layers, args.concepts))
+        horizon = len(prompt) + args.max_tokens
+        wanted = (PositionRange(len(prompt), horizon),) if table is not None else ()
+        spec = GenerateSpec(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            readout_ranges=wanted,
+            logprob_ranges=wanted,
+        )
+        action = GenerateAction(append_tokens=tuple(prompt), spec=spec, detokenize=True, origin="cli")
+        if table is not None:
+            print("\n".join(table.header()))
+        answer = []
+        async for event in service.run(action):
+            if isinstance(event, TokenEvent) and not event.is_prefill:
+                answer.append(event.text or "")
+                if table is not None and event.readout is not None:
+                    print(table.row(event.position, tokenizer.token_text(event.id), event.logprob, event.readout))
+                elif table is None:
+                    sys.stdout.write(event.text or "")
+                    sys.stdout.flush()
+            elif isinstance(event, Done):
+                if table is None:
+                    sys.stdout.write((event.text or "") + "\n")
+                else:
+                    print(f"answer: {''.join(answer)}{event.text or ''}")
+                print(
+                    f"[{event.completion_tokens} tokens, finish {event.finish_reason.value}]",
+                    file=sys.stderr,
+                )
+        return 0
+    finally:
+        await service.pool.close()

@@ -1,0 +1,111 @@
+"""``POST /playground/score``: the readouts and logprobs of a conversation's prompt tokens.
+
+Evergreen's GENERATE streams readouts for the tokens it generates, not for the prompt, and the
+page cannot tokenize. So, beside each answer, the page sends the conversation as it stands
+(every earlier answer with the exact token ids the model produced, as Evergreen keeps them) and
+gets back every token of its rendering with that token's readouts and logprob: a prefill-only
+run through the core on a throw-away timeline. Rendering is :func:`prismgate.core.chat.render`,
+the one Evergreen uses, so positions and tokens are the ones the model saw; a token's readouts
+depend only on the tokens before it, so they are the values the session computed.
+
+Hostile input: the body is read up to :data:`MAX_BODY_BYTES` and no further, messages are
+counted and typed before anything is rendered, rendering runs off the event loop, and the run
+goes through the engine pool's admission and the core's context checks like any generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from starlette.requests import Request
+
+from prismgate.core.actions import GenerateAction, GenerateSpec, PositionRange
+from prismgate.core.chat import Message, TextPart, render
+from prismgate.core.errors import Code, GatewayError, invalid
+from prismgate.core.events import TokenEvent
+from prismgate.core.service import SessionService
+
+MAX_BODY_BYTES = 1 << 20
+MAX_MESSAGES = 512
+ROLES = ("system", "user", "assistant")
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, refused once it passes :data:`MAX_BODY_BYTES` (declared or streamed)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise BodyTooLarge()
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise BodyTooLarge()
+    return bytes(body)
+
+
+class BodyTooLarge(GatewayError):
+    """RESOURCE_EXHAUSTED, answered 413: the size of what was sent, not the server's load."""
+
+    def __init__(self) -> None:
+        super().__init__(Code.RESOURCE_EXHAUSTED, f"the body is over {MAX_BODY_BYTES} bytes")
+
+
+def parse_messages(body: bytes) -> list[Message]:
+    """``{"messages": [{"role", "content", "tokens"?}]}`` -> core messages, every field checked."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise invalid(f"the body is not JSON: {exc}") from None
+    raw = data.get("messages") if isinstance(data, dict) else None
+    if not isinstance(raw, list) or not raw:
+        raise invalid("'messages' must be a non-empty list")
+    if len(raw) > MAX_MESSAGES:
+        raise invalid(f"'messages' has {len(raw)} entries; at most {MAX_MESSAGES}")
+    messages = []
+    for i, item in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(item, dict) or item.get("role") not in ROLES or not isinstance(item.get("content"), str):
+            raise invalid(f"{where} must be {{'role': one of {', '.join(ROLES)}, 'content': a string}}")
+        tokens = item.get("tokens")
+        if tokens is not None and (
+            not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)
+        ):
+            raise invalid(f"{where}.tokens must be a list of token ids")
+        messages.append(Message(item["role"], [TextPart(item["content"], tuple(tokens) if tokens else None)]))
+    return messages
+
+
+async def score(service: SessionService, messages: Sequence[Message]) -> dict[str, Any]:
+    """Every token of the rendered conversation with its logprob and readouts (position 0 has neither)."""
+    prompt = await asyncio.to_thread(render, service, messages)
+    info = service.info()
+    n = len(prompt.tokens)
+    covered = (PositionRange(1, n),) if n > 1 else ()
+    spec = GenerateSpec(
+        max_tokens=0,
+        logprob_ranges=covered,
+        readout_ranges=covered if info.readouts is not None else (),
+    )
+    action = GenerateAction(append_tokens=prompt.tokens, spec=spec, origin="playground")
+    by_position: dict[int, TokenEvent] = {}
+    async for event in service.run(action):
+        if isinstance(event, TokenEvent):
+            by_position[event.position] = event
+    tokenizer = info.tokenizer
+    tokens = []
+    for position, token_id in enumerate(prompt.tokens):
+        seen = by_position.get(position)
+        readout = None if seen is None or seen.readout is None else seen.readout.tolist()
+        tokens.append(
+            {
+                "position": position,
+                "tokenId": token_id,
+                "text": tokenizer.token_text(token_id),
+                "logprob": None if seen is None else seen.logprob,
+                "values": readout,
+            }
+        )
+    return {"tokens": tokens}
