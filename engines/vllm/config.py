@@ -1,10 +1,16 @@
 """What vLLM is started with, and what the engine then reports about the model.
 
 The engine arguments are fixed by what the rest of the engine relies on, not left to vLLM's
-defaults: eager mode (forward hooks do not fire inside captured graphs), prefix caching,
-priority scheduling, raw logprobs (before temperature and filters, as the contract asks) and
-the worker extension that installs the hooks. vLLM's context is one position longer than
-the one served, for the look-ahead step (see :mod:`prismgate.engines.vllm.engine`).
+defaults: prefix caching, priority scheduling, raw logprobs (before temperature and filters,
+as the contract asks) and prismgate's worker classes, which put the concept pack's readouts
+into the model before vLLM compiles it. Compilation is vLLM's own default (torch.compile,
+CUDA graphs on GPUs); ``enforce_eager`` is an opt-in. vLLM's context is one position longer
+than the one served, for the look-ahead step (see :mod:`prismgate.engines.vllm.engine`).
+
+Memory: ``kv_cache_gb`` fixes the KV cache on any device; otherwise on GPUs vLLM sizes it
+from ``gpu_memory_utilization``, and on CPU (where vLLM would refuse to start unless that
+fraction of the whole machine is free, or ``VLLM_CPU_KVCACHE_SPACE`` is set by hand) the
+same fraction applies to the memory free at start-up, see :func:`cpu_kv_cache_bytes`.
 
 vLLM itself is imported only inside the functions that need it, never at import time.
 """
@@ -18,12 +24,18 @@ from pathlib import Path
 from typing import Any
 
 from prismgate.core.engine import EngineInfo, ReadoutManifest
-from prismgate.core.errors import invalid
+from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.engines.tokenizer import HFTokenizer
 from prismgate.engines.vllm.vision import VISION_MODEL_TYPES, vision_tokens
+from prismgate.engines.vllm.worker import EXTRA_KEY
 
-WORKER_EXTENSION = "prismgate.engines.vllm.worker.PrismgateWorkerExtension"
+CPU_WORKER = "prismgate.engines.vllm.workers.CPUWorker"
+GPU_WORKER = "prismgate.engines.vllm.workers.GPUWorker"
 LONG_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
+CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's own CPU knob (GiB): when set, it wins
+GIB = 1 << 30
+CPU_KV_CAP_BYTES = 4 * GIB  # the CPU default never takes more than this for the KV cache
+CPU_KV_MIN_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -35,6 +47,9 @@ class Options:
     dtype: str = "auto"
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
+    kv_cache_gb: float | None = None
+    enforce_eager: bool = False
+    concept_pack: Path | None = None
     block_size: int | None = None
     tensor_parallel_size: int = 1
     max_num_seqs: int | None = None
@@ -54,10 +69,10 @@ def engine_args(options: Options, *, on_cpu: bool) -> dict[str, Any]:
         "tokenizer": str(options.model_path),
         "served_model_name": options.model_id,
         "dtype": options.dtype,
-        "enforce_eager": True,  # forward hooks do not fire inside captured graphs
+        "enforce_eager": options.enforce_eager,
         "enable_prefix_caching": True,
         "scheduling_policy": "priority",
-        "worker_extension_cls": WORKER_EXTENSION,
+        "worker_cls": CPU_WORKER if on_cpu else GPU_WORKER,
         "tensor_parallel_size": options.tensor_parallel_size,
         "logprobs_mode": "raw_logprobs",
         "max_logprobs": 20,
@@ -66,14 +81,61 @@ def engine_args(options: Options, *, on_cpu: bool) -> dict[str, Any]:
     }
     if block is not None:
         kwargs["block_size"] = block
-    if not on_cpu:
-        kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
+    if options.concept_pack is not None:  # read by the worker at load time; part of vLLM's compile-cache key
+        kwargs["additional_config"] = {EXTRA_KEY: {"pack": str(options.concept_pack)}}
+    kwargs.update(memory_args(options, on_cpu=on_cpu))
     if options.max_num_seqs is not None:
         kwargs["max_num_seqs"] = options.max_num_seqs
     if model_config(options.model_path).get("model_type") in VISION_MODEL_TYPES:
         kwargs["limit_mm_per_prompt"] = {"image": 64, "video": 0}
     kwargs.update(options.engine_kwargs)
     return kwargs
+
+
+def memory_args(options: Options, *, on_cpu: bool) -> dict[str, Any]:
+    """How much memory vLLM may take: a fixed KV cache, or a fraction of the device's memory."""
+    fraction = options.gpu_memory_utilization
+    if not 0 < fraction <= 1:
+        raise invalid(f"gpu_memory_utilization must lie in (0, 1], got {fraction}")
+    if options.kv_cache_gb is not None:
+        if options.kv_cache_gb <= 0:
+            raise invalid(f"the KV cache size must be positive, got {options.kv_cache_gb} GiB")
+        return {"kv_cache_memory_bytes": int(options.kv_cache_gb * GIB), "gpu_memory_utilization": fraction}
+    if not on_cpu:
+        return {"gpu_memory_utilization": fraction}
+    if os.environ.get(CPU_KV_ENV):
+        return {}  # vLLM reads it itself (and lets it override everything else)
+    return {"kv_cache_memory_bytes": cpu_kv_cache_bytes(options, available_memory())}
+
+
+def cpu_kv_cache_bytes(options: Options, available: int) -> int:
+    """The CPU KV cache when none is given: ``gpu_memory_utilization`` of what is free, less the weights.
+
+    vLLM's CPU worker asks for that fraction of the machine's *total* memory and refuses to
+    start when other processes hold more than the rest. Here the fraction applies to the
+    memory free now, the model's weights (counted at up to float32 width) come off it, and
+    the result is capped at :data:`CPU_KV_CAP_BYTES`: a KV cache that large already holds
+    hundreds of thousands of tokens of a small model, and pages are shared with other work.
+    """
+    weights = sum(f.stat().st_size for f in options.model_path.glob("*.safetensors"))
+    if options.dtype == "float32":
+        weights *= 2  # checkpoints are mostly 16-bit; float32 doubles them in memory
+    budget = min(int(options.gpu_memory_utilization * available) - weights, CPU_KV_CAP_BYTES)
+    if budget < CPU_KV_MIN_BYTES:
+        raise GatewayError(
+            Code.RESOURCE_EXHAUSTED,
+            f"only {available / GIB:.1f} GiB of memory is free: not enough for the model's weights "
+            f"({weights / GIB:.1f} GiB) and a KV cache at gpu_memory_utilization {options.gpu_memory_utilization}; "
+            "free memory, raise the fraction, or set the KV-cache size (vllm_kv_cache_gb)",
+        )
+    return budget
+
+
+def available_memory() -> int:
+    """Bytes of memory free for new work now (the kernel's MemAvailable)."""
+    import psutil  # a dependency of vLLM
+
+    return int(psutil.virtual_memory().available)
 
 
 def vllm_config(options: Options) -> Any:

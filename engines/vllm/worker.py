@@ -1,24 +1,29 @@
 """The part of the vLLM engine that runs inside vLLM's worker process.
 
-vLLM mixes :class:`PrismgateWorkerExtension` into its worker class (``worker_extension_cls``);
-the gateway calls :meth:`PrismgateWorkerExtension.prismgate_setup` once by name through
-``collective_rpc``. Setup installs forward hooks on the model:
+prismgate's worker classes (:mod:`.workers`) add :class:`PrismgateWorkerExtension` to vLLM's
+own. Two moments matter:
 
-* on each decoder layer a concept pack names: the residual stream after the layer is
-  ``out[0] + out[1]`` (vLLM layers return ``(hidden_states, residual)`` and the next layer
-  overwrites both buffers in place), so it is dotted with the concept directions right
-  there, in float32, keeping only ``[tokens, n_concepts]``;
-* on the whole model: its output is the final-normed hidden state of every scheduled
-  token. Rows that score a prompt position a request asked logprobs for go through the
-  model's own ``compute_logits`` here, so prompt logprobs never need vLLM's
-  ``prompt_logprobs`` (which turns prefix-cache reads off).
+* **load**: right after the weights are loaded, before vLLM's first (compiling) forward pass,
+  the concept pack named in vLLM's ``additional_config`` goes into the model's graph
+  (:mod:`.capture`): each configured layer writes its readouts, ``(hidden + residual) @ D``
+  in float32, into a persistent buffer for every row of the batch. That is the same with
+  torch.compile, CUDA graphs or eager mode.
+* **setup**: the gateway calls :meth:`PrismgateWorkerExtension.prismgate_setup` once by name
+  through ``collective_rpc``. It wraps the runner's ``_model_forward``, host code around the
+  model call run once per real engine step: before the call it plans which rows belong to
+  which request; after it, it copies those requests' rows out of the readout buffers and
+  scores prompt positions a request asked logprobs for from the final-normed hidden states
+  with the model's own ``compute_logits`` (so prompt logprobs never need vLLM's
+  ``prompt_logprobs``, which turns prefix-cache reads off).
 
 Rows of the flattened batch map to requests through the runner's ``query_start_loc`` and
 ``input_batch.req_ids``, and to absolute positions as the runner itself computes them
-(``num_computed_tokens`` + offset in the query: plain positions even for M-RoPE models). What a request wants is read
-from its ``SamplingParams.extra_args["prismgate"]``, so no extra RPC per request is needed.
-Once per engine step, rank 0 sends everything it computed to the gateway process over a
-ZMQ PUSH socket (:mod:`prismgate.engines.vllm.channel` defines the frames).
+(``num_computed_tokens`` + offset in the query: plain positions even for M-RoPE models).
+What a request wants is read from its ``SamplingParams.extra_args["prismgate"]``, so no
+extra RPC per request is needed. Once per engine step, rank 0 sends everything it computed
+to the gateway process over a ZMQ PUSH socket (:mod:`prismgate.engines.vllm.channel`
+defines the frames). A step no request asked anything of costs only the in-graph dot
+products (when a pack is loaded) and no copy or message.
 
 This module imports only torch, numpy and zmq at the top: it is loaded by vLLM's worker
 process, long before any model exists.
@@ -69,40 +74,38 @@ class _RequestPlan:
 
 
 class _Tap:
-    """Hooks on one model instance; builds and sends one packet per forward pass."""
+    """Wraps the runner's model call: plans before it, reads and sends what it computed after.
 
-    def __init__(self, runner: Any, directions: np.ndarray | None, layers: list[int], sender: Any, rank: int) -> None:
+    The runner's ``_model_forward`` is host code around the (compiled, maybe CUDA-graphed)
+    model, called once per real engine step and never for warm-up or capture runs, so it
+    is the one place that sees each step's batch layout and, right after, its outputs:
+    the readout buffers the graph wrote (:mod:`prismgate.engines.vllm.capture`) and the
+    final hidden states prompt logprobs are scored from.
+    """
+
+    def __init__(self, runner: Any, buffers: list[torch.Tensor], sender: Any, rank: int) -> None:
         self.runner = runner
         self.model = runner.get_model()
         self.sender = sender
         self.rank = rank
-        self.layer_ids = layers
+        self.buffers = buffers
         self.plans: list[_RequestPlan] = []
         self.n_rows = 0
         self.any_readouts = False
-        self.captured: list[torch.Tensor | None] = [None] * len(layers)
-        self.handles: list[Any] = []
         self.step = 0
-        decoder = decoder_layers(self.model)
-        self.directions: list[torch.Tensor] = []
-        if directions is not None:
-            device = next(self.model.parameters()).device
-            self.directions = [
-                torch.from_numpy(np.ascontiguousarray(d)).to(device=device, dtype=torch.float32).T.contiguous()
-                for d in directions
-            ]  # each [hidden, n_concepts]
-            for i, layer in enumerate(layers):
-                self.handles.append(decoder[layer].register_forward_hook(self._layer_hook(i)))
-        self.handles.append(self.model.register_forward_pre_hook(self._before))
-        self.handles.append(self.model.register_forward_hook(self._after))
+        self._forward = runner._model_forward
+        runner._model_forward = self._model_forward
 
-    # -- hooks -----------------------------------------------------------------------
+    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._before()
+        output = self._forward(*args, **kwargs)
+        self._after(output)
+        return output
 
-    def _before(self, _module: Any, _args: Any) -> None:
+    def _before(self) -> None:
         self.plans = []
         self.n_rows = 0
         self.any_readouts = False
-        self.captured = [None] * len(self.layer_ids)
         try:
             self._plan()
         except Exception:  # never break the engine over a readout
@@ -136,22 +139,7 @@ class _Tap:
             self.any_readouts = self.any_readouts or plan.readouts
         self.n_rows = int(qsl[-1])
 
-    def _layer_hook(self, index: int) -> Any:
-        def hook(_module: Any, _args: Any, output: Any) -> None:
-            if not self.any_readouts:
-                return
-            n = self.n_rows
-            if isinstance(output, tuple):
-                hidden = output[0][:n]
-                if len(output) > 1 and output[1] is not None:
-                    hidden = hidden + output[1][:n]
-            else:
-                hidden = output[:n]
-            self.captured[index] = hidden.to(torch.float32) @ self.directions[index]
-
-        return hook
-
-    def _after(self, _module: Any, _args: Any, output: Any) -> None:
+    def _after(self, output: Any) -> None:
         if not self.plans:
             return
         try:
@@ -166,10 +154,9 @@ class _Tap:
     def _collect(self, output: Any) -> StepPacket:
         packet = StepPacket(step=self.step)
         readouts: np.ndarray | None = None
-        if self.any_readouts and self.directions:
-            parts = [c for c in self.captured if c is not None]
-            if len(parts) == len(self.directions):
-                readouts = torch.stack(parts, dim=1).to("cpu").numpy()  # [rows, layers, concepts]
+        if self.any_readouts and self.buffers:
+            n = self.n_rows  # the graph wrote every row of the (maybe padded) batch; these are the real ones
+            readouts = torch.stack([b[:n] for b in self.buffers], dim=1).to("cpu").numpy()  # [rows, layers, concepts]
         rows = [(plan, r) for plan in self.plans for r in plan.logprob_rows()]
         scored: dict[str, list[tuple[int, float, list[int], list[float]]]] = {}
         if rows:
@@ -195,47 +182,76 @@ class _Tap:
         return packet
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
+        """Put the runner's own model call back."""
+        if self.runner._model_forward == self._model_forward:
+            self.runner._model_forward = self._forward
 
 
 class PrismgateWorkerExtension:
-    """Methods vLLM adds to its worker class; the gateway calls them by name."""
+    """Methods of prismgate's vLLM worker classes (:mod:`.workers`); the gateway calls them by name."""
 
     _prismgate_tap: _Tap | None = None
+    _prismgate_buffers: list[torch.Tensor] | None = None
+    _prismgate_layers: list[int] | None = None
 
-    def prismgate_setup(self, address: str, pack_path: str | None) -> dict[str, Any]:
-        """Install the hooks and connect the side channel; returns the model's shape."""
+    def prismgate_install_readouts(self) -> None:
+        """Put the concept pack named in vLLM's config into the model's graph; call before its first run."""
+        settings = readout_settings(self.vllm_config)  # type: ignore[attr-defined]
+        if settings is None:
+            return
+        from prismgate.engines.readouts.pack import ConceptPack
+        from prismgate.engines.vllm import capture
+
+        if getattr(self.vllm_config.parallel_config, "use_ubatching", False):  # type: ignore[attr-defined]
+            # each micro-batch would write its rows from row 0 of the same buffers
+            raise ValueError("prismgate readouts do not support vLLM's micro-batching (dual-batch overlap)")
+        runner = self.model_runner  # type: ignore[attr-defined]
+        model = runner.get_model()
+        pack = ConceptPack.load(settings["pack"])
+        pack.check_model(len(decoder_layers(model)), int(runner.model_config.get_hidden_size()))
+        layers = list(pack.layers)
+        self._prismgate_buffers = capture.install(model, list(pack.directions), layers, max_rows(self.vllm_config))  # type: ignore[attr-defined]
+        self._prismgate_layers = layers
+
+    def prismgate_setup(self, address: str) -> dict[str, Any]:
+        """Connect the side channel and start reading each step; returns the model's shape."""
         from prismgate.engines.vllm.channel import Sender
 
         runner = self.model_runner  # type: ignore[attr-defined]
-        old = getattr(self, "_prismgate_tap", None)
-        if old is not None:
-            old.remove()
-            old.sender.close()
+        self.prismgate_shutdown()
         model = runner.get_model()
-        n_layers = len(decoder_layers(model))
-        hidden = int(runner.model_config.get_hidden_size())
-        directions = None
-        layers: list[int] = []
-        if pack_path:
-            from prismgate.engines.readouts.pack import ConceptPack
-
-            pack = ConceptPack.load(pack_path)
-            pack.check_model(n_layers, hidden)
-            directions, layers = pack.directions, list(pack.layers)
         rank = int(getattr(self, "rank", 0))
         sender = Sender(address) if rank == 0 else _NullSender()
-        self._prismgate_tap = _Tap(runner, directions, layers, sender, rank)
-        return {"n_layers": n_layers, "hidden_size": hidden, "rank": rank}
+        self._prismgate_tap = _Tap(runner, self._prismgate_buffers or [], sender, rank)
+        return {
+            "n_layers": len(decoder_layers(model)),
+            "hidden_size": int(runner.model_config.get_hidden_size()),
+            "rank": rank,
+            "readout_layers": list(self._prismgate_layers or []),
+        }
 
     def prismgate_shutdown(self) -> None:
-        tap = getattr(self, "_prismgate_tap", None)
+        tap = self._prismgate_tap
         if tap is not None:
             tap.remove()
             tap.sender.close()
             self._prismgate_tap = None
+
+
+def readout_settings(vllm_config: Any) -> dict[str, Any] | None:
+    """What the gateway put in ``additional_config`` for the worker (see :func:`.config.engine_args`)."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if not isinstance(extra, dict):
+        return None
+    settings = extra.get(EXTRA_KEY)
+    return settings if isinstance(settings, dict) and settings.get("pack") else None
+
+
+def max_rows(vllm_config: Any) -> int:
+    """The most tokens one forward pass holds: the batched-token budget, or a padded CUDA-graph size."""
+    budget = int(vllm_config.scheduler_config.max_num_batched_tokens)
+    graphs = getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None) or 0
+    return max(budget, int(graphs))
 
 
 class _NullSender:

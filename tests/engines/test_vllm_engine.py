@@ -224,6 +224,46 @@ async def test_text_model_takes_no_images(engine: Any) -> None:
     assert err.value.code is Code.INVALID_ARGUMENT and "no vision encoder" in err.value.message
 
 
+async def test_eager_mode_on_request_gives_the_compiled_graphs_values_and_sizes_memory_itself(
+    engine: Any, tiny_model_dir: Path, tiny_pack: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``enforce_eager`` is an opt-in; with no KV-cache size and no ``VLLM_CPU_KVCACHE_SPACE`` the
+    engine still starts on CPU, its KV cache a share of the memory free now."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    from prismgate.engines.vllm import config
+
+    fraction = 0.05
+    free = config.available_memory()
+    eager = make_vllm_engine(
+        tiny_model_dir, concept_pack=tiny_pack, enforce_eager=True, kv_cache_gb=None, gpu_memory_utilization=fraction
+    )
+    await eager.start()
+    try:
+        vllm_config = eager._llm.vllm_config
+        assert vllm_config.model_config.enforce_eager and not engine._llm.vllm_config.model_config.enforce_eager
+        kv = vllm_config.cache_config.kv_cache_memory_bytes
+        assert 0.5 * fraction * free < kv <= fraction * free
+        p = text_tokens(engine, "eager or compiled ", 40)
+        spec: dict[str, Any] = {
+            "max_tokens": 6,
+            "ignore_eos": True,
+            "readout_ranges": (PositionRange(0, 46),),
+            "logprob_ranges": (PositionRange(30, 46),),
+            "logprob_top_k": 2,
+        }
+        compiled_events, _ = await run(engine, p, **spec)
+        eager_events, _ = await run(eager, p, **spec)
+        assert [e.id for e in eager_events] == [e.id for e in compiled_events]
+        for a, b in zip(compiled_events, eager_events, strict=True):
+            assert a.readout is not None and b.readout is not None
+            np.testing.assert_allclose(a.readout, b.readout, rtol=SAME, atol=SAME)
+            assert (a.logprob is None) == (b.logprob is None)
+            if a.logprob is not None and b.logprob is not None:
+                assert abs(a.logprob - b.logprob) <= SAME
+    finally:
+        await eager.close()
+
+
 # -- a second engine: one sequence at a time (priorities visible), prefixes shared globally --
 
 

@@ -1,5 +1,6 @@
 """The vLLM engine's parts that need no vLLM: side-channel framing, the session value store,
-image-run collapsing and image token counts. These run in every environment."""
+image-run collapsing, image token counts, the in-graph readout op under torch.compile, and
+the engine arguments (compilation, worker classes, memory). These run in every environment."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from prismgate.core.engine import VisionTokens
-from prismgate.core.errors import GatewayError
+from prismgate.core.errors import Code, GatewayError
 from prismgate.core.session import ImageSpan
+from prismgate.engines.vllm import capture, config
 from prismgate.engines.vllm.channel import StepPacket, decode_step, encode_step
 from prismgate.engines.vllm.events import decode_logprob
 from prismgate.engines.vllm.plan import ranges
@@ -104,3 +107,107 @@ def _pil(data: bytes) -> object:
     from PIL import Image
 
     return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+class _Layer(torch.nn.Module):
+    """Stands for a vLLM decoder layer: returns ``(hidden_states, residual)``."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.proj(hidden), hidden + residual
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, hidden: int, n_layers: int) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList(_Layer(hidden) for _ in range(n_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        residual = torch.zeros_like(x)
+        for layer in self.model.layers:
+            x, residual = layer(x, residual)
+        return x + residual
+
+
+def test_in_graph_readouts_fill_their_buffers_under_torch_compile() -> None:
+    torch.manual_seed(0)
+    hidden, concepts, rows = 16, 3, 64
+    model = _Model(hidden, 3).eval()
+    directions = [np.random.default_rng(i).standard_normal((concepts, hidden)).astype(np.float32) for i in (1, 2)]
+    expected: dict[int, torch.Tensor] = {}
+
+    def reference(x: torch.Tensor) -> None:  # the residual stream after layers 0 and 2, read by plain hooks
+        handles = [
+            model.model.layers[i].register_forward_hook(
+                lambda _m, _a, out, i=i, d=d: expected.__setitem__(i, (out[0] + out[1]) @ torch.from_numpy(d).T)
+            )
+            for i, d in zip((0, 2), directions, strict=True)
+        ]
+        with torch.no_grad():
+            model(x)
+        for h in handles:
+            h.remove()
+
+    inputs = [torch.randn(n, hidden) for n in (5, 11, 2)]
+    wanted = []
+    for x in inputs:
+        reference(x)
+        wanted.append([expected[0].clone(), expected[2].clone()])
+    buffers = capture.install(model, directions, [0, 2], rows)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    for x, want in zip(inputs, wanted, strict=True):  # several batch sizes through one traced graph
+        with torch.no_grad():
+            compiled(x)
+        n = x.shape[0]
+        for buf, w in zip(buffers, want, strict=True):
+            assert buf.shape == (rows, concepts)
+            torch.testing.assert_close(buf[:n], w, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_args_run_vllm_compiled_with_prismgate_workers(tiny_model_dir: Path, tiny_pack: Path) -> None:
+    options = config.Options(model_path=tiny_model_dir, model_id="tiny", concept_pack=tiny_pack, kv_cache_gb=1)
+    args = config.engine_args(options, on_cpu=True)
+    assert args["enforce_eager"] is False
+    assert args["worker_cls"] == config.CPU_WORKER
+    assert config.engine_args(options, on_cpu=False)["worker_cls"] == config.GPU_WORKER
+    assert args["additional_config"] == {"prismgate": {"pack": str(tiny_pack)}}  # the worker's, and a cache key
+    eager = config.Options(model_path=tiny_model_dir, model_id="tiny", enforce_eager=True, kv_cache_gb=1)
+    assert config.engine_args(eager, on_cpu=True)["enforce_eager"] is True
+    assert "additional_config" not in config.engine_args(eager, on_cpu=True)
+
+
+def test_a_kv_cache_size_applies_on_cpu_and_gpu(tiny_model_dir: Path) -> None:
+    options = config.Options(model_path=tiny_model_dir, model_id="tiny", kv_cache_gb=1.5, gpu_memory_utilization=0.5)
+    for on_cpu in (True, False):
+        memory = config.memory_args(options, on_cpu=on_cpu)
+        assert memory == {"kv_cache_memory_bytes": 3 << 29, "gpu_memory_utilization": 0.5}
+    gpu = config.Options(model_path=tiny_model_dir, model_id="tiny", gpu_memory_utilization=0.7)
+    assert config.memory_args(gpu, on_cpu=False) == {"gpu_memory_utilization": 0.7}
+    with pytest.raises(GatewayError, match="must lie in"):
+        config.memory_args(
+            config.Options(model_path=tiny_model_dir, model_id="t", gpu_memory_utilization=0), on_cpu=True
+        )
+    with pytest.raises(GatewayError, match="must be positive"):
+        config.memory_args(config.Options(model_path=tiny_model_dir, model_id="t", kv_cache_gb=0), on_cpu=True)
+
+
+def test_cpu_kv_cache_is_a_share_of_free_memory(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gib = 1 << 30
+    weights = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
+    options = config.Options(model_path=tiny_model_dir, model_id="tiny", gpu_memory_utilization=0.5)
+    assert config.cpu_kv_cache_bytes(options, 2 * gib) == gib - weights  # half of what is free, less the weights
+    assert config.cpu_kv_cache_bytes(options, 100 * gib) == config.CPU_KV_CAP_BYTES
+    fp32 = config.Options(model_path=tiny_model_dir, model_id="tiny", gpu_memory_utilization=0.5, dtype="float32")
+    assert config.cpu_kv_cache_bytes(fp32, 2 * gib) == gib - 2 * weights
+    with pytest.raises(GatewayError, match=r"only 0\.1 GiB of memory is free") as err:
+        config.cpu_kv_cache_bytes(options, gib // 10)
+    assert err.value.code is Code.RESOURCE_EXHAUSTED
+    monkeypatch.delenv(config.CPU_KV_ENV, raising=False)
+    kv = config.memory_args(options, on_cpu=True)["kv_cache_memory_bytes"]  # what is free on this machine now
+    assert config.CPU_KV_MIN_BYTES <= kv <= config.CPU_KV_CAP_BYTES
+    monkeypatch.setenv(config.CPU_KV_ENV, "2")  # vLLM's own knob, set by hand, still wins
+    assert config.memory_args(options, on_cpu=True) == {}

@@ -2,8 +2,9 @@
 
 The vLLM stage of CI runs inside ``.venv-vllm`` (``make test-vllm``); the main ``.venv``
 has no vLLM, so anything that needs it is skipped there, and only there, with the reason.
-Settings are the CPU ones measured in shared/specs/engine-notes.md: eager mode (hooks),
-float32 (so cross-checks can be tight), block size 32 (finest the CPU backend takes).
+Settings: vLLM's default compilation (no eager mode), float32 (so cross-checks can be
+tight), block size 32 (finest the CPU backend takes), a 1 GiB KV cache set through the
+engine's own setting (not vLLM's environment variable).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ SKIP_REASON = (
 
 CPU_ENV = {
     "OMP_NUM_THREADS": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_USE_V2_MODEL_RUNNER": "0",
     "HF_HUB_OFFLINE": "1",
@@ -50,6 +50,6 @@ def make_vllm_engine(
         os.environ.setdefault(name, value)
     from prismgate.engines.vllm import VLLMEngine
 
-    kwargs: dict[str, Any] = {"dtype": "float32", "block_size": 32}
+    kwargs: dict[str, Any] = {"dtype": "float32", "block_size": 32, "kv_cache_gb": 1}
     kwargs.update(overrides)
     return VLLMEngine(model_dir, model_id=model_id, concept_pack=concept_pack, **kwargs)
