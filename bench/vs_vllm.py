@@ -292,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from transformers import AutoTokenizer
 
+    from prismgate.compose import DEFAULT_PACK
     from prismgate.engines.models import default_model_path
-    from prismgate.runtime import DEFAULT_PACK
 
     model = Path(args.model) if args.model else default_model_path()
     pack = Path(args.concept_pack) if args.concept_pack else (None if args.model else DEFAULT_PACK)

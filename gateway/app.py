@@ -93,6 +93,10 @@ def codec_routes(service: SessionService, settings: Settings) -> list[BaseRoute]
     from prismgate.codecs import evergreen, graphpipe, openai
 
     routes: list[BaseRoute] = []
-    for codec in (openai, evergreen, graphpipe):  # graphpipe last: it may own "/"
+    for codec in (openai, evergreen):
         routes += codec.routes(service, settings)
-    return routes
+    if settings.playground:  # the browser page that speaks Evergreen over /evergreen
+        from prismgate.playground import routes as playground_routes
+
+        routes += playground_routes(service, settings)
+    return routes + graphpipe.routes(service, settings)  # graphpipe last: it may own "/"

@@ -12,12 +12,12 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+from prismgate.compose import build_service
 from prismgate.core.actions import GenerateAction, GenerateSpec, PositionRange
 from prismgate.core.engine import ReadoutManifest
 from prismgate.core.errors import invalid
 from prismgate.core.events import Done, Readout, TokenEvent
 from prismgate.engines.readouts.pack import PREFERRED_VIEW_LAYER, view_layer
-from prismgate.compose import build_service
 from prismgate.settings import Settings, add_arguments
 
 # The settings that change what `generate` loads or how it runs the model.

@@ -41,15 +41,8 @@ def options_from(settings: Settings) -> Options:
 
 
 def routes(service: SessionService, settings: Settings) -> list[BaseRoute]:
-    """The WebSocket endpoint, and the playground unless it is turned off."""
-    out: list[BaseRoute] = [
-        WebSocketRoute(WEBSOCKET_PATH, EvergreenEndpoint(service, options_from(settings)).handle)
-    ]
-    if settings.playground:
-        from prismgate.playground import routes as playground_routes
-
-        out += playground_routes(service, settings)
-    return out
+    """The WebSocket endpoint."""
+    return [WebSocketRoute(WEBSOCKET_PATH, EvergreenEndpoint(service, options_from(settings)).handle)]
 
 
 def add_to_server(server: grpc.aio.Server, service: SessionService, settings: Settings) -> list[str]:

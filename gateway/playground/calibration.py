@@ -12,10 +12,10 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from prismgate.compose import concept_pack_for
 from prismgate.core.engine import ReadoutManifest
 from prismgate.core.errors import GatewayError
 from prismgate.engines.readouts.pack import ConceptPack
-from prismgate.compose import concept_pack_for
 from prismgate.settings import Settings
 
 Scales = list[list[float]]

@@ -80,7 +80,7 @@ def parse_messages(body: bytes) -> list[Message]:
 
 async def score(service: SessionService, messages: Sequence[Message]) -> dict[str, Any]:
     """Every token of the rendered conversation with its logprob and readouts (position 0 has neither)."""
-    prompt = await asyncio.to_thread(render, service, messages)
+    prompt = await asyncio.to_thread(render, service.models, messages)
     info = service.info()
     n = len(prompt.tokens)
     covered = (PositionRange(1, n),) if n > 1 else ()
