@@ -99,6 +99,7 @@ class EnginePool:
 
     @property
     def ready(self) -> bool:
+        """``health().ready``, read-only; for callers that only need yes or no."""
         return self.health().ready
 
     def begin_stopping(self) -> None:
