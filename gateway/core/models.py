@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prismgate.core.engine import EngineInfo, ReadoutManifest, VisionTokens
 from prismgate.core.errors import Code, GatewayError, invalid, precondition
+from prismgate.core.health import HealthState
 from prismgate.core.pool import EnginePool
 
 LOADING = "the model is still loading; retry once the server reports ready"
@@ -47,12 +48,14 @@ class Models:
     @property
     def ready(self) -> bool:
         """Every engine has loaded its model (the server reports ready)."""
-        return self._pool.ready
+        return self._pool.health().ready
 
     def require_ready(self) -> None:
-        """UNAVAILABLE until the server is ready: checked before a connection takes a session."""
-        if not self.ready:
-            raise GatewayError(Code.UNAVAILABLE, LOADING)
+        """UNAVAILABLE until the server is ready (the reason says why): checked before a connection takes a session."""
+        health = self._pool.health()
+        if not health.ready:
+            loading = health.state is HealthState.LOADING
+            raise GatewayError(Code.UNAVAILABLE, LOADING if loading else f"the server is not serving: {health.reason}")
 
     def resolve(self, model: str | None) -> str:
         """The served model's name (``None``: the default model)."""

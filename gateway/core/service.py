@@ -29,7 +29,7 @@ from prismgate.core import checks
 from prismgate.core.actions import GenerateAction, PositionRange
 from prismgate.core.budget import RequestBudget
 from prismgate.core.engine import EngineInfo, EngineRequest, ReadoutManifest, VisionTokens
-from prismgate.core.errors import Code, GatewayError
+from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.core.events import Done, Event, FinishReason, TokenEvent
 from prismgate.core.limits import check_fit, max_tokens_for
 from prismgate.core.models import Models
@@ -235,6 +235,8 @@ class SessionService:
         checks.check_readouts(info, spec)
         check_fit(base + len(action.append_tokens), spec.max_tokens, info.max_model_len)
         checks.check_ranges(base + len(action.append_tokens), spec)
+        if action.images and info.vision is None:  # say so before the image's tokens fail the vocabulary check
+            raise invalid(f"model {info.model_id!r} takes no images (it has no vision encoder)")
         checks.check_vocabulary(info, action.append_tokens)
         tokens = session.tokens[:base] + list(action.append_tokens)
         images = [im for im in session.images if im.end <= base]

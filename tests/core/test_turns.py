@@ -12,6 +12,7 @@ from prismgate.core.budget import RequestBudget
 from prismgate.core.chat import Message, TextPart
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done
+from prismgate.core.health import LOADING
 from prismgate.core.limits import ContextOverflow, max_tokens_for
 from prismgate.core.models import UnknownModel
 from prismgate.core.prompts import Messages, Placement, Text, Tokens
@@ -53,17 +54,16 @@ def test_prompt_size_is_refused_before_tokenizing() -> None:
     budget.check_prompt(Tokens(tuple(range(10_000))), context=100)  # token ids are checked against the context
 
 
-async def test_unknown_model_is_not_found_and_loading_is_unavailable(tiny_service: Any) -> None:
+async def test_unknown_model_is_not_found_and_loading_is_unavailable(
+    tiny_service: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(UnknownModel) as e:
         await tiny_service.plan_turn(ChatTurn(prompt=user("hi"), origin="t"), model="gpt-4")
     assert e.value.code is Code.NOT_FOUND and "'tiny-llama'" in e.value.message
-    tiny_service.pool.ready = False
-    try:
-        with pytest.raises(GatewayError) as e2:
-            tiny_service.models.require_ready()
-        assert e2.value.code is Code.UNAVAILABLE
-    finally:
-        tiny_service.pool.ready = True
+    monkeypatch.setattr(tiny_service.pool, "health", lambda: LOADING)
+    with pytest.raises(GatewayError) as e2:
+        tiny_service.models.require_ready()
+    assert e2.value.code is Code.UNAVAILABLE and "still loading" in e2.value.message
 
 
 async def test_replace_keeps_the_shared_prefix_and_continue_appends(tiny_service: Any) -> None:
