@@ -59,9 +59,6 @@ class ClientConnections:
         if self._open[address] <= 0:
             del self._open[address]
 
-    def __getitem__(self, address: str) -> int:
-        return self._open[address]
-
 
 class WebSocketCap:
     """Count each open WebSocket against its client's connections (the HTTP protocol counted it until the upgrade)."""
