@@ -59,9 +59,6 @@ class ClientConnections:
         if self._open[address] <= 0:
             del self._open[address]
 
-    def __getitem__(self, address: str) -> int:
-        return self._open[address]
-
 
 class WebSocketCap:
     """Count each open WebSocket against its client's connections (the HTTP protocol counted it until the upgrade)."""
@@ -207,11 +204,12 @@ class GuardedHTTP(HttpToolsProtocol):
         # a lingering close, as nginx does: closing with the client's data unread would reset the
         # connection and could destroy the answer before the client reads it; so send FIN, drop
         # what still comes, and close when the client does (or after LINGER_S)
-        if self.transport.can_write_eof():
+        try:
             self.transport.write_eof()
-            self.loop.call_later(LINGER_S, self.transport.close)
-        else:
+        except (OSError, NotImplementedError):  # the client is gone already (or the transport cannot half-close)
             self.transport.close()
+        else:
+            self.loop.call_later(LINGER_S, self.transport.close)
 
 
 def guarded_http(settings: Settings, clients: ClientConnections, refused: Refused) -> type[GuardedHTTP]:

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from prismgate.core.errors import Code
+from prismgate.core.errors import Code, GatewayError
 from tests.evergreen.wire import generate, msg, text_leaf
 from tests.graphpipe.helpers import infer_buffer, read_response
 from tests.ops.helpers import scrape, value
@@ -107,3 +111,37 @@ def test_the_token_as_a_websocket_subprotocol(guarded: Any, offered: list[str]) 
         assert reply["nodeFragments"][0]["id"] == "r"
     code, _ = evergreen_close(guarded, subprotocols=["evergreen", "bearer.wrong"])  # type: ignore[arg-type]
     assert code == 4401
+
+
+def test_errors_a_route_raises_take_the_one_error_path(server_factory: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A GatewayError out of a route is answered in its wire's form; anything else is a counted 500, logged once."""
+
+    async def not_there(_request: Request) -> Response:
+        raise GatewayError(Code.NOT_FOUND, "no such thing")
+
+    async def broken(_request: Request) -> Response:
+        raise RuntimeError("a bug")
+
+    with server_factory() as server:
+        routes = server.gateway.app.router.routes
+        routes[:0] = [Route("/v1/raises", not_there), Route("/v1/bug", broken), Route("/bug", broken)]
+        before = {(p, c): errors(server, p, c) for p in ("openai", "http") for c in (Code.NOT_FOUND, Code.INTERNAL)}
+
+        r = httpx.get(server.http_url + "/v1/raises")
+        assert r.status_code == 404 and r.json()["error"]["message"] == "no such thing"
+        with caplog.at_level(logging.ERROR, logger="prismgate.edge.refusals"):
+            r = httpx.get(server.http_url + "/v1/bug")
+            assert r.status_code == 500 and "RuntimeError: a bug" in r.json()["error"]["message"]
+            r = httpx.get(server.http_url + "/bug")
+            assert r.status_code == 500 and r.headers["content-type"].startswith("text/plain")
+        assert [rec.getMessage() for rec in caplog.records if rec.name == "prismgate.edge.refusals"] == [
+            "unhandled error on GET /v1/bug",
+            "unhandled error on GET /bug",
+        ]
+        after = {key: errors(server, *key) for key in before}
+    assert {key: after[key] - before[key] for key in before} == {
+        ("openai", Code.NOT_FOUND): 1,
+        ("openai", Code.INTERNAL): 1,
+        ("http", Code.NOT_FOUND): 0,
+        ("http", Code.INTERNAL): 1,
+    }

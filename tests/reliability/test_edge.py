@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from tests.conftest import LiveServer
@@ -28,7 +28,7 @@ from tests.evergreen.wire import generate, msg, text_leaf
 from tests.ops.helpers import serve
 
 PROBE_SOURCE = "127.0.0.2"
-PROBE_LIMIT_S = 1.0  # generous: two shared cores; a frozen loop shows up as seconds
+PROBE_LIMIT_S = 2.0  # generous: two cores shared with other work; typically tens of ms, a frozen loop is far more
 
 
 class Prober:
@@ -62,7 +62,7 @@ class Prober:
     def __exit__(self, *_: object) -> None:
         self._stop.set()
         self._thread.join(15)
-        assert not self.failures, self.failures
+        assert not self.failures, f"probe failures during the attack: {self.failures}"
         assert self.worst < PROBE_LIMIT_S, f"a /healthz probe took {self.worst:.3f}s during the attack"
 
 
@@ -171,9 +171,14 @@ def test_websockets_count_against_the_address_too(strict: LiveServer) -> None:
     with Prober(strict), contextlib.ExitStack() as stack:
         for _ in range(24):
             stack.enter_context(connect(strict.ws_url + "/evergreen"))
-        with pytest.raises(InvalidStatus) as refused:
-            connect(strict.ws_url + "/evergreen", open_timeout=10)
-        assert refused.value.response.status_code == 503
+        # the 25th, by hand: the answer comes before the handshake is sent, which the websockets client
+        # library does not expect (it fails with an internal error instead of reporting the status)
+        with raw(strict) as sock:
+            sock.sendall(
+                b"GET /evergreen HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            )
+            assert read_all(sock).startswith(b"HTTP/1.1 503 ")
 
 
 @pytest.fixture(scope="module")
