@@ -52,9 +52,11 @@ def create_app(
         return PlainTextResponse("ok")
 
     async def readyz(_request: Request) -> Response:
-        if not service.pool.ready:
-            reason = "shutting down" if drain is not None and drain.draining else "model loading"
-            return JSONResponse({"ready": False, "reason": reason}, status_code=503)
+        health = service.pool.health()
+        if drain is not None and drain.draining:
+            return JSONResponse({"ready": False, "reason": "shutting down"}, status_code=503)
+        if not health.ready:
+            return JSONResponse({"ready": False, "state": health.state.value, "reason": health.reason}, status_code=503)
         info = service.info()
         return JSONResponse({"ready": True, "model": info.model_id, "engine": info.engine_name})
 

@@ -132,7 +132,9 @@ class GraphPipeEndpoint:
     def error(self, exc: GatewayError, request: Request) -> Response:
         log.info("graphpipe error %s: %s", exc.code.name, exc.message)
         if wants_http_errors(self.settings.graphpipe_error_status, request):
-            return PlainTextResponse(exc.message + "\n", status_code=http_status(exc))
+            return PlainTextResponse(exc.message + "\n", status_code=http_status(exc))  # counted by the middleware
+        if not exc.reported:  # a 200 carrying an error: the middleware sees only the 200
+            self.service.monitor.refused("graphpipe", exc.code)
         return Response(wire.encode_errors([(int(exc.code), exc.message)]), media_type=OCTET)
 
 
