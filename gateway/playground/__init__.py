@@ -12,6 +12,7 @@ scales, and the view to open with.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from starlette.requests import Request
@@ -92,8 +93,9 @@ def routes(service: SessionService, settings: Settings) -> list[BaseRoute]:
     async def score_json(request: Request) -> Response:
         try:
             authorize(request)
-            messages = parse_messages(await read_body(request))
-            return JSONResponse(await score(service, messages), headers=NO_CACHE)
+            messages = await asyncio.to_thread(parse_messages, await read_body(request))
+            body = await score(service, messages)
+            return Response(body, media_type="application/json", headers=NO_CACHE)
         except GatewayError as exc:
             status = 413 if isinstance(exc, BodyTooLarge) else http_status(exc.code)
             return JSONResponse({"error": exc.message, "code": exc.code.name}, status_code=status)

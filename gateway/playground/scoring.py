@@ -8,8 +8,9 @@ run through the core on a throw-away timeline. Rendering is :func:`prismgate.cor
 the one Evergreen uses, so positions and tokens are the ones the model saw; a token's readouts
 depend only on the tokens before it, so they are the values the session computed.
 
-Hostile input: the body is read up to :data:`MAX_BODY_BYTES` and no further, messages are
-counted and typed before anything is rendered, rendering runs off the event loop, and the run
+Hostile input: the body is read up to :data:`MAX_BODY_BYTES` and no further, then parsed,
+counted and typed off the event loop before anything is rendered, rendering and encoding the
+answer run off the event loop too, and the run
 goes through the engine pool's admission and the core's context checks like any generation.
 """
 
@@ -18,14 +19,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
-from typing import Any
 
 from starlette.requests import Request
 
 from prismgate.core.actions import GenerateAction, GenerateSpec, PositionRange
 from prismgate.core.chat import Message, TextPart, render
+from prismgate.core.engine import Tokenizer
 from prismgate.core.errors import Code, GatewayError, invalid
-from prismgate.core.events import TokenEvent
+from prismgate.core.events import Readout, TokenEvent
 from prismgate.core.service import SessionService
 
 MAX_BODY_BYTES = 1 << 20
@@ -78,8 +79,12 @@ def parse_messages(body: bytes) -> list[Message]:
     return messages
 
 
-async def score(service: SessionService, messages: Sequence[Message]) -> dict[str, Any]:
-    """Every token of the rendered conversation with its logprob and readouts (position 0 has neither)."""
+async def score(service: SessionService, messages: Sequence[Message]) -> bytes:
+    """Every token of the rendered conversation with its logprob and readouts (position 0 has neither), as JSON.
+
+    Rendering before the run and encoding after it (a readout table per token: up to the whole
+    context times layers times concepts) happen on a worker thread, not on the event loop.
+    """
     prompt = await asyncio.to_thread(render, service.models, messages)
     info = service.info()
     n = len(prompt.tokens)
@@ -94,18 +99,25 @@ async def score(service: SessionService, messages: Sequence[Message]) -> dict[st
     async for event in service.run(action):
         if isinstance(event, TokenEvent):
             by_position[event.position] = event
-    tokenizer = info.tokenizer
+    return await asyncio.to_thread(_encode, info.tokenizer, prompt.tokens, by_position)
+
+
+def _encode(tokenizer: Tokenizer, ids: Sequence[int], by_position: dict[int, TokenEvent]) -> bytes:
     tokens = []
-    for position, token_id in enumerate(prompt.tokens):
+    for position, token_id in enumerate(ids):
         seen = by_position.get(position)
-        readout = None if seen is None or seen.readout is None else seen.readout.tolist()
         tokens.append(
             {
                 "position": position,
                 "tokenId": token_id,
                 "text": tokenizer.token_text(token_id),
                 "logprob": None if seen is None else seen.logprob,
-                "values": readout,
+                "values": None if seen is None or seen.readout is None else _float32s(seen.readout),
             }
         )
-    return {"tokens": tokens}
+    return json.dumps({"tokens": tokens}, separators=(",", ":")).encode()
+
+
+def _float32s(readout: Readout) -> list[list[float]]:
+    """float32 values at the 7 significant digits they hold (not float64's 17): half the bytes on the wire."""
+    return [[float(f"{v:.7g}") for v in row] for row in readout.tolist()]
