@@ -79,7 +79,7 @@ class Server:
 
 
 def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
-    """Until ``url`` answers 200 (vLLM's ``/health``, prismgate's ``/healthz``)."""
+    """Until ``url`` answers 200 (vLLM's ``/health``; prismgate's ``/readyz``, 200 once the model is loaded)."""
     import httpx
 
     deadline = time.monotonic() + 900
@@ -160,7 +160,7 @@ def prismgate_serve(model: Path, pack: Path | None, args: argparse.Namespace) ->
                 time.sleep(1)
             ports = json.loads(port_file.read_text())
             url = f"http://127.0.0.1:{ports['http_port']}"
-            wait_healthy(proc, url + "/healthz", log)
+            wait_healthy(proc, url + "/readyz", log)
             yield Server("prismgate", proc.pid, url, f"127.0.0.1:{ports['grpc_port']}")
 
 
