@@ -79,6 +79,7 @@ class Server:
 
 
 def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    """Until ``url`` answers 200 (vLLM's ``/health``; prismgate's ``/readyz``, 200 once the model is loaded)."""
     import httpx
 
     deadline = time.monotonic() + 900
@@ -86,7 +87,7 @@ def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2).status_code == 200:
                 return
         if time.monotonic() > deadline:
             raise RuntimeError(f"server did not become healthy; see {log}")
@@ -131,7 +132,7 @@ def vllm_serve(model: Path, args: argparse.Namespace, *, eager: bool) -> Iterato
     env = {**os.environ, **SERVER_ENV}
     with process(command, log, env) as proc:
         url = f"http://127.0.0.1:{port}"
-        wait_healthy(proc, url, log)
+        wait_healthy(proc, url + "/health", log)
         yield Server(name, proc.pid, url)
 
 
@@ -159,7 +160,7 @@ def prismgate_serve(model: Path, pack: Path | None, args: argparse.Namespace) ->
                 time.sleep(1)
             ports = json.loads(port_file.read_text())
             url = f"http://127.0.0.1:{ports['http_port']}"
-            wait_healthy(proc, url, log)
+            wait_healthy(proc, url + "/readyz", log)
             yield Server("prismgate", proc.pid, url, f"127.0.0.1:{ports['grpc_port']}")
 
 

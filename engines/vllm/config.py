@@ -17,6 +17,7 @@ vLLM itself is imported only inside the functions that need it, never at import 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -81,8 +82,11 @@ def engine_args(options: Options, *, on_cpu: bool) -> dict[str, Any]:
     }
     if block is not None:
         kwargs["block_size"] = block
-    if options.concept_pack is not None:  # read by the worker at load time; part of vLLM's compile-cache key
-        kwargs["additional_config"] = {EXTRA_KEY: {"pack": str(options.concept_pack)}}
+    if options.concept_pack is not None:
+        # Read by the worker at load time. Also part of the key of vLLM's compile cache: a graph
+        # compiled for one pack's shapes must never be loaded for another's, hence the digest.
+        digest = hashlib.sha256(options.concept_pack.read_bytes()).hexdigest()[:16]
+        kwargs["additional_config"] = {EXTRA_KEY: {"pack": str(options.concept_pack), "digest": digest}}
     kwargs.update(memory_args(options, on_cpu=on_cpu))
     if options.max_num_seqs is not None:
         kwargs["max_num_seqs"] = options.max_num_seqs

@@ -174,7 +174,8 @@ def test_engine_args_run_vllm_compiled_with_prismgate_workers(tiny_model_dir: Pa
     assert args["enforce_eager"] is False
     assert args["worker_cls"] == config.CPU_WORKER
     assert config.engine_args(options, on_cpu=False)["worker_cls"] == config.GPU_WORKER
-    assert args["additional_config"] == {"prismgate": {"pack": str(tiny_pack)}}  # the worker's, and a cache key
+    settings = args["additional_config"]["prismgate"]  # read by the worker; part of vLLM's compile-cache key
+    assert settings["pack"] == str(tiny_pack) and len(settings["digest"]) == 16
     eager = config.Options(model_path=tiny_model_dir, model_id="tiny", enforce_eager=True, kv_cache_gb=1)
     assert config.engine_args(eager, on_cpu=True)["enforce_eager"] is True
     assert "additional_config" not in config.engine_args(eager, on_cpu=True)
