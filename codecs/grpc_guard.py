@@ -16,12 +16,13 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import grpc
 
 from prismgate.auth import check_bearer
+from prismgate.codecs.outflow import SlowReader
 from prismgate.codecs.status import wire_status
 from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.core.service import SessionService
@@ -52,6 +53,12 @@ async def closing(stream: AsyncIterator[T]) -> AsyncGenerator[AsyncIterator[T], 
         aclose = getattr(stream, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+async def _close(stream: AsyncIterator[Any]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 def metadata(context: grpc.aio.ServicerContext, name: str) -> str | None:
@@ -100,10 +107,13 @@ async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
 class Guard:
     """Wraps the handlers of one protocol's services."""
 
-    def __init__(self, service: SessionService, protocol: str, token: str | None) -> None:
+    def __init__(
+        self, service: SessionService, protocol: str, token: str | None, *, slow_client_timeout_s: float | None = None
+    ) -> None:
         self.service = service
         self.protocol = protocol
         self.token = token
+        self.slow_client_timeout_s = slow_client_timeout_s
 
     def _fields(self, context: grpc.aio.ServicerContext, method: str) -> dict[str, str]:
         request_id = metadata(context, "x-request-id") or uuid.uuid4().hex
@@ -122,6 +132,25 @@ class Guard:
         self.service.monitor.refused(self.protocol, Code.INTERNAL)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
 
+    @contextlib.contextmanager
+    def _reader_deadline(self, fields: dict[str, str]) -> Iterator[None]:
+        """grpc.aio writes a yielded message before it asks for the next one; a write the client
+        does not take within ``slow_client_timeout_s`` cancels the call (the client sees CANCELLED)."""
+        task = asyncio.current_task()
+        if self.slow_client_timeout_s is None or task is None:
+            yield
+            return
+        timer = asyncio.get_running_loop().call_later(self.slow_client_timeout_s, self._drop, task, fields)
+        try:
+            yield
+        finally:
+            timer.cancel()
+
+    def _drop(self, task: asyncio.Task[Any], fields: dict[str, str]) -> None:
+        with log_context(**fields):
+            log.info("%s stream dropped: %s", self.protocol, SlowReader(self.slow_client_timeout_s or 0).message)
+        task.cancel()
+
     def unary(self, method: str, behavior: Unary) -> Unary:
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
@@ -136,18 +165,39 @@ class Guard:
         return guarded
 
     def streaming(self, method: str, behavior: Streaming, *, client_streams: bool) -> Streaming:
+        """A streaming handler whose log fields are bound around each step, never across a ``yield``.
+
+        grpc.aio may leave this generator suspended at a ``yield`` when the client cancels,
+        and the event loop's finaliser then closes it from a task of its own: a context
+        variable set before the ``yield`` would be reset in another Context ("was created in
+        a different Context", then "Task exception was never retrieved").
+        """
+
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            fields = self._fields(context, method)
+            events: AsyncIterator[Any] | None = None
             try:
-                with log_context(**self._fields(context, method)):
+                with log_context(**fields):
                     self._authenticate(context)
                     checked = _checked_stream(request) if client_streams else _checked(request)
-                    async with closing(behavior(checked, context)) as events:
-                        async for event in events:
-                            yield event
-            except (asyncio.CancelledError, grpc.aio.AbortError):
+                    events = behavior(checked, context)
+                while True:
+                    with log_context(**fields):
+                        try:
+                            event = await anext(events)
+                        except StopAsyncIteration:
+                            return
+                    with self._reader_deadline(fields):
+                        yield event
+            except (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit):
                 raise
             except Exception as exc:
-                await self._fail(context, method, exc)
+                with log_context(**fields):
+                    await self._fail(context, method, exc)
+            finally:
+                if events is not None:
+                    with log_context(**fields):
+                        await _close(events)
 
         return guarded
 

@@ -171,6 +171,18 @@ class Settings:
     )
     graphpipe_max_batch: int = setting(256, "Most rows (prompts or token rows) in one GraphPipe request.")
 
+    # -- slow readers (owned by codecs: every protocol's streaming output) -----------------
+    slow_client_timeout_s: float = setting(
+        30.0,
+        "Longest a streaming client may leave the server's writes untaken (an SSE stream, an Evergreen "
+        "WebSocket, a gRPC stream); past it the stream is dropped and its generation stopped (nginx's send_timeout).",
+    )
+    slow_client_buffer_bytes: int = setting(
+        1024 * 1024,
+        "Output one stream may hold for a client that reads slowly: a generation that ends within it frees its "
+        "engine slot at once; past it the generation waits for the client (up to slow_client_timeout_s).",
+    )
+
     @classmethod
     def fields(cls) -> list[dataclasses.Field[Any]]:
         return list(dataclasses.fields(cls))

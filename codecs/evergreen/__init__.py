@@ -37,6 +37,8 @@ def options_from(settings: Settings) -> Options:
             timeout_s=settings.evergreen_ref_timeout_s,
         ),
         default_max_tokens=settings.evergreen_max_tokens,
+        slow_client_timeout_s=settings.slow_client_timeout_s,
+        buffer_bytes=settings.slow_client_buffer_bytes,
     )
 
 

@@ -65,7 +65,7 @@ class EvergreenServicer(evergreen_pb2_grpc.EvergreenServiceServicer):
 
 
 def add(server: grpc.aio.Server, service: SessionService, options: Options, auth_token: str | None) -> str:
-    guard = Guard(service, PROTOCOL, auth_token)
+    guard = Guard(service, PROTOCOL, auth_token, slow_client_timeout_s=options.slow_client_timeout_s)
     return add_guarded(
         server, evergreen_pb2_grpc.add_EvergreenServiceServicer_to_server, EvergreenServicer(service, options), guard
     )

@@ -64,8 +64,11 @@ def _file(ref: str, policy: RefPolicy, where: str) -> bytes:
     parsed = urllib.parse.urlparse(ref)
     if parsed.netloc not in ("", "localhost"):
         raise invalid(f"{where}: file: ref names host {parsed.netloc!r}; only local files are read")
+    name = urllib.parse.unquote(parsed.path)
+    if "\x00" in name:
+        raise invalid(f"{where}: file: ref holds a NUL character, which no file name can")
     root = Path(policy.file_root).resolve()
-    path = Path(urllib.parse.unquote(parsed.path))
+    path = Path(name)
     target = (path if path.is_absolute() else root / path).resolve()
     if target != root and root not in target.parents:
         raise precondition(f"{where}: file: ref {ref!r} is outside the allowed root")

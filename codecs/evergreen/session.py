@@ -47,6 +47,8 @@ class Options:
     refs: RefPolicy = field(default_factory=RefPolicy)
     default_max_tokens: int = 256
     model: str | None = None
+    slow_client_timeout_s: float | None = None  # the transport's write deadline (None: none)
+    buffer_bytes: int = 1024 * 1024  # output held for a slow reader before generation waits for it
 
 
 @dataclass(eq=False)
@@ -68,7 +70,7 @@ class EvergreenSession:
         self.store = NodeStore(self.options.limits)
         # What to send, in order; ``None`` marks the end (after a failure, or when the input
         # ended and every action finished): the transport stops there.
-        self.outbox = Outbox()
+        self.outbox = Outbox(self.options.buffer_bytes)
         self.failed: asyncio.Future[GatewayError] = asyncio.get_running_loop().create_future()
         self.model = service.models.resolve(self.options.model)
         # the core session is opened by the first GENERATE: an idle connection holds none
@@ -114,8 +116,9 @@ class EvergreenSession:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self.core_id is not None:
-            self.service.close(self.core_id)
+        core_id, self.core_id = self.core_id, None
+        if core_id is not None:
+            self.service.close(core_id)
 
     def _core_session(self) -> str:
         """The core session, opened at the first GENERATE and kept alive while the connection is open."""

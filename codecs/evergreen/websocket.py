@@ -15,15 +15,18 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from prismgate.codecs import json_input
 from prismgate.codecs.evergreen.errors import close_reason
 from prismgate.codecs.evergreen.session import EvergreenSession, Options
+from prismgate.codecs.outflow import SlowReader, reader_deadline
 from prismgate.codecs.status import close_code
+from prismgate.core.budget import RequestBudget
 from prismgate.core.errors import GatewayError, invalid
 from prismgate.core.service import SessionService
 from prismgate.schemas import evergreen_pb2 as pb
@@ -33,15 +36,15 @@ log = logging.getLogger(__name__)
 PROTOCOL = "evergreen"
 
 
-def decode_frame(message: Mapping[str, Any], frame: int) -> tuple[pb.SessionMessage, bool]:
-    """(message, is_json) from one ASGI websocket.receive event."""
+def decode_frame(message: Mapping[str, Any], frame: int, budget: RequestBudget) -> tuple[pb.SessionMessage, bool]:
+    """(message, is_json) from one ASGI websocket.receive event; JSON is checked against the budget first."""
     text = message.get("text")
     raw = message.get("bytes")
     if isinstance(raw, bytes) and raw.lstrip()[:1] == b"{":
         text, raw = raw.decode("utf-8", errors="replace"), None
     if isinstance(text, str):
         try:
-            return json_format.Parse(text, pb.SessionMessage()), True
+            return json_input.checked(text, budget, f"frame {frame}", _parse_json), True
         except json_format.ParseError as exc:
             raise invalid(f"frame {frame}: not a SessionMessage in proto3 JSON: {exc}") from None
     if isinstance(raw, bytes):
@@ -52,6 +55,10 @@ def decode_frame(message: Mapping[str, Any], frame: int) -> tuple[pb.SessionMess
             raise invalid(f"frame {frame}: not a SessionMessage in protobuf binary: {exc}") from None
         return out, False
     raise invalid(f"frame {frame}: empty WebSocket message")
+
+
+def _parse_json(text: str) -> pb.SessionMessage:
+    return json_format.Parse(text, pb.SessionMessage())
 
 
 def encode(message: pb.SessionMessage, as_json: bool) -> str | bytes:
@@ -89,7 +96,7 @@ class EvergreenEndpoint:
                     return
                 frame += 1
                 try:
-                    decoded, is_json = decode_frame(message, frame)
+                    decoded, is_json = decode_frame(message, frame, self.service.budget)
                     if not form:
                         form.append(is_json)
                     session.feed(decoded)
@@ -103,16 +110,19 @@ class EvergreenEndpoint:
                 if message is None:
                     return
                 payload = encode(message, form[0] if form else True)
-                if isinstance(payload, str):
-                    await websocket.send_text(payload)
-                else:
-                    await websocket.send_bytes(payload)
+                async with self._deadline():
+                    if isinstance(payload, str):
+                        await websocket.send_text(payload)
+                    else:
+                        await websocket.send_bytes(payload)
 
         reader = asyncio.create_task(read())
         writer = asyncio.create_task(write())
         try:
             await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
-            if session.failed.done():
+            if writer.done() and isinstance(writer.exception(), SlowReader):
+                await self._drop(websocket, session, cast(SlowReader, writer.exception()))
+            elif session.failed.done():
                 error = session.failed.result()
                 reader.cancel()
                 with contextlib.suppress(Exception, asyncio.CancelledError):
@@ -125,6 +135,17 @@ class EvergreenEndpoint:
             for task in (reader, writer):
                 task.cancel()
             await asyncio.gather(reader, writer, return_exceptions=True)
+
+    def _deadline(self) -> contextlib.AbstractAsyncContextManager[None]:
+        timeout = self.options.slow_client_timeout_s
+        return contextlib.nullcontext() if timeout is None else reader_deadline(timeout)
+
+    async def _drop(self, websocket: WebSocket, session: EvergreenSession, error: SlowReader) -> None:
+        """A client that stopped reading: stop its actions now, then close (the server's WebSocket
+        gives up on the closing handshake after its close timeout and drops the connection)."""
+        log.info("evergreen session dropped: %s", error.message)
+        await session.close()
+        await self._abort(websocket, error)
 
     async def _abort(self, websocket: WebSocket, error: GatewayError) -> None:
         if not error.reported:  # an error that ended a generation was counted by its monitor

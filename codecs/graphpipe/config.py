@@ -6,8 +6,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from prismgate.codecs import json_input
 from prismgate.core.actions import MAX_TOP_LOGPROBS, GenerateSpec
-from prismgate.core.errors import invalid
+from prismgate.core.budget import RequestBudget
+from prismgate.core.errors import GatewayError, invalid
 
 DEFAULT_MAX_TOKENS = 16  # when config names none, capped by the room left in the context
 
@@ -72,14 +74,14 @@ def _int_list(key: str, value: Any) -> tuple[int, ...]:
     return tuple(_int(f"{key}[{i}]", v) for i, v in enumerate(value))
 
 
-def parse_config(raw: bytes) -> Config:
+def parse_config(raw: bytes, budget: RequestBudget) -> Config:
     """The request's ``config`` string: empty, or a JSON object of :data:`CONFIG_KEYS`."""
     if not raw.strip():
         return Config()
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise invalid(f"config must be a JSON object (UTF-8): {exc}") from None
+        data = json_input.loads(raw, budget, "config")
+    except GatewayError as exc:
+        raise invalid(f"config must be a JSON object: {exc.message}") from None
     if not isinstance(data, dict):
         raise invalid(f"config must be a JSON object, got a JSON {type(data).__name__}")
     unknown = sorted(set(data) - set(CONFIG_KEYS))

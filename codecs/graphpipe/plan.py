@@ -10,7 +10,6 @@ and checked against the context, logprobs and readouts over the generated tokens
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from prismgate.codecs.graphpipe.config import DEFAULT_MAX_TOKENS, Config, parse_config
@@ -18,7 +17,6 @@ from prismgate.codecs.graphpipe.inputs import Rows, bind_inputs
 from prismgate.codecs.graphpipe.outputs import Shape, readout_layers, resolve_outputs
 from prismgate.codecs.graphpipe.wire import InferCall
 from prismgate.core.chat import Message, TextPart
-from prismgate.core.engine import ReadoutManifest
 from prismgate.core.errors import GatewayError
 from prismgate.core.prompts import Messages, PromptSource, Tokens
 from prismgate.core.service import SessionService
@@ -39,13 +37,13 @@ class Plan:
         return "text" in self.shape.outputs
 
 
-def _read(call: InferCall, readouts: Callable[[], ReadoutManifest], max_batch: int) -> tuple[Config, Shape, Rows]:
-    config = parse_config(call.config)
+def _read(call: InferCall, service: SessionService, max_batch: int) -> tuple[Config, Shape, Rows]:
+    config = parse_config(call.config, service.budget)
     outputs = resolve_outputs(call.output_names, config)
     layers = None
     if "readouts" in outputs or config.readout_layers is not None:
         try:
-            manifest = readouts()  # the core's answer: INVALID_ARGUMENT without a concept pack
+            manifest = service.readouts()  # the core's answer: INVALID_ARGUMENT without a concept pack
         except GatewayError as exc:
             raise exc.within("output 'readouts'" if "readouts" in outputs else "config.readout_layers") from None
         layers = readout_layers(config, manifest)
@@ -57,7 +55,7 @@ def _read(call: InferCall, readouts: Callable[[], ReadoutManifest], max_batch: i
 async def make_plan(service: SessionService, call: InferCall, max_batch: int) -> Plan:
     """Validate the whole request (inputs, config, outputs) and plan every row before any runs."""
     info = service.info()
-    config, shape, rows = await asyncio.to_thread(_read, call, service.readouts, max_batch)
+    config, shape, rows = await asyncio.to_thread(_read, call, service, max_batch)
     wants_logprobs = bool({"logprobs", "top_logprob_ids", "top_logprobs"} & set(shape.outputs))
     sampling = replace(config.sampling(), logprob_top_k=shape.top_k)
     prompts: list[PromptSource]

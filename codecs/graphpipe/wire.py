@@ -38,6 +38,8 @@ DTYPES: dict[int, np.dtype] = {
 }
 INTEGER_TYPES = frozenset({T.Uint8, T.Int8, T.Uint16, T.Int16, T.Uint32, T.Int32, T.Uint64, T.Int64})
 MAX_RANK = 8  # more dimensions than any input here needs (numpy itself stops at 64)
+# numpy refuses a shape of 2**63 bytes or more, even an empty one: at 8-byte elements, 2**60
+MAX_ELEMENTS = 2**60
 DATA_ALIGN = 16  # tensor data starts 16-byte aligned in the buffers we write, so clients can view it in place
 
 
@@ -112,6 +114,8 @@ def _tensor(t: gp.Tensor, index: int, max_strings: int | None) -> WireTensor:
     shape = tuple(int(d) for d in t.ShapeAsNumpy()) if rank else ()
     if any(d < 0 for d in shape):
         raise invalid(f"{where}: shape {list(shape)} has a negative dimension")
+    if math.prod(d for d in shape if d) >= MAX_ELEMENTS:  # a zero dimension must not hide the others
+        raise invalid(f"{where}: shape {list(shape)} multiplies out to 2**60 elements or more")
     size = math.prod(shape)
     n_strings, n_data = t.StringValLength(), t.DataLength()
     if kind == T.String:

@@ -2,8 +2,9 @@
 
 Cancellation: when the client goes away the generation is cancelled, so the engine
 stops decoding for nobody. Streaming responses get this from ``sse-starlette``
-(it cancels the body iterator on ``http.disconnect``); the wait for the first event
-and non-streaming requests race the work against ``http.disconnect`` themselves.
+(it cancels the body iterator on ``http.disconnect``), and the slow-reader rules from
+:mod:`.stream`; the wait for the first event and non-streaming requests race the work
+against ``http.disconnect`` themselves.
 """
 
 from __future__ import annotations
@@ -13,17 +14,18 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
-from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from prismgate.codecs import json_input
 from prismgate.codecs.openai.errors import OpenAIError, bad_request, from_gateway, to_openai
 from prismgate.codecs.openai.formats import ChatFormat, CompletionFormat, Format
 from prismgate.codecs.openai.generation import Generation, Piece
 from prismgate.codecs.openai.plan import Plan, plan_chat, plan_completion
 from prismgate.codecs.openai.request import Common, parse_chat, parse_completion
+from prismgate.codecs.openai.stream import EventStream
 from prismgate.core.errors import GatewayError
 from prismgate.core.service import SessionService
 from prismgate.settings import Settings
@@ -79,13 +81,12 @@ class OpenAIEndpoints:
 
     # -- helpers -------------------------------------------------------------------------
 
-    @staticmethod
-    async def _body(request: Request) -> Any:
+    async def _body(self, request: Request) -> Any:
         raw = await request.body()
         try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise bad_request(f"the request body is not valid JSON: {exc}") from None
+            return await json_input.loads_off_loop(raw, self.service.budget, "the request body")
+        except GatewayError as exc:
+            raise bad_request(exc.message) from None
 
     # -- completions ---------------------------------------------------------------------
 
@@ -116,7 +117,7 @@ class OpenAIEndpoints:
             return error_response(exc)
         fmt: Format = (ChatFormat if chat else CompletionFormat)(plan, common.include_usage)
         if common.stream:
-            return EventSourceResponse(self._events(generation, fmt), sep="\n", ping=15)
+            return cast(Response, EventStream(self._events(generation, fmt), self.settings, dumps))
         try:
             pieces = await unless_disconnected(request, _collect(generation))
             assert generation.done is not None

@@ -23,9 +23,14 @@ PROTOCOL = "salience"
 
 def add_to_server(server: grpc.aio.Server, service: SessionService, settings: Settings) -> list[str]:
     """Register salience.v1.Salience and salience.images.v1.ImageTokens; return their full names."""
-    guard = Guard(service, PROTOCOL, settings.auth_token)
+    guard = Guard(service, PROTOCOL, settings.auth_token, slow_client_timeout_s=settings.slow_client_timeout_s)
     return [
-        add_guarded(server, salience_pb2_grpc.add_SalienceServicer_to_server, SalienceServicer(service), guard),
+        add_guarded(
+            server,
+            salience_pb2_grpc.add_SalienceServicer_to_server,
+            SalienceServicer(service, settings.slow_client_buffer_bytes),
+            guard,
+        ),
         add_guarded(
             server, salience_images_pb2_grpc.add_ImageTokensServicer_to_server, ImageTokensServicer(service), guard
         ),

@@ -6,21 +6,23 @@ Errors are raised as :class:`GatewayError` and turned into statuses by the guard
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
 from prismgate.codecs.grpc_guard import closing
+from prismgate.codecs.outflow import Outflow
 from prismgate.codecs.salience import convert
-from prismgate.core.events import TokenEvent
+from prismgate.core.events import Event, TokenEvent
 from prismgate.core.service import SessionService
 from prismgate.schemas import salience_pb2 as pb
 from prismgate.schemas import salience_pb2_grpc as pb_grpc
 
 
 class SalienceServicer(pb_grpc.SalienceServicer):
-    def __init__(self, service: SessionService) -> None:
+    def __init__(self, service: SessionService, buffer_bytes: int = 1024 * 1024) -> None:
         self.service = service
+        self.buffer_bytes = buffer_bytes  # what a Generate may hold for a slow reader (see prismgate.codecs.outflow)
 
     async def OpenSession(
         self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext
@@ -52,12 +54,10 @@ class SalienceServicer(pb_grpc.SalienceServicer):
             readout_ranges=len(request.readout_ranges),
         )
         action = convert.action_from_request(request)
-        async with closing(self.service.generate(request.session_id, action)) as events:
-            async for event in events:
-                if isinstance(event, TokenEvent):
-                    yield convert.token_event(event)
-                else:
-                    yield convert.done_event(event)
+        events = _messages(self.service.generate(request.session_id, action))
+        async with Outflow(events, pb.GenerateEvent.ByteSize, self.buffer_bytes) as messages:
+            async for message in messages:
+                yield message
 
     async def GetReadoutManifest(
         self, request: pb.GetReadoutManifestRequest, context: grpc.aio.ServicerContext
@@ -68,3 +68,9 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         self, request: pb.DumpSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.DumpSessionResponse:
         return pb.DumpSessionResponse(tokens=self.service.dump(request.session_id))
+
+
+async def _messages(events: AsyncGenerator[Event, None]) -> AsyncIterator[pb.GenerateEvent]:
+    async with closing(events):
+        async for event in events:
+            yield convert.token_event(event) if isinstance(event, TokenEvent) else convert.done_event(event)

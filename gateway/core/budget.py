@@ -9,12 +9,22 @@ gateway builds one from its settings and hands it to
 Counts over a limit are INVALID_ARGUMENT (the request must change); a prompt too large
 for the model's context is RESOURCE_EXHAUSTED, like a prompt that tokenizes too long.
 Each refusal names the limit.
+
+JSON a client sends (OpenAI bodies, Evergreen JSON frames, the GraphPipe ``config``) is
+measured for nesting depth before it is parsed: Python's parser recurses once per level,
+so 100k brackets end in RecursionError, and a depth no real request needs is a cheap
+signal of a hostile one. The scan (:func:`json_depth`) strips strings and counts brackets
+at C speed.
 """
 
 from __future__ import annotations
 
+import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from prismgate.core.actions import GenerateSpec
 from prismgate.core.chat import TextPart
@@ -35,6 +45,13 @@ class RequestBudget:
     # a prompt tree (Evergreen) may share a node many times: leaves counted as expanded
     max_expanded_leaves: int = 100_000
     max_actions_in_flight: int = 1024  # per session (Evergreen: GENERATE and DROP not yet ended)
+    max_json_depth: int = 64  # nesting of arrays and objects in any JSON a client sends
+
+    def check_json(self, raw: bytes | str, what: str) -> None:
+        """JSON nested deeper than the limit is refused before a parser recurses into it."""
+        depth = json_depth(raw)
+        if depth > self.max_json_depth:
+            raise invalid(f"{what} nests JSON {depth} levels deep; the limit is {self.max_json_depth} (max_json_depth)")
 
     def check_leaves(self, count: int) -> None:
         """A prompt tree whose expansion (a shared node counted each time it is used) is too large."""
@@ -90,6 +107,32 @@ class RequestBudget:
                 f"can take ({self.prompt_bytes_per_context_token} bytes per token)",
                 context=context,
             )
+
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth(raw: bytes | str) -> int:
+    """The deepest nesting of arrays and objects in ``raw`` (strings skipped), without parsing it.
+
+    An unterminated string counts its brackets: that can only overstate the depth of text
+    the parser would refuse anyway.
+    """
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    if b"[" not in data and b"{" not in data:
+        return 0
+    brackets = _STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
+    codes = np.frombuffer(brackets, dtype=np.uint8)
+    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1).astype(np.int64)
+    return int(np.cumsum(steps).max(initial=0))
+
+
+def too_many_digits(exc: ValueError) -> str | None:
+    """Python's refusal of an over-long integer literal, said for a client; None for other errors."""
+    if "integer string conversion" not in str(exc):
+        return None
+    return f"a number has more than {sys.get_int_max_str_digits()} digits"
 
 
 def _texts(prompt: PromptSource) -> list[str]:
