@@ -35,6 +35,7 @@ class RequestBudget:
     # a prompt tree (Evergreen) may share a node many times: leaves counted as expanded
     max_expanded_leaves: int = 100_000
     max_actions_in_flight: int = 1024  # per session (Evergreen: GENERATE and DROP not yet ended)
+    max_steering_entries: int = 8  # each costs a vector add per steered token in every forward pass
 
     def check_leaves(self, count: int) -> None:
         """A prompt tree whose expansion (a shared node counted each time it is used) is too large."""
@@ -51,6 +52,7 @@ class RequestBudget:
             stop_token_ids=len(spec.stop_token_ids),
             logprob_ranges=len(spec.logprob_ranges),
             readout_ranges=len(spec.readout_ranges),
+            steering_entries=len(spec.steering),
         )
 
     def check_lists(
@@ -60,6 +62,7 @@ class RequestBudget:
         stop_token_ids: int = 0,
         logprob_ranges: int = 0,
         readout_ranges: int = 0,
+        steering_entries: int = 0,
     ) -> None:
         """The same limits on counts a codec knows before it builds a spec (no objects per element yet)."""
         if stop_token_ids > self.max_stop_token_ids:
@@ -72,6 +75,8 @@ class RequestBudget:
         for name, count in (("logprob", logprob_ranges), ("readout", readout_ranges)):
             if count > self.max_position_ranges:
                 raise invalid(f"{count} {name} ranges; the limit is {self.max_position_ranges}")
+        if steering_entries > self.max_steering_entries:
+            raise invalid(f"{steering_entries} steering entries; the limit is {self.max_steering_entries}")
 
     def check_prompt(self, prompt: PromptSource, context: int) -> None:
         """Refuse a prompt whose text cannot fit the context, from its size, before tokenizing it."""

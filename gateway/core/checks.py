@@ -51,6 +51,32 @@ def check_readouts(info: EngineInfo, spec: GenerateSpec) -> None:
         raise no_concept_pack(info.model_id)
 
 
+def check_steering(info: EngineInfo, spec: GenerateSpec) -> None:
+    """Steering needs an engine that applies it and a concept pack whose layers and concepts it names."""
+    if not spec.steering:
+        return
+    if not info.steering:
+        name = info.engine_name or "this"
+        raise invalid(f"steering is not supported by the {name} engine yet")
+    manifest = info.readouts
+    if manifest is None:
+        raise no_concept_pack(info.model_id)
+    for i, entry in enumerate(spec.steering):
+        where = f"steering entry {i}"
+        if entry.layer not in manifest.layers:
+            raise invalid(
+                f"{where}: layer {entry.layer} is not a layer of the concept pack; steer at one of "
+                f"{', '.join(map(str, manifest.layers))}"
+            )
+        if entry.concept is not None and entry.concept not in manifest.concepts:
+            raise invalid(f"{where}: unknown concept {entry.concept!r}; the pack has {', '.join(manifest.concepts)}")
+        if entry.direction is not None and len(entry.direction) != manifest.hidden_size:
+            raise invalid(
+                f"{where}: a direction of {len(entry.direction)} numbers; the model's hidden size is "
+                f"{manifest.hidden_size}"
+            )
+
+
 def check_ranges(prompt_tokens: int, spec: GenerateSpec) -> None:
     """Reported positions lie inside this turn's horizon (the prompt and the decode budget)."""
     horizon = prompt_tokens + spec.max_tokens

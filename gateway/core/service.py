@@ -25,7 +25,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
 from typing import Protocol
 
-from prismgate.core import checks
+from prismgate.core import checks, steering
 from prismgate.core.actions import GenerateAction, PositionRange
 from prismgate.core.budget import RequestBudget
 from prismgate.core.engine import EngineInfo, EngineRequest, ReadoutManifest, VisionTokens
@@ -197,6 +197,7 @@ class SessionService:
         done: Done | None = None
         with session.generation():
             before = session.snapshot() if action.atomic else None
+            steered_before = session.steering
             finished = False
             try:
                 async for event in self._run(session, action, session.id, request_id):
@@ -208,6 +209,7 @@ class SessionService:
             finally:
                 if before is not None and not finished:
                     session.restore(before)  # turn atomicity: see prismgate.core.turns
+                    session.steering = steered_before
             self.store.touch(session)
         # Done goes out after the session is released, so a client that stops reading
         # at Done can start its next turn at once.
@@ -233,6 +235,7 @@ class SessionService:
         checks.check_offset(session, action)
         base = old_length if action.offset is None else action.offset
         checks.check_readouts(info, spec)
+        checks.check_steering(info, spec)
         check_fit(base + len(action.append_tokens), spec.max_tokens, info.max_model_len)
         checks.check_ranges(base + len(action.append_tokens), spec)
         if action.images and info.vision is None:  # say so before the image's tokens fail the vocabulary check
@@ -293,6 +296,9 @@ class SessionService:
             await stream.aclose()
         if done.finish_reason is not FinishReason.CANCELLED:
             session.tokens.extend(generated)
+            # the engine ran the whole timeline under this request's steering (reusing only
+            # positions that were computed under the same)
+            session.steering = steering.spans(spec.steering, len(tokens), len(session.tokens))
         yield done
 
 
