@@ -17,6 +17,7 @@ from prismgate.codecs.graphpipe.config import DEFAULT_MAX_TOKENS, Config, parse_
 from prismgate.codecs.graphpipe.inputs import Rows, bind_inputs
 from prismgate.codecs.graphpipe.outputs import Shape, readout_layers, resolve_outputs
 from prismgate.codecs.graphpipe.wire import InferCall
+from prismgate.core.budget import RequestBudget
 from prismgate.core.chat import Message, TextPart
 from prismgate.core.engine import ReadoutManifest
 from prismgate.core.errors import GatewayError
@@ -39,8 +40,10 @@ class Plan:
         return "text" in self.shape.outputs
 
 
-def _read(call: InferCall, readouts: Callable[[], ReadoutManifest], max_batch: int) -> tuple[Config, Shape, Rows]:
-    config = parse_config(call.config)
+def _read(
+    call: InferCall, readouts: Callable[[], ReadoutManifest], budget: RequestBudget, max_batch: int
+) -> tuple[Config, Shape, Rows]:
+    config = parse_config(call.config, budget)
     outputs = resolve_outputs(call.output_names, config)
     layers = None
     if "readouts" in outputs or config.readout_layers is not None:
@@ -57,7 +60,7 @@ def _read(call: InferCall, readouts: Callable[[], ReadoutManifest], max_batch: i
 async def make_plan(service: SessionService, call: InferCall, max_batch: int) -> Plan:
     """Validate the whole request (inputs, config, outputs) and plan every row before any runs."""
     info = service.info()
-    config, shape, rows = await asyncio.to_thread(_read, call, service.readouts, max_batch)
+    config, shape, rows = await asyncio.to_thread(_read, call, service.readouts, service.budget, max_batch)
     wants_logprobs = bool({"logprobs", "top_logprob_ids", "top_logprobs"} & set(shape.outputs))
     sampling = replace(config.sampling(), logprob_top_k=shape.top_k)
     prompts: list[PromptSource]

@@ -17,6 +17,7 @@ from prismgate.core.engine import EngineInfo
 from prismgate.core.errors import invalid, precondition
 from prismgate.core.models import Models, no_concept_pack
 from prismgate.core.session import ImageSpan, Session
+from prismgate.core.steering import Steering
 
 
 def check_offset(session: Session, action: GenerateAction) -> None:
@@ -51,9 +52,9 @@ def check_readouts(info: EngineInfo, spec: GenerateSpec) -> None:
         raise no_concept_pack(info.model_id)
 
 
-def check_steering(info: EngineInfo, spec: GenerateSpec) -> None:
+def check_steering(info: EngineInfo, steering: Steering) -> None:
     """Steering needs an engine that applies it and a concept pack whose layers and concepts it names."""
-    if not spec.steering:
+    if not steering:
         return
     if not info.steering:
         name = info.engine_name or "this"
@@ -61,7 +62,7 @@ def check_steering(info: EngineInfo, spec: GenerateSpec) -> None:
     manifest = info.readouts
     if manifest is None:
         raise no_concept_pack(info.model_id)
-    for i, entry in enumerate(spec.steering):
+    for i, entry in enumerate(steering):
         where = f"steering entry {i}"
         if entry.layer not in manifest.layers:
             raise invalid(

@@ -36,6 +36,7 @@ from prismgate.core.models import Models
 from prismgate.core.pool import EnginePool
 from prismgate.core.prompts import plan_prompt
 from prismgate.core.session import Session, SessionStore
+from prismgate.core.steering import Steering
 from prismgate.core.text import TextStream
 from prismgate.core.token_texts import TokenTexts
 from prismgate.core.turns import ChatTurn, Turn
@@ -86,6 +87,10 @@ class SessionService:
     def readouts(self, model: str | None = None) -> ReadoutManifest:
         """The model's readout manifest; INVALID_ARGUMENT when it has no concept pack."""
         return self.models.readouts(model)
+
+    def check_steering(self, steering: Steering, model: str | None = None) -> None:
+        """Refuse steering the model cannot take, before a turn is planned (every generation checks it again)."""
+        checks.check_steering(self.info(model), steering)
 
     def token_texts(self, model: str | None = None) -> TokenTexts:
         """Token id -> (text, exact bytes) for the model, cached per model (logprob displays)."""
@@ -140,6 +145,7 @@ class SessionService:
         self.budget.check_prompt(turn.prompt, info.max_model_len)
         if turn.readouts:
             self.readouts(info.model_id)
+        checks.check_steering(info, turn.sampling.steering)
         append = await asyncio.to_thread(
             plan_prompt, self.models, info.model_id, timeline, images, turn.prompt, turn.placement
         )
@@ -235,7 +241,7 @@ class SessionService:
         checks.check_offset(session, action)
         base = old_length if action.offset is None else action.offset
         checks.check_readouts(info, spec)
-        checks.check_steering(info, spec)
+        checks.check_steering(info, spec.steering)
         check_fit(base + len(action.append_tokens), spec.max_tokens, info.max_model_len)
         checks.check_ranges(base + len(action.append_tokens), spec)
         if action.images and info.vision is None:  # say so before the image's tokens fail the vocabulary check
