@@ -1,13 +1,13 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateConfig(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop_strings", "ignore_eos", "top_logprobs", "priority", "chat_template")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop_strings", "ignore_eos", "top_logprobs", "priority", "chat_template", "steering")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class GenerateConfig(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    STEERING_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -30,4 +31,21 @@ class GenerateConfig(_message.Message):
     top_logprobs: int
     priority: int
     chat_template: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., chat_template: _Optional[bool] = ...) -> None: ...
+    steering: _containers.RepeatedCompositeFieldContainer[SteeringEntry]
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., chat_template: _Optional[bool] = ..., steering: _Optional[_Iterable[_Union[SteeringEntry, _Mapping]]] = ...) -> None: ...
+
+class SteeringEntry(_message.Message):
+    __slots__ = ("concept", "direction", "layer", "scale", "norm_match", "positions")
+    CONCEPT_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    NORM_MATCH_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    concept: str
+    direction: _containers.RepeatedScalarFieldContainer[float]
+    layer: int
+    scale: float
+    norm_match: bool
+    positions: str
+    def __init__(self, concept: _Optional[str] = ..., direction: _Optional[_Iterable[float]] = ..., layer: _Optional[int] = ..., scale: _Optional[float] = ..., norm_match: _Optional[bool] = ..., positions: _Optional[str] = ...) -> None: ...

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from prismgate.codecs.evergreen.config import parse_configs
 from prismgate.codecs.evergreen.outputs import EXTRA_OUTPUTS, TEXT_OUTPUTS
 from prismgate.core.actions import GenerateSpec
-from prismgate.core.errors import invalid
+from prismgate.core.errors import GatewayError, invalid
+from prismgate.core.steering import Positions, SteeringEntry
 from prismgate.schemas import evergreen_generate_pb2 as gpb
 from prismgate.schemas import evergreen_pb2 as pb
 
@@ -87,4 +88,23 @@ def sampling(config: gpb.GenerateConfig) -> GenerateSpec:
         ignore_eos=config.ignore_eos,
         logprob_top_k=config.top_logprobs,
         priority=config.priority,
+        steering=tuple(_steering_entry(e, i) for i, e in enumerate(config.steering)),
     )
+
+
+def _steering_entry(entry: gpb.SteeringEntry, index: int) -> SteeringEntry:
+    where = f"config.steering[{index}]"
+    choices = [p.value for p in Positions]
+    if entry.positions and entry.positions not in choices:
+        raise invalid(f"{where}.positions must be one of {', '.join(choices)}, got {entry.positions!r}")
+    try:
+        return SteeringEntry(
+            layer=entry.layer,
+            scale=entry.scale,
+            concept=entry.concept or None,
+            direction=tuple(entry.direction) or None,
+            norm_match=entry.norm_match,
+            positions=Positions(entry.positions or Positions.BOTH.value),
+        )
+    except GatewayError as exc:
+        raise invalid(f"{where}: {exc.message}") from None

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from prismgate.codecs import json_input
+from prismgate.codecs.steering import read_steering
 from prismgate.core.actions import MAX_TOP_LOGPROBS, GenerateSpec
 from prismgate.core.budget import RequestBudget
 from prismgate.core.errors import GatewayError, invalid
+from prismgate.core.steering import Steering
 
 DEFAULT_MAX_TOKENS = 16  # when config names none, capped by the room left in the context
 
@@ -24,6 +26,7 @@ CONFIG_KEYS: dict[str, str] = {
     "chat_template": "boolean: render prompt rows with the model's chat template (default true)",
     "logprobs": f"integer in [0, {MAX_TOP_LOGPROBS}]: k, the alternatives per token in top_logprob_ids/top_logprobs",
     "readout_layers": "list of layer indices, a subset of the concept pack's layers, in the order wanted",
+    "steering": "list of steering entries, the same for every row (see docs/steering.md)",
 }
 
 
@@ -42,6 +45,7 @@ class Config:
     chat_template: bool = True
     logprobs: int = 0
     readout_layers: tuple[int, ...] | None = None
+    steering: Steering = ()
 
     def sampling(self) -> GenerateSpec:
         """The core's sampling knobs (the core sets max_tokens and what is reported); checks the values."""
@@ -53,6 +57,7 @@ class Config:
             seed=self.seed,
             stop_token_ids=self.stop_token_ids,
             stop_strings=self.stop,
+            steering=self.steering,
         )
 
 
@@ -112,4 +117,6 @@ def parse_config(raw: bytes, budget: RequestBudget) -> Config:
         values["chat_template"] = data["chat_template"]
     if "readout_layers" in data:
         values["readout_layers"] = _int_list("readout_layers", data["readout_layers"])
+    if "steering" in data:
+        values["steering"] = read_steering(data["steering"], budget, "config.steering")
     return Config(**values)

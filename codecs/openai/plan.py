@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from prismgate.codecs.openai.errors import from_gateway
 from prismgate.codecs.openai.readouts import ReadoutAxes, as_readouts_param, readout_axes
 from prismgate.codecs.openai.request import ChatRequest, Common, CompletionRequest
+from prismgate.codecs.steering import read_steering
 from prismgate.core.actions import GenerateSpec
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.models import UnknownModel
@@ -63,6 +64,14 @@ async def _plan(
         except GatewayError as exc:
             raise as_readouts_param(exc) if exc.code is Code.INVALID_ARGUMENT else exc from None
         axes = readout_axes(manifest, common.readouts)
+    try:
+        steering = read_steering(common.steering, service.budget)
+        if steering:
+            service.check_steering(steering, common.model)
+    except UnknownModel:
+        raise
+    except GatewayError as exc:
+        raise from_gateway(exc, param="steering") if exc.code is Code.INVALID_ARGUMENT else exc from None
     turn = ChatTurn(
         prompt=prompt,
         origin=ORIGIN,
@@ -73,6 +82,7 @@ async def _plan(
             seed=common.seed,
             stop_strings=common.stop,
             logprob_top_k=common.top_logprobs or 0,
+            steering=steering,
         ),
         max_tokens=common.max_tokens,
         default_max_tokens=settings.openai_default_max_tokens,

@@ -58,6 +58,7 @@ class Common:
     top_logprobs: int | None  # None: no logprobs; otherwise how many alternatives per token
     readouts: ReadoutRequest | None
     session_id: str | None
+    steering: Any  # the raw "steering" list: read in the plan, against the service's request budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +135,7 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, top_logprobs: int |
         top_logprobs=top_logprobs,
         readouts=_readouts(body.get("readouts")),
         session_id=get_str(body, "session_id"),
+        steering=body.get("steering"),
     )
 
 

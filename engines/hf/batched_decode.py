@@ -1,7 +1,8 @@
 """The batched decode step: the decode steps of several requests in one forward pass.
 
 On a small model a decode step is dominated by per-call overhead, not arithmetic, so
-requests that are all decoding share one forward pass. Each keeps its own KV cache (a
+requests that are all decoding share one forward pass, each row steered as its own request
+asks (:mod:`~prismgate.engines.hf.steering`). Each keeps its own KV cache (a
 session keeps it between turns); the adapter pads the caches to the longest and splits
 them back (:meth:`~prismgate.engines.hf.adapters.ModelAdapter.decode_batch`). The padding
 is copied every step, so a batch is capped by ``max_batch`` requests and by ``max_batch_tokens``
@@ -45,9 +46,10 @@ def decode_batch(stepper: Stepper, jobs: list[Job]) -> None:
     ]
     if probe is not None:
         probe.enabled = any(wants)
-    logits = stepper.adapter.decode_batch(
-        [job.timeline[p] for job, p in zip(jobs, positions, strict=True)], [job.cache for job in jobs], positions
-    )
+    with stepper.steered([job.steer(row, p, p + 1) for row, (job, p) in enumerate(zip(jobs, positions, strict=True))]):
+        logits = stepper.adapter.decode_batch(
+            [job.timeline[p] for job, p in zip(jobs, positions, strict=True)], [job.cache for job in jobs], positions
+        )
     readouts = probe.take_batch() if probe is not None and any(wants) else None
     stepper.stats["batched_steps"] += 1
     for row, (job, position) in enumerate(zip(jobs, positions, strict=True)):

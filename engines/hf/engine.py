@@ -86,6 +86,7 @@ class TransformersEngine:
         stepper = Stepper(
             loaded.adapter,
             loaded.probe,
+            loaded.steerer,
             loaded.info.eos_token_ids,
             self._sessions,
             self.stats,

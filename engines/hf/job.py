@@ -10,6 +10,7 @@ import torch
 from prismgate.core.engine import EngineRequest
 from prismgate.core.events import Event, FinishReason, TokenEvent
 from prismgate.engines.hf.bridge import EventChannel
+from prismgate.engines.hf.steering import RowPlan, Vector
 
 
 @dataclass(eq=False)
@@ -29,6 +30,7 @@ class Job:
     generated: int = 0
     finish: FinishReason | None = None  # decided; Done goes out once the last readout is in
     generator: torch.Generator | None = None
+    steering: tuple[Vector, ...] = ()  # the request's steering, resolved on the device
     ended: bool = False  # Done or an error went out: the scheduler drops the job
 
     @property
@@ -48,6 +50,10 @@ class Job:
             and self.next_prefill >= self.prompt_len
             and len(self.timeline) > self.prompt_len
         )
+
+    def steer(self, row: int, start: int, end: int) -> RowPlan:
+        """What this job's steering adds when positions ``[start, end)`` run as row ``row``."""
+        return RowPlan(row, start, end - start, self.prompt_len, self.steering)
 
     def emit(self, item: Event | BaseException) -> None:
         self.channel.send(item)

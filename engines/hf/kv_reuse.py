@@ -4,7 +4,9 @@ A session's KV cache (and the token ids it holds) is kept after its turn, least 
 used first out once the total passes ``max_tokens``. The next turn of that session keeps the
 longest prefix its tokens share with the cache and runs the rest through the model, except
 positions the client asked logprobs or readouts for: the cache keeps keys and values, not
-logits or hidden states, so those are recomputed rather than missing or stale.
+logits or hidden states, so those are recomputed rather than missing or stale. A cached
+position is kept only when it was computed under the steering this turn applies there
+(:func:`prismgate.core.steering.agreed_prefix`): the cache remembers its steered spans.
 
 The caches are touched by the worker thread only; other threads ask for a release through
 the scheduler.
@@ -14,11 +16,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from prismgate.core.actions import GenerateSpec, first_covered
 from prismgate.core.session import ImageSpan
+from prismgate.core.steering import SteeredSpan, agreed_prefix, spans
 from prismgate.engines.hf.adapters import ModelAdapter
+
+
+class Kept(NamedTuple):
+    cache: Any  # None: nothing kept
+    tokens: list[int]  # the token ids whose keys and values the cache holds
+    steered: tuple[SteeredSpan, ...]  # the steering they were computed under, tiling [0, len(tokens))
 
 
 class SessionCaches:
@@ -26,24 +35,24 @@ class SessionCaches:
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
-        self._caches: OrderedDict[str, tuple[Any, list[int]]] = OrderedDict()
+        self._caches: OrderedDict[str, Kept] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._caches)
 
-    def take(self, key: str | None) -> tuple[Any, list[int]]:
-        """The session's cache and its token ids, now owned by the caller; (None, []) if none is kept."""
+    def take(self, key: str | None) -> Kept:
+        """The session's cache, its token ids and their steering, now owned by the caller."""
         if key is None or key not in self._caches:
-            return None, []
+            return Kept(None, [], ())
         return self._caches.pop(key)
 
-    def keep(self, key: str, cache: Any, tokens: list[int]) -> None:
-        self._caches[key] = (cache, tokens)
+    def keep(self, key: str, cache: Any, tokens: list[int], steered: tuple[SteeredSpan, ...]) -> None:
+        self._caches[key] = Kept(cache, tokens, steered)
         self._caches.move_to_end(key)
-        total = sum(len(t) for _, t in self._caches.values())
+        total = sum(len(kept.tokens) for kept in self._caches.values())
         while total > self.max_tokens and len(self._caches) > 1:
-            _, (_, dropped) = self._caches.popitem(last=False)
-            total -= len(dropped)
+            _, dropped = self._caches.popitem(last=False)
+            total -= len(dropped.tokens)
 
     def forget(self, key: str) -> None:
         self._caches.pop(key, None)
@@ -51,8 +60,7 @@ class SessionCaches:
 
 def resume(
     adapter: ModelAdapter,
-    cache: Any,
-    cached: Sequence[int],
+    kept: Kept,
     tokens: Sequence[int],
     images: Sequence[ImageSpan],
     spec: GenerateSpec,
@@ -62,12 +70,14 @@ def resume(
     The cache comes back holding exactly ``tokens[:start]``: cropped when the turn keeps
     less than was cached, new when nothing can be kept.
     """
+    cache, cached = kept.cache, kept.tokens
     n = len(tokens)
     start = 0
     for a, b in zip(cached, tokens, strict=False):
         if a != b:
             break
         start += 1
+    start = min(start, agreed_prefix(kept.steered, spans(spec.steering, n, n)))
     if spec.max_tokens > 0:
         start = min(start, n - 1)  # the last prompt token's logits are needed to sample
     first_lp = first_covered(spec.logprob_ranges)

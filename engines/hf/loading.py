@@ -10,6 +10,7 @@ import torch
 
 from prismgate.core.engine import EngineInfo, ReadoutManifest
 from prismgate.engines.hf.adapters import ModelAdapter, load_adapter
+from prismgate.engines.hf.steering import Steerer
 from prismgate.engines.readouts.pack import ConceptPack
 from prismgate.engines.readouts.probe import ReadoutProbe
 from prismgate.engines.tokenizer import HFTokenizer
@@ -21,6 +22,7 @@ log = logging.getLogger(__name__)
 class LoadedModel:
     adapter: ModelAdapter
     probe: ReadoutProbe | None  # hooks that read the residual stream, when a concept pack is loaded
+    steerer: Steerer | None  # hooks that add to it (registered ahead of the probe's), with the same pack
     info: EngineInfo
 
 
@@ -39,10 +41,12 @@ def load(
     adapter = load_adapter(model_path, device=device, dtype=dtype)
     model = adapter.model
     probe: ReadoutProbe | None = None
+    steerer: Steerer | None = None
     manifest: ReadoutManifest | None = None
     if concept_pack is not None:
         pack = ConceptPack.load(concept_pack)
         probe = ReadoutProbe(model, pack)
+        steerer = Steerer(model, pack)
         manifest = pack.manifest
     tokenizer = adapter.tokenizer
     config = model.config.get_text_config()
@@ -60,6 +64,7 @@ def load(
         readouts=manifest,
         vision=adapter.vision_tokens,
         engine_name="transformers",
+        steering=steerer is not None,
     )
     log.info("loaded %s on %s (%s)", model_id, device, model.dtype)
-    return LoadedModel(adapter, probe, info)
+    return LoadedModel(adapter, probe, steerer, info)

@@ -8,16 +8,20 @@ the next step has run it through the model (its hidden state appears only then).
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
 from prismgate.core.actions import covered
-from prismgate.core.errors import Code, GatewayError
+from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.core.events import Done, FinishReason, TokenEvent
+from prismgate.core.steering import spans
 from prismgate.engines.hf.adapters import ModelAdapter
 from prismgate.engines.hf.job import Job
 from prismgate.engines.hf.kv_reuse import SessionCaches, resume
 from prismgate.engines.hf.sampling import logprobs_of, sample
+from prismgate.engines.hf.steering import RowPlan, Steerer
 from prismgate.engines.readouts.probe import ReadoutProbe
 
 
@@ -26,6 +30,7 @@ class Stepper:
         self,
         adapter: ModelAdapter,
         probe: ReadoutProbe | None,
+        steerer: Steerer | None,
         eos_token_ids: tuple[int, ...],
         caches: SessionCaches,
         stats: dict[str, int],
@@ -34,6 +39,7 @@ class Stepper:
     ) -> None:
         self.adapter = adapter
         self.probe = probe
+        self.steerer = steerer
         self.eos_token_ids = eos_token_ids
         self.caches = caches
         self.stats = stats
@@ -78,7 +84,9 @@ class Stepper:
         job.ended = True
         key = job.request.session_key
         if key is not None and job.cache is not None:
-            self.caches.keep(key, job.cache, job.cached)
+            self.caches.keep(
+                key, job.cache, job.cached, spans(job.request.spec.steering, job.prompt_len, len(job.cached))
+            )
         prefilled = len(job.timeline) - job.reused - job.generated if job.started else 0
         job.emit(
             Done(
@@ -105,8 +113,11 @@ class Stepper:
         job.timeline = tokens
         job.generator = torch.Generator(device="cpu")
         job.generator.manual_seed(spec.seed if spec.seed is not None else int.from_bytes(np.random.bytes(7), "little"))
-        cache, cached = self.caches.take(request.session_key)
-        cache, start = resume(self.adapter, cache, cached, tokens, request.images, spec)
+        if spec.steering:
+            if self.steerer is None:
+                raise invalid("steering needs a concept pack, and this engine has none loaded")
+            job.steering = self.steerer.resolve(spec.steering)
+        cache, start = resume(self.adapter, self.caches.take(request.session_key), tokens, request.images, spec)
         job.cache = cache
         job.cached = tokens[:start]
         job.reused = start
@@ -131,7 +142,10 @@ class Stepper:
         want_readouts = self.probe is not None and any(covered(spec.readout_ranges, p) for p in range(start, end))
         if self.probe is not None:
             self.probe.enabled = want_readouts
-        logits = self.adapter.forward(ids, job.cache, start, job.timeline, job.request.images, rows or [len(ids) - 1])
+        with self.steered([job.steer(0, start, end)]):
+            logits = self.adapter.forward(
+                ids, job.cache, start, job.timeline, job.request.images, rows or [len(ids) - 1]
+            )
         readouts = self.probe.take() if want_readouts and self.probe is not None else None
         job.cached.extend(ids)
         if end <= n:
@@ -164,6 +178,12 @@ class Stepper:
             job.next_logits = row_of[end - 1 - start]
         else:
             job.next_logits = None
+
+    def steered(self, rows: list[RowPlan]) -> contextlib.AbstractContextManager[None]:
+        """The next forward pass, steered row by row (a no-op when nothing is steered)."""
+        if self.steerer is None or not any(r.vectors for r in rows):
+            return contextlib.nullcontext()
+        return self.steerer.plan(rows)
 
     def decode_one(self, job: Job) -> None:
         """Sample the next token from ``job.next_logits``; decide whether the request is finished."""

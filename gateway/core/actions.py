@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from prismgate.core.errors import invalid
+from prismgate.core.steering import Steering
 
 MAX_TOP_LOGPROBS = 20
 
@@ -62,6 +63,7 @@ class GenerateSpec:
     logprob_top_k: int = 0
     readout_ranges: tuple[PositionRange, ...] = ()
     priority: int = 0
+    steering: Steering = ()  # vectors added to the residual stream (see prismgate.core.steering)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:

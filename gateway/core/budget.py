@@ -46,6 +46,7 @@ class RequestBudget:
     max_expanded_leaves: int = 100_000
     max_actions_in_flight: int = 1024  # per session (Evergreen: GENERATE and DROP not yet ended)
     max_json_depth: int = 64  # nesting of arrays and objects in any JSON a client sends
+    max_steering_entries: int = 8  # each costs a vector add per steered token in every forward pass
 
     def check_json(self, raw: bytes | str, what: str) -> None:
         """JSON nested deeper than the limit is refused before a parser recurses into it."""
@@ -68,6 +69,7 @@ class RequestBudget:
             stop_token_ids=len(spec.stop_token_ids),
             logprob_ranges=len(spec.logprob_ranges),
             readout_ranges=len(spec.readout_ranges),
+            steering_entries=len(spec.steering),
         )
 
     def check_lists(
@@ -77,6 +79,7 @@ class RequestBudget:
         stop_token_ids: int = 0,
         logprob_ranges: int = 0,
         readout_ranges: int = 0,
+        steering_entries: int = 0,
     ) -> None:
         """The same limits on counts a codec knows before it builds a spec (no objects per element yet)."""
         if stop_token_ids > self.max_stop_token_ids:
@@ -89,6 +92,8 @@ class RequestBudget:
         for name, count in (("logprob", logprob_ranges), ("readout", readout_ranges)):
             if count > self.max_position_ranges:
                 raise invalid(f"{count} {name} ranges; the limit is {self.max_position_ranges}")
+        if steering_entries > self.max_steering_entries:
+            raise invalid(f"{steering_entries} steering entries; the limit is {self.max_steering_entries}")
 
     def check_prompt(self, prompt: PromptSource, context: int) -> None:
         """Refuse a prompt whose text cannot fit the context, from its size, before tokenizing it."""

@@ -17,6 +17,7 @@ from prismgate.core.engine import EngineInfo
 from prismgate.core.errors import invalid, precondition
 from prismgate.core.models import Models, no_concept_pack
 from prismgate.core.session import ImageSpan, Session
+from prismgate.core.steering import Steering
 
 
 def check_offset(session: Session, action: GenerateAction) -> None:
@@ -49,6 +50,32 @@ def check_readouts(info: EngineInfo, spec: GenerateSpec) -> None:
     """Readouts need a concept pack."""
     if spec.wants_readouts and info.readouts is None:
         raise no_concept_pack(info.model_id)
+
+
+def check_steering(info: EngineInfo, steering: Steering) -> None:
+    """Steering needs an engine that applies it and a concept pack whose layers and concepts it names."""
+    if not steering:
+        return
+    if not info.steering:
+        name = info.engine_name or "this"
+        raise invalid(f"steering is not supported by the {name} engine yet")
+    manifest = info.readouts
+    if manifest is None:
+        raise no_concept_pack(info.model_id)
+    for i, entry in enumerate(steering):
+        where = f"steering entry {i}"
+        if entry.layer not in manifest.layers:
+            raise invalid(
+                f"{where}: layer {entry.layer} is not a layer of the concept pack; steer at one of "
+                f"{', '.join(map(str, manifest.layers))}"
+            )
+        if entry.concept is not None and entry.concept not in manifest.concepts:
+            raise invalid(f"{where}: unknown concept {entry.concept!r}; the pack has {', '.join(manifest.concepts)}")
+        if entry.direction is not None and len(entry.direction) != manifest.hidden_size:
+            raise invalid(
+                f"{where}: a direction of {len(entry.direction)} numbers; the model's hidden size is "
+                f"{manifest.hidden_size}"
+            )
 
 
 def check_ranges(prompt_tokens: int, spec: GenerateSpec) -> None:

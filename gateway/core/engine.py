@@ -75,6 +75,7 @@ class EngineInfo:
     readouts: ReadoutManifest | None = None
     vision: VisionTokens | None = None
     engine_name: str = ""
+    steering: bool = False  # the engine applies GenerateSpec.steering (with a concept pack loaded)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
 from typing import Protocol
 
-from prismgate.core import checks
+from prismgate.core import checks, steering
 from prismgate.core.actions import GenerateAction, PositionRange
 from prismgate.core.budget import RequestBudget
 from prismgate.core.engine import EngineInfo, EngineRequest, ReadoutManifest, VisionTokens
@@ -36,6 +36,7 @@ from prismgate.core.models import Models
 from prismgate.core.pool import EnginePool
 from prismgate.core.prompts import plan_prompt
 from prismgate.core.session import Session, SessionStore
+from prismgate.core.steering import Steering
 from prismgate.core.text import TextStream
 from prismgate.core.token_texts import TokenTexts
 from prismgate.core.turns import ChatTurn, Turn
@@ -86,6 +87,10 @@ class SessionService:
     def readouts(self, model: str | None = None) -> ReadoutManifest:
         """The model's readout manifest; INVALID_ARGUMENT when it has no concept pack."""
         return self.models.readouts(model)
+
+    def check_steering(self, steering: Steering, model: str | None = None) -> None:
+        """Refuse steering the model cannot take, before a turn is planned (every generation checks it again)."""
+        checks.check_steering(self.info(model), steering)
 
     def token_texts(self, model: str | None = None) -> TokenTexts:
         """Token id -> (text, exact bytes) for the model, cached per model (logprob displays)."""
@@ -140,6 +145,7 @@ class SessionService:
         self.budget.check_prompt(turn.prompt, info.max_model_len)
         if turn.readouts:
             self.readouts(info.model_id)
+        checks.check_steering(info, turn.sampling.steering)
         append = await asyncio.to_thread(
             plan_prompt, self.models, info.model_id, timeline, images, turn.prompt, turn.placement
         )
@@ -197,6 +203,7 @@ class SessionService:
         done: Done | None = None
         with session.generation():
             before = session.snapshot() if action.atomic else None
+            steered_before = session.steering
             finished = False
             try:
                 async for event in self._run(session, action, session.id, request_id):
@@ -208,6 +215,7 @@ class SessionService:
             finally:
                 if before is not None and not finished:
                     session.restore(before)  # turn atomicity: see prismgate.core.turns
+                    session.steering = steered_before
             self.store.touch(session)
         # Done goes out after the session is released, so a client that stops reading
         # at Done can start its next turn at once.
@@ -233,6 +241,7 @@ class SessionService:
         checks.check_offset(session, action)
         base = old_length if action.offset is None else action.offset
         checks.check_readouts(info, spec)
+        checks.check_steering(info, spec.steering)
         check_fit(base + len(action.append_tokens), spec.max_tokens, info.max_model_len)
         checks.check_ranges(base + len(action.append_tokens), spec)
         if action.images and info.vision is None:  # say so before the image's tokens fail the vocabulary check
@@ -293,6 +302,9 @@ class SessionService:
             await stream.aclose()
         if done.finish_reason is not FinishReason.CANCELLED:
             session.tokens.extend(generated)
+            # the engine ran the whole timeline under this request's steering (reusing only
+            # positions that were computed under the same)
+            session.steering = steering.spans(spec.steering, len(tokens), len(session.tokens))
         yield done
 
 

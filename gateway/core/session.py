@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prismgate.core.errors import Code, GatewayError, exhausted, invalid, not_found, precondition
+from prismgate.core.steering import SteeredSpan, clip
 
 DEFAULT_TTL_S = 30 * 60
 
@@ -48,6 +49,7 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False
     pinned: bool = False  # kept alive by an open connection (Evergreen): never evicted for idling
+    steering: tuple[SteeredSpan, ...] = ()  # the steering each span was last computed under (core.steering)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -74,6 +76,7 @@ class Session:
         self.check_boundary(length, "truncation")
         del self.tokens[length:]
         self.images = [im for im in self.images if im.end <= length]
+        self.steering = clip(self.steering, length)
 
     @contextlib.contextmanager
     def generation(self) -> Iterator[None]:
@@ -165,6 +168,7 @@ class SessionStore:
         source.check_boundary(at_position, "fork")
         child = self.create(source.model, source.tokens[:at_position])
         child.images = [im for im in source.images if im.end <= at_position]
+        child.steering = clip(source.steering, at_position)
         return child
 
     def reserve(self, extra_tokens: int) -> None:

@@ -1,0 +1,83 @@
+"""The ``steering`` list as JSON, the one spelling OpenAI, GraphPipe and Evergreen's Struct share.
+
+``[{"concept": "french", "layer": 16, "scale": 8, "norm_match": false, "positions": "both"}, ...]``,
+or ``"direction": [numbers]`` instead of ``"concept"``. The count is checked against the
+request budget before any entry is read; what the entries mean (known concepts and layers,
+the scale's range) the core checks (:mod:`prismgate.core.steering`, :mod:`prismgate.core.checks`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from prismgate.core.budget import RequestBudget
+from prismgate.core.errors import GatewayError, invalid
+from prismgate.core.steering import Positions, Steering, SteeringEntry
+
+KEYS = ("concept", "direction", "layer", "scale", "norm_match", "positions")
+
+
+def read_steering(value: Any, budget: RequestBudget, where: str = "steering") -> Steering:
+    """A JSON list of steering entries (None or absent: no steering)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise invalid(f"{where} must be a list of steering entries, got {_kind(value)}")
+    budget.check_lists(steering_entries=len(value))
+    return tuple(_entry(item, f"{where}[{i}]") for i, item in enumerate(value))
+
+
+def _entry(item: Any, where: str) -> SteeringEntry:
+    if not isinstance(item, dict):
+        raise invalid(f"{where} must be an object, got {_kind(item)}")
+    unknown = sorted(set(item) - set(KEYS))
+    if unknown:
+        raise invalid(f"{where} has unknown keys {', '.join(map(repr, unknown))}; it takes {', '.join(KEYS)}")
+    layer = item.get("layer")
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise invalid(f"{where}.layer must be an integer (a layer of the concept pack), got {_kind(layer)}")
+    scale = item.get("scale")
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        raise invalid(f"{where}.scale must be a number, got {_kind(scale)}")
+    concept = item.get("concept")
+    if concept is not None and not isinstance(concept, str):
+        raise invalid(f"{where}.concept must be a string, got {_kind(concept)}")
+    direction = item.get("direction")
+    if direction is not None:
+        if not isinstance(direction, list) or not all(
+            isinstance(x, int | float) and not isinstance(x, bool) for x in direction
+        ):
+            raise invalid(f"{where}.direction must be a list of numbers")
+        direction = tuple(_float(x) for x in direction)
+    norm_match = item.get("norm_match", False)
+    if not isinstance(norm_match, bool):
+        raise invalid(f"{where}.norm_match must be true or false, got {_kind(norm_match)}")
+    positions = item.get("positions", Positions.BOTH.value)
+    choices = [p.value for p in Positions]
+    if positions not in choices:
+        raise invalid(f"{where}.positions must be one of {', '.join(choices)}, got {_kind(positions)}")
+    try:
+        return SteeringEntry(
+            layer=layer,
+            scale=_float(scale),
+            concept=concept,
+            direction=direction,
+            norm_match=norm_match,
+            positions=Positions(positions),
+        )
+    except GatewayError as exc:
+        raise invalid(f"{where}: {exc.message}") from None
+
+
+def _float(value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an integer past float range: out of every scale's range
+        return math.inf
+
+
+def _kind(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, str | int | float | bool) or value is None else type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -1,0 +1,118 @@
+"""Steering inside the forward pass: vectors added to the residual stream after a decoder layer.
+
+One hook per concept-pack layer, registered ahead of the readout hooks on the same layer, so
+the readouts of that layer and of every later one see the steered stream. Before each forward
+pass the step says which rows and which of their tokens each vector goes to (:meth:`Steerer.plan`);
+the hook touches only those slices. A row nobody steers is never written, so an unsteered
+request in a batch computes exactly what it computes alone. The add is done in float32 and
+cast back to the model's dtype once per vector.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from prismgate.core.errors import invalid
+from prismgate.core.steering import Positions, Steering
+from prismgate.engines.readouts.pack import ConceptPack
+from prismgate.engines.readouts.probe import decoder_layers
+
+
+@dataclass(frozen=True, slots=True)
+class Vector:
+    """A steering entry resolved against the pack: which hooked layer, and the unit vector on the device."""
+
+    index: int  # position of the layer in the pack's layer list (one hook each)
+    unit: torch.Tensor  # [hidden], float32
+    scale: float
+    norm_match: bool
+    positions: Positions
+
+
+@dataclass(frozen=True, slots=True)
+class RowPlan:
+    """Row ``row`` of the next forward pass runs timeline positions ``[start, start + tokens)``."""
+
+    row: int
+    start: int
+    tokens: int
+    prompt_len: int
+    vectors: tuple[Vector, ...]
+
+
+class Steerer:
+    def __init__(self, model: Any, pack: ConceptPack) -> None:
+        layers = decoder_layers(model)
+        param = next(model.parameters())
+        self.pack = pack
+        self._device = param.device
+        directions = torch.from_numpy(pack.directions).to(device=param.device, dtype=torch.float32)
+        self._directions = directions / directions.norm(dim=-1, keepdim=True)  # packs hold unit vectors; be sure
+        self._plan: dict[int, list[tuple[int, int, int, Vector]]] = {}
+        self._handles = [
+            layers[layer].register_forward_hook(self._hook(i), prepend=True) for i, layer in enumerate(pack.layers)
+        ]
+
+    def resolve(self, steering: Steering) -> tuple[Vector, ...]:
+        """The request's entries as vectors on the device (the core has checked them against the manifest)."""
+        vectors = []
+        for entry in steering:
+            if entry.layer not in self.pack.layers:
+                raise invalid(f"steering layer {entry.layer} is not a layer of the concept pack")
+            index = self.pack.layers.index(entry.layer)
+            if entry.concept is not None:
+                if entry.concept not in self.pack.concepts:
+                    raise invalid(f"unknown steering concept {entry.concept!r}")
+                unit = self._directions[index, self.pack.concepts.index(entry.concept)]
+            else:
+                unit = torch.tensor(entry.unit_direction(), dtype=torch.float32, device=self._device)
+            vectors.append(Vector(index, unit, entry.scale, entry.norm_match, entry.positions))
+        return tuple(vectors)
+
+    @contextlib.contextmanager
+    def plan(self, rows: Sequence[RowPlan]) -> Iterator[None]:
+        """Steer the next forward pass as ``rows`` say; nothing is steered outside the block."""
+        plan: dict[int, list[tuple[int, int, int, Vector]]] = {}
+        for r in rows:
+            for vector in r.vectors:
+                lo, hi = _covered(vector.positions, r.start, r.tokens, r.prompt_len)
+                if hi > lo:
+                    plan.setdefault(vector.index, []).append((r.row, lo, hi, vector))
+        self._plan = plan
+        try:
+            yield
+        finally:
+            self._plan = {}
+
+    def _hook(self, index: int) -> Any:
+        def hook(_module: Any, _args: Any, output: Any) -> None:
+            work = self._plan.get(index)
+            if not work:
+                return
+            hidden = output[0] if isinstance(output, tuple) else output
+            for row, lo, hi, vector in work:
+                h = hidden[row, lo:hi].to(torch.float32)
+                add = vector.scale * vector.unit
+                if vector.norm_match:
+                    add = h.norm(dim=-1, keepdim=True) * add
+                hidden[row, lo:hi] = (h + add).to(hidden.dtype)
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _covered(positions: Positions, start: int, tokens: int, prompt_len: int) -> tuple[int, int]:
+    """The tokens ``[lo, hi)`` of a row (positions ``start...``) that ``positions`` steers."""
+    end = start + tokens
+    if positions is Positions.BOTH:
+        return 0, tokens
+    split = min(max(prompt_len, start), end) - start  # tokens before the first generated position
+    return (0, split) if positions is Positions.PROMPT else (split, tokens)

@@ -1,0 +1,154 @@
+"""Concept steering: what a request adds to the residual stream, and where.
+
+A steering entry adds ``scale * direction`` to the hidden state after decoder layer ``layer``
+(the stream the readouts read) at the positions it names. ``direction`` is a concept of the
+model's pack (a unit vector) or a raw vector the client sends, normalised here to unit length
+so that ``scale`` means the same for both: the length of the vector added, in the residual
+stream's own units. With ``norm_match`` the added length is instead ``scale`` times the norm of
+the hidden state at that position, so one scale suits every layer and every token.
+
+The ranges (:data:`MAX_SCALE`, :data:`MAX_NORM_MATCHED_SCALE`) are wide enough to push a model
+far off its usual text and narrow enough that a typo (a scale of 1e6) is refused rather than
+decoded into garbage.
+
+Which positions: ``prompt`` steers the positions of the request's prompt (its whole timeline
+before the first generated token), ``generated`` the positions it generates, ``both`` all.
+A request's result depends only on its tokens and its spec, never on what a cache holds: the
+engine reuses the keys and values of a cached position only when that position was computed
+under the same steering (:func:`spans` and :func:`agreed_prefix` say which).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import itertools
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prismgate.core.errors import invalid
+
+MAX_SCALE = 256.0  # |scale| of an entry without norm matching: the length added, in residual units
+MAX_NORM_MATCHED_SCALE = 4.0  # |scale| with norm matching: a multiple of the hidden state's norm
+
+
+class Positions(enum.Enum):
+    PROMPT = "prompt"
+    GENERATED = "generated"
+    BOTH = "both"
+
+    def covers(self, position: int, prompt_len: int) -> bool:
+        if self is Positions.BOTH:
+            return True
+        return (position < prompt_len) == (self is Positions.PROMPT)
+
+
+@dataclass(frozen=True, slots=True)
+class SteeringEntry:
+    """One vector added at one layer: a pack concept by name, or a raw ``direction``."""
+
+    layer: int
+    scale: float
+    concept: str | None = None
+    direction: tuple[float, ...] | None = None
+    norm_match: bool = False
+    positions: Positions = Positions.BOTH
+
+    def __post_init__(self) -> None:
+        if (self.concept is None) == (self.direction is None):
+            raise invalid("a steering entry names a concept or carries a direction, exactly one of the two")
+        if self.concept == "":
+            raise invalid("a steering entry's concept must not be empty")
+        if self.layer < 0:
+            raise invalid(f"steering layer must be >= 0, got {self.layer}")
+        limit = MAX_NORM_MATCHED_SCALE if self.norm_match else MAX_SCALE
+        if not math.isfinite(self.scale) or abs(self.scale) > limit:
+            kind = "with" if self.norm_match else "without"
+            raise invalid(f"steering scale {kind} norm matching must be in [-{limit:g}, {limit:g}], got {self.scale}")
+        if self.direction is not None:
+            if not all(math.isfinite(x) for x in self.direction):
+                raise invalid("a steering direction must hold finite numbers only")
+            if not any(self.direction):
+                raise invalid("a steering direction must not be all zeros")
+
+    @property
+    def what(self) -> str:
+        return repr(self.concept) if self.concept is not None else "a raw direction"
+
+    def unit_direction(self) -> tuple[float, ...]:
+        """The raw direction at unit length (only for entries that carry one)."""
+        assert self.direction is not None
+        norm = math.sqrt(math.fsum(x * x for x in self.direction))
+        return tuple(x / norm for x in self.direction)
+
+
+Steering = tuple[SteeringEntry, ...]
+
+
+def active(steering: Steering, position: int, prompt_len: int) -> Steering:
+    """The entries that steer ``position`` of a request whose prompt is ``prompt_len`` tokens."""
+    return tuple(e for e in steering if e.positions.covers(position, prompt_len))
+
+
+def digest(steering: Steering) -> str:
+    """A short name for the steering of one position: equal digests, equal keys and values.
+
+    The empty steering is ``""``; entry order counts (the vectors are added in order, and
+    floating-point addition is not associative).
+    """
+    if not steering:
+        return ""
+    canonical = [
+        [e.layer, e.scale, e.concept, list(e.direction) if e.direction is not None else None, e.norm_match]
+        for e in steering
+    ]
+    return hashlib.sha256(json.dumps(canonical).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class SteeredSpan:
+    """Positions ``[start, end)`` computed under the steering whose :func:`digest` is ``digest``."""
+
+    start: int
+    end: int
+    digest: str
+
+
+def spans(steering: Steering, prompt_len: int, end: int) -> tuple[SteeredSpan, ...]:
+    """The steering of positions ``[0, end)`` of a request, as maximal runs of one digest.
+
+    Unsteered runs are listed too (digest ``""``), so the spans always tile ``[0, end)``.
+    """
+    cuts = sorted({0, min(prompt_len, end), end})
+    runs: list[SteeredSpan] = []
+    for start, stop in itertools.pairwise(cuts):
+        if stop <= start:
+            continue
+        d = digest(active(steering, start, prompt_len))
+        if runs and runs[-1].digest == d:
+            runs[-1] = SteeredSpan(runs[-1].start, stop, d)
+        else:
+            runs.append(SteeredSpan(start, stop, d))
+    return tuple(runs)
+
+
+def clip(record: Sequence[SteeredSpan], length: int) -> tuple[SteeredSpan, ...]:
+    """The record of a timeline cut to its first ``length`` positions (truncate, fork)."""
+    return tuple(SteeredSpan(s.start, min(s.end, length), s.digest) for s in record if s.start < length)
+
+
+def agreed_prefix(a: Sequence[SteeredSpan], b: Sequence[SteeredSpan]) -> int:
+    """How many leading positions ``a`` and ``b`` both cover with the same steering."""
+    at = 0
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i].digest != b[j].digest:
+            return at
+        at = min(a[i].end, b[j].end)
+        if a[i].end == at:
+            i += 1
+        if b[j].end == at:
+            j += 1
+    return at
