@@ -9,24 +9,52 @@ from prismgate.core.pool import EnginePool
 from prismgate.core.service import SessionService
 from prismgate.core.session import SessionStore
 from prismgate.engines.models import DEFAULT_MODEL_ID, resolve_model
+from prismgate.engines.readouts.auto import cached_pack_path
+from prismgate.engines.readouts.auto_engine import AutoPackEngine
 from prismgate.engines.readouts.pack import DEFAULT_PACKS
 from prismgate.settings import Settings
 
 DEFAULT_PACK = DEFAULT_PACKS / "smollm2-135m-instruct.safetensors"
 
 
+def builds_pack(settings: Settings, served_default: bool) -> bool:
+    """Whether the pack is built for the served model (``auto``): asked for, or no shipped pack fits."""
+    choice = (settings.concept_pack or "").lower()
+    return choice == "auto" or (not choice and not (served_default and DEFAULT_PACK.exists()))
+
+
 def concept_pack_for(settings: Settings, served_default: bool) -> Path | None:
+    """The pack file the engine loads; for ``auto``, the cache file (which may not be built yet)."""
+    if builds_pack(settings, served_default):
+        folder, _ = resolve_model(settings.model)
+        return cached_pack_path(
+            settings.concept_pack_cache, folder, pairs=settings.concept_pack_pairs, dtype=settings.dtype
+        )
     if settings.concept_pack is not None:
         return None if settings.concept_pack.lower() == "none" else Path(settings.concept_pack)
-    if served_default and DEFAULT_PACK.exists():
-        return DEFAULT_PACK
-    return None
+    return DEFAULT_PACK
 
 
 def build_engine(settings: Settings) -> Engine:
     folder, name = resolve_model(settings.model)
     model_id = settings.model_name or name
-    pack = concept_pack_for(settings, served_default=name == DEFAULT_MODEL_ID and not settings.model)
+    served_default = name == DEFAULT_MODEL_ID and not settings.model
+    pack = concept_pack_for(settings, served_default=served_default)
+    if pack is not None and builds_pack(settings, served_default):
+        return AutoPackEngine(
+            lambda built: _serving_engine(settings, folder, model_id, built),
+            model_dir=folder,
+            model_id=model_id,
+            pack_path=pack,
+            pairs=settings.concept_pack_pairs,
+            dtype=settings.dtype,
+            device=settings.device,
+            threads=settings.threads or 1,
+        )
+    return _serving_engine(settings, folder, model_id, pack)
+
+
+def _serving_engine(settings: Settings, folder: Path, model_id: str, pack: Path | None) -> Engine:
     if settings.engine == "vllm":
         from prismgate.engines.vllm import VLLMEngine  # optional: only in the vLLM environment
 

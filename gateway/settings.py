@@ -69,7 +69,9 @@ class Settings:
     model_name: str | None = setting(None, "Name clients use for the model (default: the folder's name).")
     concept_pack: str | None = setting(
         None,
-        "Concept pack (.safetensors) for readouts; default: the embedded pack for the default model; 'none' disables.",
+        "Concept pack (.safetensors) for readouts; 'auto' builds one for the served model on first start and "
+        "caches it (see concept_pack_cache); 'none' disables. Default: the embedded pack for the default model, "
+        "else 'auto'.",
     )
     device: str = setting("auto", "transformers engine: cpu, cuda, cuda:N or auto.")
     dtype: str = setting("auto", "Weights dtype.", choices=("auto", "bfloat16", "float16", "float32"))
@@ -170,6 +172,14 @@ class Settings:
         64 * 1024 * 1024, "Largest GraphPipe request body; a larger one is refused without being read."
     )
     graphpipe_max_batch: int = setting(256, "Most rows (prompts or token rows) in one GraphPipe request.")
+    concept_pack_cache: str | None = setting(
+        None,
+        "Folder of concept packs built by --concept-pack auto, one file per model digest "
+        "(default: $XDG_CACHE_HOME/prismgate/packs, else ~/.cache/prismgate/packs).",
+    )
+    concept_pack_pairs: int = setting(
+        12, "--concept-pack auto: prompt pairs per concept the build uses (more: steadier directions, longer build)."
+    )
 
     # -- slow readers (owned by codecs: every protocol's streaming output) -----------------
     slow_client_timeout_s: float = setting(

@@ -21,7 +21,8 @@ The command line is :mod:`.cli`; :func:`main` here is kept for ``python -m`` and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -152,12 +153,14 @@ def build_pack_and_report(
     layer_note: str = "",
     model: Any = None,
     tokenizer: Any = None,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[ConceptPack, SeparationReport | None]:
     """Build a pack at ``layers`` and, if ``report_layers`` is given, a held-out separation report there.
 
     ``model``/``tokenizer`` may be passed already loaded (``dtype``/``device`` are then unused);
     otherwise they are loaded from ``model_dir`` by the engine's loader. ``layer_note`` (why
-    these layers) is appended to the pack's ``method``.
+    these layers) is appended to the pack's ``method``. ``progress``, if given, hears how far each
+    pass over the prompts has got.
     """
     sets = checked_sets(prompt_sets)
     if model is None or tokenizer is None:
@@ -169,6 +172,10 @@ def build_pack_and_report(
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     capture = Capture(batch_size=batch_size, skip_first=skip_first, outlier_factor=outlier_factor, pad_id=pad)
+    passes = 1 if report_layers is None else 2
+    if progress is not None:
+        say = progress
+        capture = replace(capture, on_batch=lambda done, total: say(f"pass 1/{passes}: batch {done}/{total}"))
     prompts = capture_prompts(model, tokenizer, sets, wanted, capture, threads)
     directions = concept_directions(sets, prompts, layers)
     pack = ConceptPack(
@@ -188,6 +195,8 @@ def build_pack_and_report(
     report = None
     if report_layers is not None:
         report_at = tuple(sorted(set(report_layers)))
+        if progress is not None:
+            capture = replace(capture, on_batch=lambda done, total: say(f"pass 2/2: batch {done}/{total}"))
         report = separation_report(model, sets, prompts, capture, report_at, folds=folds, threads=threads)
     return pack, report
 

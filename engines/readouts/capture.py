@@ -127,6 +127,7 @@ class Capture:
     skip_first: int = SKIP_FIRST
     outlier_factor: float | None = OUTLIER_FACTOR
     pad_id: int = 0
+    on_batch: Callable[[int, int], None] | None = None  # (batches done, batches in the pass): progress for long builds
 
     def run(
         self, model: Any, token_ids: Sequence[Sequence[int]], layers: Sequence[int], on_layer: LayerCallback
@@ -187,6 +188,8 @@ class Capture:
                     pass
                 else:
                     raise RuntimeError("capture hooks did not fire on the deepest requested layer")
+                if self.on_batch is not None:
+                    self.on_batch(start // self.batch_size + 1, -(-len(order) // self.batch_size))
         finally:
             for handle in handles:
                 handle.remove()
