@@ -147,12 +147,17 @@ def vs_vllm_section(vs: dict[str, Any], name: str, where: str) -> list[str]:
         "positions. All servers up at once, rounds alternating; medians, ratios to `vllm serve`.",
         "`frontend_cpu_ms_per_token`: CPU time of the API-server process alone (vLLM's engine core and",
         "workers excluded) per streamed token. Targets: decode >= 0.97 off, >= 0.95 on every token, TTFT <= 1.05.",
+        *([machine_load(vs["load_average"])] if "load_average" in vs else []),
         "",
         f"![{name}]({rel(plot_bars(vs, name, 'streams', 'server', 'decode_rate_ratio', VS_TITLE))})",
         "",
         table(vs["rows"], VS_COLUMNS),
         "",
     ]
+
+
+def machine_load(load: list[float]) -> str:
+    return f"Machine load (1-minute average): {load[0]:.1f} at the start of the measurements, {load[1]:.1f} at the end."
 
 
 def rel(path: Path) -> str:
