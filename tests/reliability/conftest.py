@@ -193,6 +193,8 @@ class UnderAttack:
             thread.join(130)
 
     def __exit__(self, kind: object, *_: object) -> None:
+        if kind is None:  # an attack shorter than one request: the victim's request overlaps its end
+            wait_until(lambda: self.victims >= 1 or bool(self.failures), self.victim_limit_s)
         self.stop()
         if kind is not None:
             return
