@@ -178,10 +178,9 @@ class Guard:
         except SlowReader as exc:
             log.info("%s stream dropped: %s", self.protocol, exc.message)
             raise
-        except Exception:
-            if context.done() or context.cancelled():
-                return False
-            raise
+        except Exception as exc:  # grpc's ExecuteBatchError: the call ended under the write (a client cancel)
+            log.debug("%s: a write failed, the call is over: %r", self.protocol, exc)
+            return False
         return True
 
     def handlers(self, handlers: Mapping[str, grpc.RpcMethodHandler]) -> dict[str, grpc.RpcMethodHandler]:

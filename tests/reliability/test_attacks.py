@@ -254,13 +254,25 @@ def test_9_garbage_on_the_evergreen_grpc_stream(server: LiveServer) -> None:
 
 
 def test_9_a_cancelled_salience_stream_logs_no_error(server: LiveServer, caplog: pytest.LogCaptureFixture) -> None:
+    """Cancelled while the server waits to write (the client stopped reading first): the case that logged."""
     caplog.set_level(logging.DEBUG)
-    with UnderAttack(server.http_url), grpc.insecure_channel(server.grpc_target) as channel:
+    options = [("grpc.http2.lookahead_bytes", 16 * 1024), ("grpc.http2.bdp_probe", 0)]
+    with UnderAttack(server.http_url), grpc.insecure_channel(server.grpc_target, options=options) as channel:
         stub = salience_pb2_grpc.SalienceStub(channel)
-        for _ in range(10):
+        for _ in range(5):
             sid = stub.OpenSession(spb.OpenSessionRequest(model=TINY_MODEL_ID)).session_id
-            call = stub.Generate(spb.GenerateRequest(session_id=sid, append_tokens=[72, 105], max_tokens=200))
+            request = spb.GenerateRequest(
+                session_id=sid,
+                append_tokens=[72, 105],
+                max_tokens=300,
+                top_k=1,
+                readout_ranges=[spb.PositionRange(start=2, end=302)],
+                logprobs_ranges=[spb.PositionRange(start=2, end=302)],
+                logprob_top_k=20,
+            )
+            call = stub.Generate(request)
             next(call)
+            time.sleep(0.5)  # the flow-control window fills: the server is left waiting on a write
             call.cancel()
             assert wait_until(lambda sid=sid: not server.service.session(sid).busy, 10)
             stub.CloseSession(spb.CloseSessionRequest(session_id=sid))
