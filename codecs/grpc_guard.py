@@ -16,13 +16,13 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import grpc
 
 from prismgate.auth import check_bearer
-from prismgate.codecs.outflow import SlowReader
+from prismgate.codecs.outflow import SlowReader, reader_deadline
 from prismgate.codecs.status import wire_status
 from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.core.service import SessionService
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 Unary = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 Streaming = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+Writer = Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]
 T = TypeVar("T")
 
 
@@ -53,12 +54,6 @@ async def closing(stream: AsyncIterator[T]) -> AsyncGenerator[AsyncIterator[T], 
         aclose = getattr(stream, "aclose", None)
         if aclose is not None:
             await aclose()
-
-
-async def _close(stream: AsyncIterator[Any]) -> None:
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        await aclose()
 
 
 def metadata(context: grpc.aio.ServicerContext, name: str) -> str | None:
@@ -132,25 +127,6 @@ class Guard:
         self.service.monitor.refused(self.protocol, Code.INTERNAL)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
 
-    @contextlib.contextmanager
-    def _reader_deadline(self, fields: dict[str, str]) -> Iterator[None]:
-        """grpc.aio writes a yielded message before it asks for the next one; a write the client
-        does not take within ``slow_client_timeout_s`` cancels the call (the client sees CANCELLED)."""
-        task = asyncio.current_task()
-        if self.slow_client_timeout_s is None or task is None:
-            yield
-            return
-        timer = asyncio.get_running_loop().call_later(self.slow_client_timeout_s, self._drop, task, fields)
-        try:
-            yield
-        finally:
-            timer.cancel()
-
-    def _drop(self, task: asyncio.Task[Any], fields: dict[str, str]) -> None:
-        with log_context(**fields):
-            log.info("%s stream dropped: %s", self.protocol, SlowReader(self.slow_client_timeout_s or 0).message)
-        task.cancel()
-
     def unary(self, method: str, behavior: Unary) -> Unary:
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
@@ -164,42 +140,48 @@ class Guard:
 
         return guarded
 
-    def streaming(self, method: str, behavior: Streaming, *, client_streams: bool) -> Streaming:
-        """A streaming handler whose log fields are bound around each step, never across a ``yield``.
+    def streaming(self, method: str, behavior: Streaming, *, client_streams: bool) -> Writer:
+        """A streaming handler that writes each message itself (``context.write``), in one task.
 
-        grpc.aio may leave this generator suspended at a ``yield`` when the client cancels,
-        and the event loop's finaliser then closes it from a task of its own: a context
-        variable set before the ``yield`` would be reset in another Context ("was created in
-        a different Context", then "Task exception was never retrieved").
+        Why not an async generator: grpc.aio may leave a generator suspended at a ``yield``
+        when the client cancels and close it later from another task (a context variable set
+        before the ``yield`` is then reset in another Context: "was created in a different
+        Context", "Task exception was never retrieved"), and it logs a write the client
+        cancelled as an error. Writing here keeps the log fields, the slow-reader deadline
+        and a cancelled write in this handler's own hands.
         """
 
-        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            fields = self._fields(context, method)
-            events: AsyncIterator[Any] | None = None
-            try:
-                with log_context(**fields):
+        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> None:
+            with log_context(**self._fields(context, method)):
+                try:
                     self._authenticate(context)
                     checked = _checked_stream(request) if client_streams else _checked(request)
-                    events = behavior(checked, context)
-                while True:
-                    with log_context(**fields):
-                        try:
-                            event = await anext(events)
-                        except StopAsyncIteration:
-                            return
-                    with self._reader_deadline(fields):
-                        yield event
-            except (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit):
-                raise
-            except Exception as exc:
-                with log_context(**fields):
+                    async with closing(behavior(checked, context)) as events:
+                        async for event in events:
+                            if not await self._write(context, event):
+                                return
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:
                     await self._fail(context, method, exc)
-            finally:
-                if events is not None:
-                    with log_context(**fields):
-                        await _close(events)
 
         return guarded
+
+    async def _write(self, context: grpc.aio.ServicerContext, message: Any) -> bool:
+        """Send one message; False when the client has gone (nothing more to do, nothing to log)."""
+        try:
+            if self.slow_client_timeout_s is None:
+                await context.write(message)
+            else:
+                async with reader_deadline(self.slow_client_timeout_s):
+                    await context.write(message)
+        except SlowReader as exc:
+            log.info("%s stream dropped: %s", self.protocol, exc.message)
+            raise
+        except Exception as exc:  # grpc's ExecuteBatchError: the call ended under the write (a client cancel)
+            log.debug("%s: a write failed, the call is over: %r", self.protocol, exc)
+            return False
+        return True
 
     def handlers(self, handlers: Mapping[str, grpc.RpcMethodHandler]) -> dict[str, grpc.RpcMethodHandler]:
         """The same method handlers, each guarded."""
