@@ -53,7 +53,7 @@ class Steerer:
         self._device = param.device
         directions = torch.from_numpy(pack.directions).to(device=param.device, dtype=torch.float32)
         self._directions = directions / directions.norm(dim=-1, keepdim=True)  # packs hold unit vectors; be sure
-        self._plan: dict[int, list[tuple[int, int, int, Vector]]] = {}
+        self._plan: dict[int, list[Group]] = {}
         self._handles = [
             layers[layer].register_forward_hook(self._hook(i), prepend=True) for i, layer in enumerate(pack.layers)
         ]
@@ -77,13 +77,7 @@ class Steerer:
     @contextlib.contextmanager
     def plan(self, rows: Sequence[RowPlan]) -> Iterator[None]:
         """Steer the next forward pass as ``rows`` say; nothing is steered outside the block."""
-        plan: dict[int, list[tuple[int, int, int, Vector]]] = {}
-        for r in rows:
-            for vector in r.vectors:
-                lo, hi = _covered(vector.positions, r.start, r.tokens, r.prompt_len)
-                if hi > lo:
-                    plan.setdefault(vector.index, []).append((r.row, lo, hi, vector))
-        self._plan = plan
+        self._plan = _groups(rows)
         try:
             yield
         finally:
@@ -91,22 +85,60 @@ class Steerer:
 
     def _hook(self, index: int) -> Any:
         def hook(_module: Any, _args: Any, output: Any) -> None:
-            work = self._plan.get(index)
-            if not work:
+            groups = self._plan.get(index)
+            if not groups:
                 return
             hidden = output[0] if isinstance(output, tuple) else output
-            for row, lo, hi, vector in work:
-                h = hidden[row, lo:hi].to(torch.float32)
-                add = vector.scale * vector.unit
-                if vector.norm_match:
-                    add = h.norm(dim=-1, keepdim=True) * add
-                hidden[row, lo:hi] = (h + add).to(hidden.dtype)
+            for group in groups:
+                h = hidden[group.rows, group.lo : group.hi].to(torch.float32)  # [k, tokens, hidden]
+                add = group.add
+                if group.norm_matched is not None:
+                    add = add * torch.where(group.norm_matched, h.norm(dim=-1, keepdim=True), 1.0)
+                hidden[group.rows, group.lo : group.hi] = (h + add).to(hidden.dtype)
 
         return hook
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """Vectors added at one layer to tokens ``[lo, hi)`` of several rows in one indexed write."""
+
+    rows: torch.Tensor  # [k], distinct rows
+    lo: int
+    hi: int
+    add: torch.Tensor  # [k, 1, hidden]: scale * unit
+    norm_matched: torch.Tensor | None  # [k, 1, 1] bool: multiply by the hidden state's norm; None: none is
+
+
+def _groups(rows: Sequence[RowPlan]) -> dict[int, list[Group]]:
+    """The work of each hooked layer: one indexed write per token range and per round.
+
+    A row with several vectors at one layer gets them one round after another, in its
+    order (the second norm-matched vector sees the stream the first has changed).
+    """
+    waves: dict[tuple[int, int, int, int], list[tuple[int, Vector]]] = {}
+    for r in rows:
+        seen: dict[int, int] = {}
+        for vector in r.vectors:
+            lo, hi = _covered(vector.positions, r.start, r.tokens, r.prompt_len)
+            if hi <= lo:
+                continue
+            wave = seen[vector.index] = seen.get(vector.index, -1) + 1
+            waves.setdefault((vector.index, wave, lo, hi), []).append((r.row, vector))
+    plan: dict[int, list[Group]] = {}
+    for (index, _wave, lo, hi), members in sorted(waves.items(), key=lambda item: item[0][1]):
+        device = members[0][1].unit.device
+        add = torch.stack([v.scale * v.unit for _, v in members]).unsqueeze(1)
+        norm_matched = None
+        if any(v.norm_match for _, v in members):
+            norm_matched = torch.tensor([v.norm_match for _, v in members], device=device).view(-1, 1, 1)
+        group = Group(torch.tensor([row for row, _ in members], device=device), lo, hi, add, norm_matched)
+        plan.setdefault(index, []).append(group)
+    return plan
 
 
 def _covered(positions: Positions, start: int, tokens: int, prompt_len: int) -> tuple[int, int]:

@@ -1,0 +1,122 @@
+"""Benchmark 5: what concept steering costs, in decode tokens/s.
+
+    .venv/bin/python -m bench.steering [--quick] [--models tiny,smollm2] [--batch 8]
+
+The transformers engine, driven through ``SessionService`` in-process (no wire), greedy,
+``--batch`` requests at once (so their decode steps run as one batched forward pass), three
+ways, interleaved round by round:
+
+* ``off``: no request steers;
+* ``all``: every request steers with one vector (a pack concept at a middle pack layer,
+  every position);
+* ``mixed``: every other request steers, the rest do not: steered and unsteered rows share
+  each batched step.
+
+Tokens/s is the batch's decoded tokens over the time from its first decoded token to its
+last; the figure is the median over rounds, and ratios are to ``off`` in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import Server, median, serve, settings, table, tiny_model, write_results
+
+MODES = ("off", "all", "mixed")
+
+
+async def one(service: Any, prompt: tuple[int, ...], spec: Any, marks: list[float]) -> int:
+    from prismgate.core.actions import GenerateAction
+    from prismgate.core.events import TokenEvent
+
+    tokens = 0
+    async for event in service.run(GenerateAction(append_tokens=prompt, spec=spec, origin="bench")):
+        if isinstance(event, TokenEvent) and not event.is_prefill:
+            tokens += 1
+            marks.append(time.perf_counter())
+    return tokens
+
+
+async def round_of(service: Any, prompts: list[tuple[int, ...]], max_tokens: int, mode: str) -> float:
+    from prismgate.core.actions import GenerateSpec
+    from prismgate.core.steering import SteeringEntry
+
+    manifest = service.info().readouts
+    layer = manifest.layers[len(manifest.layers) // 2]
+    entry = SteeringEntry(layer=layer, scale=4.0, concept=manifest.concepts[0])
+    specs = []
+    for i in range(len(prompts)):
+        steered = mode == "all" or (mode == "mixed" and i % 2 == 0)
+        specs.append(
+            GenerateSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, steering=(entry,) if steered else ())
+        )
+    marks: list[float] = []
+    counts = await asyncio.gather(*(one(service, p, s, marks) for p, s in zip(prompts, specs, strict=True)))
+    return (sum(counts) - len(prompts)) / (max(marks) - min(marks))
+
+
+async def measure(name: str, server: Server, args: argparse.Namespace) -> list[dict[str, Any]]:
+    tokenizer = server.service.info().tokenizer
+    prompts = [
+        tuple(tokenizer.encode(f"Request {i}: the history of the lighthouse begins with the first fires"))
+        for i in range(args.batch)
+    ]
+    await round_of(server.service, prompts, 8, "all")  # warm-up
+    rates: dict[str, list[float]] = {m: [] for m in MODES}
+    for rep in range(args.reps):
+        for mode in MODES[rep % 3 :] + MODES[: rep % 3]:
+            rates[mode].append(await round_of(server.service, prompts, args.max_tokens, mode))
+    base = median(rates["off"])
+    rows = [
+        {
+            "model": name,
+            "batch": args.batch,
+            "steering": mode,
+            "tokens_per_s": median(rates[mode]),
+            "ratio_to_off": median(rates[mode]) / base,
+        }
+        for mode in MODES
+    ]
+    print(table(rows, list(rows[0])), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--models", default="tiny,smollm2")
+    parser.add_argument("--batch", type=int, default=8, help="requests decoding at once (8)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (96; quick 32)")
+    parser.add_argument("--reps", type=int, default=None, help="rounds per mode (7; quick 3)")
+    args = parser.parse_args(argv)
+    args.max_tokens = args.max_tokens or (32 if args.quick else 96)
+    args.reps = args.reps or (3 if args.quick else 7)
+    rows: list[dict[str, Any]] = []
+    for name in args.models.split(","):
+        if name == "tiny":
+            model_dir, pack = tiny_model(512)
+            config = settings(model=str(model_dir), model_name="tiny-llama", concept_pack=str(pack))
+        elif name == "smollm2":
+            config = settings()  # the embedded model and its default pack
+        else:
+            parser.error(f"unknown model {name!r}")
+        with serve(config) as server:
+            rows += asyncio.run_coroutine_threadsafe(measure(name, server, args), server.loop).result()
+    path = write_results(
+        "steering",
+        {"quick": args.quick, "batch": args.batch, "max_tokens": args.max_tokens, "reps": args.reps, "rows": rows},
+    )
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
