@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from prismgate.core.engine import Engine
@@ -50,7 +49,7 @@ def build_engine(settings: Settings) -> Engine:
             pairs=settings.concept_pack_pairs,
             dtype=settings.dtype,
             device=settings.device,
-            threads=settings.threads or os.cpu_count() or 1,  # nothing is served yet: the build may use every core
+            threads=settings.threads or 1,  # one thread unless told: torch threads on a busy machine slow a build down
         )
     return _serving_engine(settings, folder, model_id, pack)
 
