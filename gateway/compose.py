@@ -49,7 +49,7 @@ def build_engine(settings: Settings) -> Engine:
             pairs=settings.concept_pack_pairs,
             dtype=settings.dtype,
             device=settings.device,
-            threads=settings.threads or 1,
+            threads=settings.threads or 1,  # one thread unless told: torch threads on a busy machine slow a build down
         )
     return _serving_engine(settings, folder, model_id, pack)
 

@@ -178,7 +178,7 @@ class Settings:
         "(default: $XDG_CACHE_HOME/prismgate/packs, else ~/.cache/prismgate/packs).",
     )
     concept_pack_pairs: int = setting(
-        12, "--concept-pack auto: prompt pairs per concept the build uses (more: steadier directions, longer build)."
+        8, "--concept-pack auto: prompt pairs per concept the build uses (more: steadier directions, longer build)."
     )
 
     # -- slow readers (owned by codecs: every protocol's streaming output) -----------------

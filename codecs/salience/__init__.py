@@ -1,8 +1,9 @@
 """The Salience codec: salience.v1 (stateful generation with readouts) over gRPC.
 
-Also serves the companion ``salience.images.v1.ImageTokens`` (image token counts).
-Both run behind the same guard: the optional bearer token and GatewayError -> status
-mapping (see :mod:`prismgate.codecs.grpc_guard`). See docs/salience.md.
+Also serves the companions ``salience.images.v1.ImageTokens`` (image token counts) and
+``salience.tokens.v1.Tokens`` (text to ids and back). All run behind the same guard: the
+optional bearer token and GatewayError -> status mapping (see
+:mod:`prismgate.codecs.grpc_guard`). See docs/salience.md.
 """
 
 from __future__ import annotations
@@ -12,17 +13,18 @@ import grpc
 from prismgate.codecs.grpc_guard import Guard, add_guarded
 from prismgate.codecs.salience.images import ImageTokensServicer
 from prismgate.codecs.salience.servicer import SalienceServicer
+from prismgate.codecs.salience.tokens import TokensServicer
 from prismgate.core.service import SessionService
-from prismgate.schemas import salience_images_pb2_grpc, salience_pb2_grpc
+from prismgate.schemas import salience_images_pb2_grpc, salience_pb2_grpc, salience_tokens_pb2_grpc
 from prismgate.settings import Settings
 
-__all__ = ["ImageTokensServicer", "SalienceServicer", "add_to_server"]
+__all__ = ["ImageTokensServicer", "SalienceServicer", "TokensServicer", "add_to_server"]
 
 PROTOCOL = "salience"
 
 
 def add_to_server(server: grpc.aio.Server, service: SessionService, settings: Settings) -> list[str]:
-    """Register salience.v1.Salience and salience.images.v1.ImageTokens; return their full names."""
+    """Register salience.v1.Salience and its companions; return their full names."""
     guard = Guard(service, PROTOCOL, settings.auth_token, slow_client_timeout_s=settings.slow_client_timeout_s)
     return [
         add_guarded(
@@ -34,4 +36,5 @@ def add_to_server(server: grpc.aio.Server, service: SessionService, settings: Se
         add_guarded(
             server, salience_images_pb2_grpc.add_ImageTokensServicer_to_server, ImageTokensServicer(service), guard
         ),
+        add_guarded(server, salience_tokens_pb2_grpc.add_TokensServicer_to_server, TokensServicer(service), guard),
     ]

@@ -62,6 +62,8 @@ class AutoPackEngine:
             log.info("concept pack: reusing %s", self.pack_path, extra={"pack": str(self.pack_path)})
         else:
             pack = await self._build()
+            if self._closing:  # stopped while building: the model is never loaded
+                return
         self._inner = self._make(pack)  # before start(): a model that fails to load reports FAILED
         await self._inner.start()
         self.info = self._inner.info

@@ -166,3 +166,30 @@ def test_the_gpu_profile_keeps_built_packs_on_a_volume() -> None:
         and "chown -R prismgate:prismgate /home/prismgate/.cache" in dockerfile
     )
     assert "USER 10001:10001" in dockerfile
+
+
+async def test_stopped_while_building_never_loads_the_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from prismgate.core.health import STOPPING
+    from prismgate.engines.hf import TransformersEngine
+    from prismgate.engines.readouts.auto_engine import AutoPackEngine
+
+    made: list[Path | None] = []
+
+    def make(pack: Path | None) -> TransformersEngine:
+        made.append(pack)
+        return TransformersEngine(tiny_model_dir, model_id=TINY_MODEL_ID, concept_pack=pack, threads=1)
+
+    path = tmp_path / "pack.safetensors"
+    engine = AutoPackEngine(make, model_dir=tiny_model_dir, model_id=TINY_MODEL_ID, pack_path=path, pairs=40)
+    starting = asyncio.create_task(engine.start())
+    for _ in range(6000):  # polled: the build reports through health(), as /readyz reads it
+        if engine.health().reason.startswith("building concept pack"):
+            break
+        await asyncio.sleep(0.005)
+    else:
+        raise AssertionError("the build never reported itself in health()")
+    await engine.close()
+    assert engine.health() == STOPPING
+    await starting
+    assert made == [], "no model is loaded for a gateway that is going away"
+    assert path.exists(), "the finished build is still cached for the next start"
