@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from prismgate.compose import concept_pack_for
@@ -54,12 +55,16 @@ def test_first_start_builds_second_start_reuses(
 
     with caplog.at_level(logging.INFO, logger="prismgate.readouts"), run_server(settings) as server:
         manifest, entries = readouts_of(server)
+        playground = httpx.get(f"{server.http_url}/playground/manifest.json", timeout=10).json()
     assert [p.name for p in cache.iterdir()] == [expected.name], "one pack, named by the digest; no partial files"
     pack = ConceptPack.load(expected)
     names = sorted(s.name for s in load_prompt_sets([Path(pack_module_dir(), "prompt_sets")]))
     assert list(pack.concepts) == names == manifest["concepts"]
     assert manifest["layers"] == list(pack.layers) and set(pack.layers) <= {0, 1, 2}
     assert "separation report" in pack.method and pack.scales is not None and pack.model_id == TINY_MODEL_ID
+    scales = playground["readouts"]["scales"]
+    assert scales is not None, "the playground's fixed colour scale comes from the built pack"
+    assert np.allclose(scales, pack.scales)
     assert entries and all(len(e["values"]) == len(pack.layers) for e in entries)
     assert all(len(row) == len(names) for e in entries for row in e["values"])
     built = [r.getMessage() for r in caplog.records if "concept pack: built" in r.getMessage()]
