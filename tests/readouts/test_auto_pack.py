@@ -198,3 +198,18 @@ async def test_stopped_while_building_never_loads_the_model(tiny_model_dir: Path
     await starting
     assert made == [], "no model is loaded for a gateway that is going away"
     assert path.exists(), "the finished build is still cached for the next start"
+
+
+def test_cli_build_chooses_layers_like_auto(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from prismgate.engines.readouts.cli import main
+
+    out = tmp_path / "pack.safetensors"
+    assert main(["build", "--model", str(tiny_model_dir), "--layers", "auto", "--out", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().err
+    pack = ConceptPack.load(out)
+    assert pack.layers and set(pack.layers) <= {0, 1}, "the last of the 3 layers is left out when there is a choice"
+    assert "chosen by the held-out separation report" in pack.method
+    assert pack.directions.shape[0] == len(pack.layers) and pack.scales is not None
+    assert pack.scales.shape[0] == len(pack.layers)
