@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import logging
 import os
 import re
 import time
@@ -32,8 +31,6 @@ from prismgate.engines.readouts.pack import FORMAT, ConceptPack
 from prismgate.engines.readouts.probe import decoder_layers
 from prismgate.engines.readouts.prompt_sets import PromptSet, load_prompt_sets, prompt_sets_digest
 from prismgate.engines.readouts.report import SeparationReport
-
-log = logging.getLogger("prismgate.readouts")
 
 DEFAULT_PAIRS = 8  # per concept: SmolLM2-135M builds in 14 s (+15 s loading) on one thread of a busy 2-core machine
 MAX_LAYERS = 8  # layers a built pack reads after, as many as the embedded pack
@@ -159,7 +156,8 @@ def select_layers(report: SeparationReport, n_layers: int, count: int = MAX_LAYE
     return layers, note
 
 
-def _subset(pack: ConceptPack, layers: tuple[int, ...], note: str) -> ConceptPack:
+def pack_at_layers(pack: ConceptPack, layers: tuple[int, ...], note: str) -> ConceptPack:
+    """``pack`` kept at ``layers`` only (a subset of its own), ``note`` (why these) added to its method."""
     rows = [pack.layers.index(x) for x in layers]
     return replace(
         pack,
@@ -223,7 +221,7 @@ def build_auto_pack(
         _free_accelerator_memory()
     assert report is not None
     layers, note = select_layers(report, n_layers)
-    pack = _subset(pack, layers, note)
+    pack = pack_at_layers(pack, layers, note)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.{os.getpid()}.partial")

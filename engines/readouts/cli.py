@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from prismgate.core.errors import GatewayError, invalid
+from prismgate.engines.readouts.auto import pack_at_layers, select_layers
 from prismgate.engines.readouts.build import (
     DEFAULT_LAYERS,
     DEFAULT_LAYERS_NOTE,
@@ -30,8 +31,8 @@ from prismgate.engines.readouts.show import describe, print_readouts, print_simi
 
 
 def _layer_list(text: str) -> list[int] | str:
-    if text.strip() == "all":
-        return "all"
+    if text.strip() in ("all", "auto"):
+        return text.strip()
     try:
         return [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
@@ -70,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
         "--layers",
         type=_layer_list,
         metavar="L1,L2,...",
-        help="decoder layers to read after, 0-based (default for the embedded model: "
+        help="decoder layers to read after, 0-based; 'auto': up to 8 chosen by the held-out separation report "
+        "over every layer, as --concept-pack auto does (default for the embedded model: "
         f"{','.join(map(str, DEFAULT_LAYERS))})",
     )
     b.add_argument("--out", required=True, metavar="PACK", help="where to write the pack (.safetensors)")
@@ -142,18 +144,24 @@ def _cmd_build(args: argparse.Namespace) -> int:
     layers = args.layers
     if layers is None:
         if not is_default:
-            raise invalid("--layers is required for a model other than the embedded default")
+            raise invalid(
+                "--layers is required for a model other than the embedded default "
+                "(layer numbers, or 'auto' to choose them by the held-out separation report)"
+            )
         layers = list(DEFAULT_LAYERS)
     sets = load_prompt_sets(args.prompt_sets)
     t0 = time.perf_counter()
     model, tokenizer = load_model(folder, dtype=args.dtype, device=args.device)
     n_layers = len(decoder_layers(model))
-    if layers == "all":
+    choose = layers == "auto"
+    if layers in ("all", "auto"):
         layers = list(range(n_layers))
     report_layers = None
     if args.report or args.report_json:
         rl = args.report_layers or layers
         report_layers = list(range(n_layers)) if rl == "all" else rl
+    if choose:
+        report_layers = sorted(set(report_layers or ()) | set(layers))
     t1 = time.perf_counter()
     note = DEFAULT_LAYERS_NOTE if is_default and tuple(layers) == DEFAULT_LAYERS else ""
     pack, report = build_pack_and_report(
@@ -170,6 +178,9 @@ def _cmd_build(args: argparse.Namespace) -> int:
         model=model,
         tokenizer=tokenizer,
     )
+    if choose:
+        assert report is not None
+        pack = pack_at_layers(pack, *select_layers(report, n_layers))
     t2 = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from prismgate.compose import concept_pack_for
@@ -54,12 +55,16 @@ def test_first_start_builds_second_start_reuses(
 
     with caplog.at_level(logging.INFO, logger="prismgate.readouts"), run_server(settings) as server:
         manifest, entries = readouts_of(server)
+        playground = httpx.get(f"{server.http_url}/playground/manifest.json", timeout=10).json()
     assert [p.name for p in cache.iterdir()] == [expected.name], "one pack, named by the digest; no partial files"
     pack = ConceptPack.load(expected)
     names = sorted(s.name for s in load_prompt_sets([Path(pack_module_dir(), "prompt_sets")]))
     assert list(pack.concepts) == names == manifest["concepts"]
     assert manifest["layers"] == list(pack.layers) and set(pack.layers) <= {0, 1, 2}
     assert "separation report" in pack.method and pack.scales is not None and pack.model_id == TINY_MODEL_ID
+    scales = playground["readouts"]["scales"]
+    assert scales is not None, "the playground's fixed colour scale comes from the built pack"
+    assert np.allclose(scales, pack.scales)
     assert entries and all(len(e["values"]) == len(pack.layers) for e in entries)
     assert all(len(row) == len(names) for e in entries for row in e["values"])
     built = [r.getMessage() for r in caplog.records if "concept pack: built" in r.getMessage()]
@@ -193,3 +198,18 @@ async def test_stopped_while_building_never_loads_the_model(tiny_model_dir: Path
     await starting
     assert made == [], "no model is loaded for a gateway that is going away"
     assert path.exists(), "the finished build is still cached for the next start"
+
+
+def test_cli_build_chooses_layers_like_auto(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from prismgate.engines.readouts.cli import main
+
+    out = tmp_path / "pack.safetensors"
+    assert main(["build", "--model", str(tiny_model_dir), "--layers", "auto", "--out", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().err
+    pack = ConceptPack.load(out)
+    assert pack.layers and set(pack.layers) <= {0, 1}, "the last of the 3 layers is left out when there is a choice"
+    assert "chosen by the held-out separation report" in pack.method
+    assert pack.directions.shape[0] == len(pack.layers) and pack.scales is not None
+    assert pack.scales.shape[0] == len(pack.layers)
