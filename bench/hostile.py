@@ -190,8 +190,8 @@ def gateway() -> Iterator[RunningGateway]:
         max_active=3,
         slow_client_timeout_s=SLOW_CLIENT_TIMEOUT_S,
         slow_client_buffer_bytes=64 << 10,
-        http_header_timeout_s=1.0,
-        http_body_timeout_s=1.0,
+        http_header_timeout_s=2.0,
+        http_body_timeout_s=2.0,
     )
     with serve_in_thread(values, ready_timeout=300) as server:
         yield server
@@ -202,15 +202,15 @@ def run(names: list[str]) -> list[dict[str, Any]]:
     with gateway() as server:
         for name in names:
             _, attack = ATTACKS[name]
-            watch = UnderAttack(server.http_url, model=MODEL)
+            watch = UnderAttack(server.http_url, model=MODEL).start()
             started = time.perf_counter()
-            with watch:
+            try:
                 watch.wait_for_victims(1, timeout=60)  # the watch is running before the attack starts
-                try:
-                    attack(server)
-                    error = ""
-                except Exception as exc:  # a broken attack is reported in its row, the others still run
-                    error = f"{type(exc).__name__}: {exc}"
+                attack(server)
+                error = ""
+            except Exception as exc:  # a broken attack is reported in its row, the others still run
+                error = f"{type(exc).__name__}: {exc}"
+            finally:
                 watch.stop()
             rows.append({"attack": name, "seconds": time.perf_counter() - started, **watch.report(), "error": error})
             print(_row(rows[-1]), flush=True)

@@ -65,10 +65,6 @@ class Outflow(Generic[T]):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await pump
 
-    @property
-    def buffered_bytes(self) -> int:
-        return self._buffered
-
     async def _run(self) -> None:
         try:
             async for item in self._source:

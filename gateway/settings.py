@@ -192,6 +192,11 @@ class Settings:
         "Output one stream may hold for a client that reads slowly: a generation that ends within it frees its "
         "engine slot at once; past it the generation waits for the client (up to slow_client_timeout_s).",
     )
+    openai_max_body_bytes: int = setting(
+        64 * 1024 * 1024,
+        "OpenAI API: largest request body (images included); a larger one is refused with 413, unread when its "
+        "Content-Length says so.",
+    )
 
     @classmethod
     def fields(cls) -> list[dataclasses.Field[Any]]:

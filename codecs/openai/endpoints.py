@@ -81,8 +81,23 @@ class OpenAIEndpoints:
 
     # -- helpers -------------------------------------------------------------------------
 
-    async def _body(self, request: Request) -> Any:
-        raw = await request.body()
+    async def _read(self, request: Request) -> bytes:
+        """The body, up to ``openai_max_body_bytes``: refused from its Content-Length before a byte is read."""
+        limit = self.settings.openai_max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_large(f"{declared} bytes", limit)
+        chunks: list[bytes] = []
+        total = 0
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise _too_large(f"over {limit} bytes", limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _body(self, request: Request, raw: bytes | None = None) -> Any:
+        raw = await self._read(request) if raw is None else raw
         try:
             return await json_input.loads_off_loop(raw, self.service.budget, "the request body")
         except GatewayError as exc:
@@ -194,8 +209,8 @@ class OpenAIEndpoints:
 
     async def open_session(self, request: Request) -> Response:
         try:
-            raw = await request.body()
-            body = await self._body(request) if raw.strip() else {}
+            raw = await self._read(request)
+            body = await self._body(request, raw) if raw.strip() else {}
             if not isinstance(body, dict):
                 raise bad_request("the request body must be a JSON object")
             model = body.get("model")
@@ -234,6 +249,14 @@ class OpenAIEndpoints:
                 code="unknown_url",
             )
         )
+
+
+def _too_large(size: str, limit: int) -> OpenAIError:
+    return OpenAIError(
+        413,
+        f"the request body is {size}; this server accepts at most {limit} bytes (openai_max_body_bytes)",
+        code="request_too_large",
+    )
 
 
 async def _collect(generation: Generation) -> list[Piece]:

@@ -181,11 +181,14 @@ class UnderAttack:
         target = self.victims + count
         assert wait_until(lambda: self.victims >= target, timeout), f"the victim was not served within {timeout}s"
 
-    def __enter__(self) -> UnderAttack:
+    def start(self) -> UnderAttack:
         self.rss_before = self.rss_peak = rss_mb(self.pid)
         for thread in self._threads:
             thread.start()
         return self
+
+    def __enter__(self) -> UnderAttack:
+        return self.start()
 
     def stop(self) -> None:
         self._stop.set()

@@ -40,6 +40,7 @@ from tests.reliability.conftest import UnderAttack, wait_until
 
 BUDGET = RequestBudget()
 MAX_SESSIONS = 8
+MAX_BODY = 32 << 20  # over the 20 MB prompt of test_4_a_prompt_of_megabytes
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,7 @@ def server(server_factory: Any, file_root: Path) -> Iterator[LiveServer]:
         http_header_timeout_s=1.0,
         http_body_timeout_s=1.0,
         evergreen_file_root=str(file_root),
+        openai_max_body_bytes=MAX_BODY,
     ) as live:
         yield live
 
@@ -120,6 +122,30 @@ def test_4_a_prompt_of_megabytes(server: LiveServer) -> None:
         for _ in range(2):
             reply = httpx.post(server.http_url + "/v1/chat/completions", json=body, timeout=60)
             assert reply.status_code == 400 and reply.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_4_bodies_over_the_limit(server: LiveServer) -> None:
+    """150 MB announced: refused unread; 40 MB sent chunked (no length): refused once past the limit."""
+    port = server.gateway.http_port
+    with UnderAttack(server.http_url):
+        for _ in range(5):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 150000000\r\n\r\n"
+                )
+                answer = b""
+                while b"openai_max_body_bytes" not in answer and (chunk := sock.recv(65536)):
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.1 413 ") and b"openai_max_body_bytes" in answer, answer[:300]
+
+            def chunks() -> Iterator[bytes]:
+                yield b'{"model": "tiny-llama", "prompt": "'
+                for _ in range(40):
+                    yield b"a" * (1 << 20)
+
+            reply = httpx.post(server.http_url + "/v1/completions", content=chunks(), timeout=30)
+            assert reply.status_code == 413, reply.text
 
 
 # -- 6. connections that never finish, 7. idle sessions ------------------------------------------
