@@ -103,6 +103,14 @@ class Settings:
 
     # -- sessions and admission ---------------------------------------------------------
     session_ttl_s: float = setting(1800.0, "Idle seconds before a session is evicted.")
+    session_store: str = setting(
+        "memory",
+        "Where sessions live: 'memory' (this process) or a redis:// URL (shared by every replica, kept across "
+        "restarts; see docs/scaling.md).",
+    )
+    session_lock_s: float = setting(
+        10.0, "Redis session store: how long a dead replica's generation keeps its session busy (renewed while alive)."
+    )
     max_sessions: int = setting(4096, "Open sessions allowed at once.")
     max_session_tokens: int = setting(
         64 * 1024 * 1024,
@@ -208,6 +216,10 @@ class Settings:
                 raise invalid(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_connections_per_client < 0:
             raise invalid(f"max_connections_per_client must be >= 0, got {self.max_connections_per_client}")
+        if self.session_store != "memory" and not self.session_store.startswith(("redis://", "rediss://", "unix://")):
+            raise invalid(f"session_store must be 'memory' or a redis:// URL, got {self.session_store!r}")
+        if self.session_lock_s <= 0:
+            raise invalid(f"session_lock_s must be > 0, got {self.session_lock_s}")
         for name in ("http_port", "grpc_port"):
             port = getattr(self, name)
             if not 0 <= port < 65536:

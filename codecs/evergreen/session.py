@@ -81,6 +81,7 @@ class EvergreenSession:
         self._writing: set[str] = set()  # outputs of actions still running
         self._by_output: dict[str, Run] = {}
         self._turn = asyncio.Lock()
+        self._opening = asyncio.Lock()
         self._closing = False
 
     # -- input ---------------------------------------------------------------------
@@ -115,15 +116,14 @@ class EvergreenSession:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.core_id is not None:
-            self.service.close(self.core_id)
+            await self.service.close(self.core_id)
 
-    def _core_session(self) -> str:
-        """The core session, opened at the first GENERATE and kept alive while the connection is open."""
-        if self.core_id is None:
-            session = self.service.open(self.model)
-            session.pinned = True
-            self.core_id = session.id
-        return self.core_id
+    async def _core_session(self) -> str:
+        """The core session, opened by the first GENERATE to run and kept alive while the connection is open."""
+        async with self._opening:  # concurrent GENERATEs share the one session
+            if self.core_id is None:
+                self.core_id = (await self.service.open(self.model, pinned=True)).id
+            return self.core_id
 
     def fail(self, error: GatewayError) -> None:
         """Abort the session: the transport sends what is queued, then reports ``error``."""
@@ -170,14 +170,13 @@ class EvergreenSession:
                 raise invalid(f"target {call.target!r} is not this session's model {self.model!r}")
             if "readouts" in call.outputs:
                 self.service.readouts(self.model)
-            core_id = self._core_session()
         for node_id in call.outputs.values():
             self.store.claim_output(node_id, what=label)
         run = Run(index, call.outputs, label)
         for node_id in call.outputs.values():
             self._by_output[node_id] = run
         self._barrier.opened(index)
-        self._start(run, self._run_generate(run, call, core_id))
+        self._start(run, self._run_generate(run, call))
 
     def _drop(self, index: int, label: str, action: pb.Action) -> None:
         ids = read_ids(action, label, "DROP needs the node ids to forget as inputs")
@@ -219,9 +218,10 @@ class EvergreenSession:
         await self._barrier.wait(run.index)  # every earlier GENERATE has read its inputs
         self.store.drop(ids, busy=self._writing)
 
-    async def _run_generate(self, run: Run, call: GenerateCall, core_id: str) -> None:
+    async def _run_generate(self, run: Run, call: GenerateCall) -> None:
         generation = Generation.of(call)
         try:
+            core_id = await self._core_session()
             await self.store.wait_complete(call.root)
             self.service.budget.check_leaves(self.store.count_leaves(call.root))
             messages = await messages_from_tree(self.store, call.root, self.options.refs)
