@@ -52,11 +52,15 @@ def create_app(
         return PlainTextResponse("ok")
 
     async def readyz(_request: Request) -> Response:
+        models = {
+            name: {"ready": health.ready, "state": health.state.value, "reason": health.reason}
+            for name, health in service.models.health().items()
+        }
         if not service.pool.ready:
             reason = "shutting down" if drain is not None and drain.draining else "model loading"
-            return JSONResponse({"ready": False, "reason": reason}, status_code=503)
+            return JSONResponse({"ready": False, "reason": reason, "models": models}, status_code=503)
         info = service.info()
-        return JSONResponse({"ready": True, "model": info.model_id, "engine": info.engine_name})
+        return JSONResponse({"ready": True, "model": info.model_id, "engine": info.engine_name, "models": models})
 
     routes: list[BaseRoute] = [
         Route("/healthz", healthz),

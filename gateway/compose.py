@@ -1,4 +1,4 @@
-"""Wiring: settings -> engine -> pool -> sessions -> the core service."""
+"""Wiring: settings -> engines (one per served model) -> pool -> session store -> the core service."""
 
 from __future__ import annotations
 
@@ -60,10 +60,15 @@ def build_engine(settings: Settings) -> Engine:
 
 
 def build_service(settings: Settings, engine: Engine | None = None) -> SessionService:
-    """A service whose pool is not started yet: call ``await service.pool.start()``."""
-    pool = EnginePool(
-        [engine or build_engine(settings)], max_active=settings.max_active, max_queued=settings.max_queued
-    )
+    """A service whose pool is not started yet: call ``await service.pool.start()``.
+
+    One engine per served model and replica (``[[models]]``, the first the default), or ``engine`` alone.
+    """
+    if engine is not None:
+        engines = [engine]
+    else:
+        engines = [build_engine(served) for served in settings.served() for _ in range(served.replicas)]
+    pool = EnginePool(engines, max_active=settings.max_active, max_queued=settings.max_queued)
     return SessionService(pool, build_store(settings))
 
 

@@ -82,6 +82,7 @@ class EvergreenSession:
         self._by_output: dict[str, Run] = {}
         self._turn = asyncio.Lock()
         self._opening = asyncio.Lock()
+        self._bound = False
         self._closing = False
 
     # -- input ---------------------------------------------------------------------
@@ -167,7 +168,10 @@ class EvergreenSession:
         call = read_generate(action, label)
         with _labelled(label):
             if call.target and self.service.models.resolve(call.target) != self.model:
-                raise invalid(f"target {call.target!r} is not this session's model {self.model!r}")
+                if self._bound:
+                    raise invalid(f"target {call.target!r} is not this session's model {self.model!r}")
+                self.model = self.service.models.resolve(call.target)
+            self._bound = True  # the first GENERATE picks the connection's model (its targetSpec, or the default)
             if "readouts" in call.outputs:
                 self.service.readouts(self.model)
         for node_id in call.outputs.values():

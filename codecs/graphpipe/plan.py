@@ -54,10 +54,10 @@ def _read(call: InferCall, readouts: Callable[[], ReadoutManifest], max_batch: i
     return config, Shape(outputs, top_k, layers), bind_inputs(call, max_batch)
 
 
-async def make_plan(service: SessionService, call: InferCall, max_batch: int) -> Plan:
+async def make_plan(service: SessionService, call: InferCall, max_batch: int, model: str | None = None) -> Plan:
     """Validate the whole request (inputs, config, outputs) and plan every row before any runs."""
-    info = service.info()
-    config, shape, rows = await asyncio.to_thread(_read, call, service.readouts, max_batch)
+    info = service.info(model)
+    config, shape, rows = await asyncio.to_thread(_read, call, lambda: service.readouts(info.model_id), max_batch)
     wants_logprobs = bool({"logprobs", "top_logprob_ids", "top_logprobs"} & set(shape.outputs))
     sampling = replace(config.sampling(), logprob_top_k=shape.top_k)
     prompts: list[PromptSource]

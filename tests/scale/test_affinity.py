@@ -1,0 +1,60 @@
+"""Two in-process replicas of one model: sessions spread out, and each stays where its cache is."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prismgate.core.actions import GenerateAction, GenerateSpec
+from prismgate.core.events import Done, TokenEvent
+from prismgate.core.service import SessionService
+from tests.conftest import tiny_settings
+
+PROMPT = list(range(10, 40))
+
+
+@pytest.fixture
+async def service(tiny_model_dir: Path, tiny_pack: Path) -> AsyncIterator[SessionService]:
+    from prismgate.compose import build_service
+
+    made = build_service(tiny_settings(tiny_model_dir, tiny_pack, replicas=2))
+    await made.pool.start()
+    try:
+        yield made
+    finally:
+        await made.pool.close()
+
+
+async def turn(service: SessionService, session_id: str, append: list[int], max_tokens: int = 4) -> Done:
+    length = len(await service.dump(session_id))
+    action = GenerateAction(
+        append_tokens=append, offset=length, spec=GenerateSpec(max_tokens=max_tokens, top_k=1, ignore_eos=True)
+    )
+    done: Any = None
+    async for event in service.generate(session_id, action):
+        if not isinstance(event, TokenEvent):
+            done = event
+    assert isinstance(done, Done)
+    return done
+
+
+async def test_sessions_spread_over_replicas_and_stay_on_their_cache(service: SessionService) -> None:
+    replicas = service.pool.replicas()
+    assert len(replicas.engines) == 2
+    a, b = (await service.open()).id, (await service.open()).id
+    first = {sid: await turn(service, sid, PROMPT) for sid in (a, b)}
+    assert {replicas.home(a), replicas.home(b)} == {0, 1}  # the second new session went to the emptier replica
+    assert all(done.cached_tokens == 0 for done in first.values())
+    for round_ in range(3):
+        for sid in (a, b):
+            length = len(await service.dump(sid))
+            done = await turn(service, sid, [50 + round_])
+            # the whole timeline but the last decoded token (not yet fed back) came from this replica's cache
+            assert done.cached_tokens == length - 1, (sid, round_, done.cached_tokens, length)
+    stats = [engine.stats for engine in replicas.engines]  # type: ignore[attr-defined]
+    assert all(s["decoded_tokens"] == 4 * 4 for s in stats)  # each replica ran one session's four turns
+    await service.close(a)
+    assert replicas.home(a) is None and replicas.home(b) is not None
