@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -141,3 +142,24 @@ def test_redis_down_is_unavailable_never_a_wrong_answer(
                 assert "session store (Redis)" in (error.details() or "")
     finally:
         store.stop()
+
+
+def test_a_cancelled_generation_frees_the_session_for_the_other_replica(two: tuple[Client, Client]) -> None:
+    a, b = two
+    sid = a.open()
+    call = a.salience.Generate(
+        pb.GenerateRequest(session_id=sid, append_tokens=PROMPT, offset=0, max_tokens=400, top_k=1)
+    )
+    received = [next(call) for _ in range(len(PROMPT) + 2)]  # the prefill and two decoded tokens
+    assert [e.token.is_prefill for e in received][-2:] == [False, False]
+    call.cancel()
+    deadline = time.monotonic() + 5  # half the lock's 10 s
+    while True:  # the cancelled stream's session is released at once, not after its lock expires
+        try:
+            _, done = b.generate(session_id=sid, append_tokens=[9], offset=len(PROMPT), max_tokens=1, top_k=1)
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.ABORTED and time.monotonic() < deadline, exc
+            time.sleep(0.05)
+    assert done.prompt_tokens == len(PROMPT) + 1  # the append stayed, the decoded tokens did not
+    assert a.dump(sid)[: len(PROMPT) + 1] == [*PROMPT, 9]

@@ -278,9 +278,9 @@ class RedisStore(SessionStore):
                 yield session
             finally:
                 renewing.cancel()
+                saved = True  # from here the save releases the lock, even if this task is cancelled
                 # shielded: a cancelled request still saves (or releases) before the lock expires
                 await asyncio.shield(self._save(session, token, before))
-                saved = True
         finally:
             if not saved:
                 with contextlib.suppress(GatewayError):
