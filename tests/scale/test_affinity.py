@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -58,3 +59,49 @@ async def test_sessions_spread_over_replicas_and_stay_on_their_cache(service: Se
     assert all(s["decoded_tokens"] == 4 * 4 for s in stats)  # each replica ran one session's four turns
     await service.close(a)
     assert replicas.home(a) is None and replicas.home(b) is not None
+
+
+@pytest.fixture
+async def long_service(long_model_dir: Path, tiny_pack: Path) -> AsyncIterator[SessionService]:
+    """Two replicas of the model that never stops at EOS: a generation keeps its replica busy."""
+    from prismgate.compose import build_service
+
+    made = build_service(tiny_settings(long_model_dir, tiny_pack, replicas=2, concept_pack="none"))
+    await made.pool.start()
+    try:
+        yield made
+    finally:
+        await made.pool.close()
+
+
+async def test_a_short_session_moves_off_a_busy_replica_and_a_long_one_waits_for_its_cache(
+    long_service: SessionService,
+) -> None:
+    service = long_service
+    replicas = service.pool.replicas()
+    busy, other, short, long_ = [(await service.open()).id for _ in range(4)]
+    await turn(service, busy, PROMPT, max_tokens=1)  # -> replica 0
+    await turn(service, other, PROMPT, max_tokens=1)  # -> replica 1
+    await turn(service, short, PROMPT, max_tokens=1)  # -> replica 0 (both idle, one session each)
+    await turn(service, long_, [t % 250 for t in range(300)], max_tokens=1)  # -> replica 1
+    assert [replicas.home(s) for s in (busy, other, short, long_)] == [0, 1, 0, 1]
+
+    hog = asyncio.create_task(turn(service, busy, [7], max_tokens=3000))  # replica 0 busy for a while
+    while replicas.engines[0].in_flight() == 0:
+        await asyncio.sleep(0.01)
+    moved = await turn(service, short, [8])
+    assert replicas.home(short) == 1 and moved.cached_tokens == 0  # re-prefilled on the idle replica
+    hog.cancel()
+    await asyncio.gather(hog, return_exceptions=True)
+    while replicas.engines[0].in_flight():
+        await asyncio.sleep(0.01)
+    # now replica 0 is idle and replica 1 busy: a session of 256 tokens or more stays where its cache is
+    hog = asyncio.create_task(turn(service, other, [7], max_tokens=3000))
+    while replicas.engines[1].in_flight() == 0:
+        await asyncio.sleep(0.01)
+    length = len(await service.dump(long_))
+    stayed = await turn(service, long_, [9])
+    assert replicas.home(long_) == 1 and stayed.cached_tokens == length - 1
+    assert replicas.engines[0].in_flight() == 0  # it did not go to the idle replica
+    hog.cancel()
+    await asyncio.gather(hog, return_exceptions=True)
