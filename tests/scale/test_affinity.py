@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,12 @@ async def test_sessions_spread_over_replicas_and_stay_on_their_cache(service: Se
     assert replicas.home(a) is None and replicas.home(b) is not None
 
 
+async def until(condition: Callable[[], bool], within: float = 30.0) -> None:
+    async with asyncio.timeout(within):
+        for _ in iter(condition, True):
+            await asyncio.sleep(0.01)
+
+
 @pytest.fixture
 async def long_service(long_model_dir: Path, tiny_pack: Path) -> AsyncIterator[SessionService]:
     """Two replicas of the model that never stops at EOS: a generation keeps its replica busy."""
@@ -87,18 +93,15 @@ async def test_a_short_session_moves_off_a_busy_replica_and_a_long_one_waits_for
     assert [replicas.home(s) for s in (busy, other, short, long_)] == [0, 1, 0, 1]
 
     hog = asyncio.create_task(turn(service, busy, [7], max_tokens=3000))  # replica 0 busy for a while
-    while replicas.engines[0].in_flight() == 0:
-        await asyncio.sleep(0.01)
+    await until(lambda: replicas.engines[0].in_flight() > 0)
     moved = await turn(service, short, [8])
     assert replicas.home(short) == 1 and moved.cached_tokens == 0  # re-prefilled on the idle replica
     hog.cancel()
     await asyncio.gather(hog, return_exceptions=True)
-    while replicas.engines[0].in_flight():
-        await asyncio.sleep(0.01)
+    await until(lambda: replicas.engines[0].in_flight() == 0)
     # now replica 0 is idle and replica 1 busy: a session of 256 tokens or more stays where its cache is
     hog = asyncio.create_task(turn(service, other, [7], max_tokens=3000))
-    while replicas.engines[1].in_flight() == 0:
-        await asyncio.sleep(0.01)
+    await until(lambda: replicas.engines[1].in_flight() > 0)
     length = len(await service.dump(long_))
     stayed = await turn(service, long_, [9])
     assert replicas.home(long_) == 1 and stayed.cached_tokens == length - 1
