@@ -69,3 +69,11 @@ def test_models_and_the_model_flag_do_not_mix(tmp_path: Path) -> None:
     with pytest.raises(GatewayError) as e:
         load(tmp_path, '[[models]]\nname = "a"\n', model="/elsewhere")
     assert "not both" in e.value.message
+
+
+def test_the_example_in_the_scaling_guide_loads(tmp_path: Path) -> None:
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "scaling.md").read_text()
+    example = guide.split("```toml\n", 1)[1].split("```", 1)[0]
+    smollm2, qwen = load(tmp_path, example).served()
+    assert (smollm2.model, smollm2.model_name, smollm2.dtype) == (None, "smollm2", "bfloat16")
+    assert (qwen.model_name, qwen.concept_pack, qwen.max_model_len, qwen.replicas) == ("qwen2-vl", "none", 8192, 2)
