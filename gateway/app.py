@@ -52,13 +52,18 @@ def create_app(
         return PlainTextResponse("ok")
 
     async def readyz(_request: Request) -> Response:
-        health = service.pool.health()
+        models = {
+            name: {"ready": health.ready, "state": health.state.value, "reason": health.reason}
+            for name, health in service.models.health().items()
+        }
         if drain is not None and drain.draining:
-            return JSONResponse({"ready": False, "reason": "shutting down"}, status_code=503)
+            return JSONResponse({"ready": False, "reason": "shutting down", "models": models}, status_code=503)
+        health = service.pool.health()
         if not health.ready:
-            return JSONResponse({"ready": False, "state": health.state.value, "reason": health.reason}, status_code=503)
+            body = {"ready": False, "state": health.state.value, "reason": health.reason, "models": models}
+            return JSONResponse(body, status_code=503)
         info = service.info()
-        return JSONResponse({"ready": True, "model": info.model_id, "engine": info.engine_name})
+        return JSONResponse({"ready": True, "model": info.model_id, "engine": info.engine_name, "models": models})
 
     routes: list[BaseRoute] = [
         Route("/healthz", healthz),

@@ -1,4 +1,4 @@
-"""Wiring: settings -> engine -> pool -> sessions -> the core service."""
+"""Wiring: settings -> engines (one per served model) -> pool -> session store -> the core service."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from prismgate.core.engine import Engine
 from prismgate.core.pool import EnginePool
 from prismgate.core.service import SessionService
-from prismgate.core.session import SessionStore
+from prismgate.core.stores import InProcessStore, SessionStore
 from prismgate.engines.models import DEFAULT_MODEL_ID, resolve_model
 from prismgate.engines.readouts.auto import cached_pack_path
 from prismgate.engines.readouts.auto_engine import AutoPackEngine
@@ -88,13 +88,29 @@ def _serving_engine(settings: Settings, folder: Path, model_id: str, pack: Path 
 
 
 def build_service(settings: Settings, engine: Engine | None = None) -> SessionService:
-    """A service whose pool is not started yet: call ``await service.pool.start()``."""
-    pool = EnginePool(
-        [engine or build_engine(settings)], max_active=settings.max_active, max_queued=settings.max_queued
+    """A service whose pool is not started yet: call ``await service.pool.start()``.
+
+    One engine per served model and replica (``[[models]]``, the first the default), or ``engine`` alone.
+    """
+    if engine is not None:
+        engines = [engine]
+    else:
+        engines = [build_engine(served) for served in settings.served() for _ in range(served.replicas)]
+    pool = EnginePool(engines, max_active=settings.max_active, max_queued=settings.max_queued)
+    return SessionService(pool, build_store(settings))
+
+
+def build_store(settings: Settings) -> SessionStore:
+    """In this process by default; in Redis when ``session_store`` is a ``redis://`` URL."""
+    ttl_s, max_sessions, max_tokens = settings.session_ttl_s, settings.max_sessions, settings.max_session_tokens
+    if settings.session_store == "memory":
+        return InProcessStore(ttl_s=ttl_s, max_sessions=max_sessions, max_total_tokens=max_tokens)
+    from prismgate.core.stores.redis_store import RedisStore  # optional: needs the redis package
+
+    return RedisStore(
+        settings.session_store,
+        ttl_s=ttl_s,
+        max_sessions=max_sessions,
+        max_total_tokens=max_tokens,
+        lock_s=settings.session_lock_s,
     )
-    store = SessionStore(
-        ttl_s=settings.session_ttl_s,
-        max_sessions=settings.max_sessions,
-        max_total_tokens=settings.max_session_tokens,
-    )
-    return SessionService(pool, store)

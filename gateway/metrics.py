@@ -185,6 +185,10 @@ class _ServiceCollector(Collector):
         yield GaugeMetricFamily(
             "prismgate_engine_max_active", "Engine slots (settings.max_active).", value=admission.max_active
         )
+        ready = GaugeMetricFamily("prismgate_model_ready", "1 when the model can take requests.", labels=["model"])
+        for model, health in self._service.models.health().items():
+            ready.add_metric([model], 1 if health.ready else 0)
+        yield ready
         yield GaugeMetricFamily("prismgate_sessions_open", "Sessions held in the session store.", value=len(store))
         yield GaugeMetricFamily(
             "prismgate_session_tokens", "Tokens held by all stored sessions together.", value=store.total_tokens

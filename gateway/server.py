@@ -169,7 +169,7 @@ class Gateway:
     async def _evict(self) -> None:
         while True:
             await asyncio.sleep(EVICTION_PERIOD_S)
-            evicted = self.service.store.evict_expired()
+            evicted = await self.service.store.evict_expired()
             if evicted:
                 log.info("evicted %d idle sessions", len(evicted))
 
@@ -239,7 +239,7 @@ class Gateway:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
         # 4. release sessions and the engine
-        sessions = self.service.store.close_all()
+        sessions = await self.service.store.close_all()
         await self.service.pool.close()
         if self.settings.port_file:
             with contextlib.suppress(OSError):

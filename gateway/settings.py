@@ -26,6 +26,64 @@ def setting(default: Any, help: str, *, choices: Sequence[str] | None = None) ->
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
+# The settings a [[models]] entry may set for its own engine.
+ENGINE_OPTIONS = (
+    "device", "dtype", "threads", "max_model_len", "prefill_chunk", "max_cached_tokens", "max_batch", "replicas",
+    "gpu_memory_utilization", "vllm_kv_cache_gb", "vllm_enforce_eager", "tensor_parallel_size",
+    "vllm_block_size", "vllm_cache_scope",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One ``[[models]]`` table: a served model, its engine and that engine's own options.
+
+    Keys: ``name`` (what clients ask for), ``model`` (a local folder; absent: the embedded
+    default model), ``engine``, ``concept_pack`` and any of :data:`ENGINE_OPTIONS`; what an
+    entry leaves out comes from the top-level settings.
+    """
+
+    name: str
+    model: str | None = None
+    engine: str | None = None
+    concept_pack: str | None = None
+    options: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def parse(cls, table: object, where: str) -> ModelConfig:
+        if not isinstance(table, dict):
+            raise invalid(f"{where} must be a table")
+        entry = {key.replace("-", "_"): value for key, value in table.items()}
+        name = entry.pop("name", None)
+        if not isinstance(name, str) or not name.strip() or "/" in name:
+            raise invalid(f"{where}: 'name' must be a non-empty string without '/', got {name!r}")
+        plain = {key: entry.pop(key, None) for key in ("model", "engine", "concept_pack")}
+        for key, value in plain.items():
+            if value is not None and not isinstance(value, str):
+                raise invalid(f"{where} ({name}): {key!r} must be a string")
+        unknown = sorted(set(entry) - set(ENGINE_OPTIONS))
+        if unknown:
+            raise invalid(
+                f"{where} ({name}): unknown key(s) {', '.join(unknown)}; a model takes name, model, engine, "
+                f"concept_pack and the engine options {', '.join(ENGINE_OPTIONS)}"
+            )
+        return cls(name, plain["model"], plain["engine"], plain["concept_pack"], tuple(sorted(entry.items())))
+
+    def apply(self, base: Settings) -> Settings:
+        """``base`` with this model's choices in place of the top-level engine settings."""
+        settings = dataclasses.replace(
+            base,
+            model=self.model,
+            model_name=self.name,
+            engine=self.engine or base.engine,
+            concept_pack=self.concept_pack,
+            models=(),
+            **dict(self.options),
+        )
+        settings.validate()
+        return settings
+
+
 @dataclass(frozen=True)
 class Settings:
     # -- server ---------------------------------------------------------------------
@@ -79,6 +137,11 @@ class Settings:
     max_model_len: int | None = setting(None, "Context length limit (default: the model's own).")
     prefill_chunk: int = setting(512, "transformers engine: prompt tokens run per step, so long prompts interleave.")
     max_cached_tokens: int = setting(1 << 18, "transformers engine: KV-cache tokens kept across session turns (LRU).")
+    replicas: int = setting(
+        1,
+        "transformers engine: copies of the model in this process; a session's turns stay on the copy that "
+        "holds its KV cache (docs/scaling.md). vLLM: use its own data parallelism instead.",
+    )
     max_batch: int = setting(
         16, "transformers engine: decode steps of up to this many requests run as one forward pass (1: no batching)."
     )
@@ -105,6 +168,14 @@ class Settings:
 
     # -- sessions and admission ---------------------------------------------------------
     session_ttl_s: float = setting(1800.0, "Idle seconds before a session is evicted.")
+    session_store: str = setting(
+        "memory",
+        "Where sessions live: 'memory' (this process) or a redis:// URL (shared by every replica, kept across "
+        "restarts; see docs/scaling.md).",
+    )
+    session_lock_s: float = setting(
+        10.0, "Redis session store: how long a dead replica's generation keeps its session busy (renewed while alive)."
+    )
     max_sessions: int = setting(4096, "Open sessions allowed at once.")
     max_session_tokens: int = setting(
         64 * 1024 * 1024,
@@ -198,9 +269,24 @@ class Settings:
         "Content-Length says so.",
     )
 
+    # -- several models (TOML only: a list of tables) ---------------------------------
+    models: tuple[ModelConfig, ...] = field(
+        default=(),
+        metadata={
+            "help": "The models this gateway serves, from the TOML file's [[models]] tables (the first is the "
+            "default); empty: the one model of the engine settings above.",
+            "toml_only": True,
+        },
+    )
+
     @classmethod
     def fields(cls) -> list[dataclasses.Field[Any]]:
-        return list(dataclasses.fields(cls))
+        """The settings that are also flags and environment variables (``models`` is TOML only)."""
+        return [f for f in dataclasses.fields(cls) if not f.metadata.get("toml_only")]
+
+    def served(self) -> list[Settings]:
+        """One engine's settings per served model: each ``[[models]]`` entry, or these settings alone."""
+        return [m.apply(self) for m in self.models] or [self]
 
     @classmethod
     def load(
@@ -235,6 +321,19 @@ class Settings:
                 raise invalid(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_connections_per_client < 0:
             raise invalid(f"max_connections_per_client must be >= 0, got {self.max_connections_per_client}")
+        if self.session_store != "memory" and not self.session_store.startswith(("redis://", "rediss://", "unix://")):
+            raise invalid(f"session_store must be 'memory' or a redis:// URL, got {self.session_store!r}")
+        if self.session_lock_s <= 0:
+            raise invalid(f"session_lock_s must be > 0, got {self.session_lock_s}")
+        if self.replicas < 1 or (self.engine == "vllm" and self.replicas != 1):
+            raise invalid(f"replicas must be >= 1 (and 1 with the vLLM engine, which has its own), got {self.replicas}")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise invalid(f"[[models]] names must be unique, got {', '.join(names)}")
+        if self.models and (self.model is not None or self.model_name is not None):
+            raise invalid("give the models either as [[models]] in the config file or as --model, not both")
+        for model in self.models:
+            model.apply(self)  # each model's own engine settings must be valid too
         for name in ("http_port", "grpc_port"):
             port = getattr(self, name)
             if not 0 <= port < 65536:
@@ -273,9 +372,16 @@ def _read_toml(path: str) -> dict[str, Any]:
         raise invalid(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise invalid(f"config file {path}: {exc}") from None
-    table = data.get("prismgate", data)
+    table = dict(data.get("prismgate", data))
     known = {f.name: f for f in Settings.fields()}
     out: dict[str, Any] = {}
+    models = table.pop("models", None)
+    if models is not None:
+        if not isinstance(models, list) or not models:
+            raise invalid(f"config file {path}: 'models' must be a non-empty list of [[models]] tables")
+        out["models"] = tuple(
+            ModelConfig.parse(m, f"config file {path}: [[models]] #{i + 1}") for i, m in enumerate(models)
+        )
     for key, value in table.items():
         name = key.replace("-", "_")
         if name not in known:

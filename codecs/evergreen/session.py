@@ -83,6 +83,8 @@ class EvergreenSession:
         self._writing: set[str] = set()  # outputs of actions still running
         self._by_output: dict[str, Run] = {}
         self._turn = asyncio.Lock()
+        self._opening = asyncio.Lock()
+        self._bound = False
         self._closing = False
 
     # -- input ---------------------------------------------------------------------
@@ -118,15 +120,14 @@ class EvergreenSession:
         await asyncio.gather(*tasks, return_exceptions=True)
         core_id, self.core_id = self.core_id, None
         if core_id is not None:
-            self.service.close(core_id)
+            await self.service.close(core_id)
 
-    def _core_session(self) -> str:
-        """The core session, opened at the first GENERATE and kept alive while the connection is open."""
-        if self.core_id is None:
-            session = self.service.open(self.model)
-            session.pinned = True
-            self.core_id = session.id
-        return self.core_id
+    async def _core_session(self) -> str:
+        """The core session, opened by the first GENERATE to run and kept alive while the connection is open."""
+        async with self._opening:  # concurrent GENERATEs share the one session
+            if self.core_id is None:
+                self.core_id = (await self.service.open(self.model, pinned=True)).id
+            return self.core_id
 
     def fail(self, error: GatewayError) -> None:
         """Abort the session: the transport sends what is queued, then reports ``error``."""
@@ -170,17 +171,19 @@ class EvergreenSession:
         call = read_generate(action, label)
         with _labelled(label):
             if call.target and self.service.models.resolve(call.target) != self.model:
-                raise invalid(f"target {call.target!r} is not this session's model {self.model!r}")
+                if self._bound:
+                    raise invalid(f"target {call.target!r} is not this session's model {self.model!r}")
+                self.model = self.service.models.resolve(call.target)
+            self._bound = True  # the first GENERATE picks the connection's model (its targetSpec, or the default)
             if "readouts" in call.outputs:
                 self.service.readouts(self.model)
-            core_id = self._core_session()
         for node_id in call.outputs.values():
             self.store.claim_output(node_id, what=label)
         run = Run(index, call.outputs, label)
         for node_id in call.outputs.values():
             self._by_output[node_id] = run
         self._barrier.opened(index)
-        self._start(run, self._run_generate(run, call, core_id))
+        self._start(run, self._run_generate(run, call))
 
     def _drop(self, index: int, label: str, action: pb.Action) -> None:
         ids = read_ids(action, label, "DROP needs the node ids to forget as inputs")
@@ -222,9 +225,10 @@ class EvergreenSession:
         await self._barrier.wait(run.index)  # every earlier GENERATE has read its inputs
         self.store.drop(ids, busy=self._writing)
 
-    async def _run_generate(self, run: Run, call: GenerateCall, core_id: str) -> None:
+    async def _run_generate(self, run: Run, call: GenerateCall) -> None:
         generation = Generation.of(call)
         try:
+            core_id = await self._core_session()
             await self.store.wait_complete(call.root)
             self.service.budget.check_leaves(self.store.count_leaves(call.root))
             messages = await messages_from_tree(self.store, call.root, self.options.refs)

@@ -84,14 +84,17 @@ async def _disconnected(request: Request) -> None:
 
 
 class GraphPipeEndpoint:
-    def __init__(self, service: SessionService, settings: Settings) -> None:
+    """One model's GraphPipe endpoint (``model`` None: the default model's)."""
+
+    def __init__(self, service: SessionService, settings: Settings, model: str | None = None) -> None:
         self.service = service
         self.settings = settings
+        self.model = model
         self._metadata: tuple[object, wire.Metadata] | None = None
 
     def metadata(self) -> wire.Metadata:
         self.service.models.require_ready()
-        info = self.service.info()
+        info = self.service.info(self.model)
         if self._metadata is None or self._metadata[0] is not info:
             self._metadata = (info, describe(info))
         return self._metadata[1]
@@ -125,9 +128,9 @@ class GraphPipeEndpoint:
         if call is None:
             return wire.encode_metadata(self.metadata())
         self.service.models.require_ready()
-        plan = await make_plan(self.service, call, self.settings.graphpipe_max_batch)
+        plan = await make_plan(self.service, call, self.settings.graphpipe_max_batch, self.model)
         results = await _unless_disconnected(request, lambda: run_plan(self.service, plan))
-        return wire.encode_outputs(assemble(plan.shape, results, self.service.info().readouts))
+        return wire.encode_outputs(assemble(plan.shape, results, self.service.info(self.model).readouts))
 
     def error(self, exc: GatewayError, request: Request) -> Response:
         log.info("graphpipe error %s: %s", exc.code.name, exc.message)

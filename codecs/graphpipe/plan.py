@@ -37,13 +37,13 @@ class Plan:
         return "text" in self.shape.outputs
 
 
-def _read(call: InferCall, service: SessionService, max_batch: int) -> tuple[Config, Shape, Rows]:
+def _read(call: InferCall, service: SessionService, model: str, max_batch: int) -> tuple[Config, Shape, Rows]:
     config = parse_config(call.config, service.budget)
     outputs = resolve_outputs(call.output_names, config)
     layers = None
     if "readouts" in outputs or config.readout_layers is not None:
         try:
-            manifest = service.readouts()  # the core's answer: INVALID_ARGUMENT without a concept pack
+            manifest = service.readouts(model)  # the core's answer: INVALID_ARGUMENT without a concept pack
         except GatewayError as exc:
             raise exc.within("output 'readouts'" if "readouts" in outputs else "config.readout_layers") from None
         layers = readout_layers(config, manifest)
@@ -52,10 +52,10 @@ def _read(call: InferCall, service: SessionService, max_batch: int) -> tuple[Con
     return config, Shape(outputs, top_k, layers), bind_inputs(call, max_batch)
 
 
-async def make_plan(service: SessionService, call: InferCall, max_batch: int) -> Plan:
+async def make_plan(service: SessionService, call: InferCall, max_batch: int, model: str | None = None) -> Plan:
     """Validate the whole request (inputs, config, outputs) and plan every row before any runs."""
-    info = service.info()
-    config, shape, rows = await asyncio.to_thread(_read, call, service, max_batch)
+    info = service.info(model)
+    config, shape, rows = await asyncio.to_thread(_read, call, service, info.model_id, max_batch)
     wants_logprobs = bool({"logprobs", "top_logprob_ids", "top_logprobs"} & set(shape.outputs))
     sampling = replace(config.sampling(), logprob_top_k=shape.top_k)
     prompts: list[PromptSource]

@@ -193,9 +193,9 @@ class OpenAIEndpoints:
 
     # -- sessions (prismgate extension) -----------------------------------------------------
 
-    def _session(self, session_id: str) -> dict[str, Any]:
+    async def _session(self, session_id: str) -> dict[str, Any]:
         try:
-            session = self.service.session(session_id)
+            session = await self.service.session(session_id)
         except GatewayError as exc:
             raise from_gateway(exc, param="session_id", code="session_not_found") from None
         return {
@@ -216,22 +216,22 @@ class OpenAIEndpoints:
             model = body.get("model")
             if model is not None and not isinstance(model, str):
                 raise bad_request("'model' must be a string", "model")
-            session = self.service.open(model)
-            return JSONResponse({**self._session(session.id), "created": int(time.time())})
+            session = await self.service.open(model)
+            return JSONResponse({**(await self._session(session.id)), "created": int(time.time())})
         except Exception as exc:
             return error_response(exc)
 
     async def get_session(self, request: Request) -> Response:
         try:
-            return JSONResponse(self._session(request.path_params["session_id"]))
+            return JSONResponse(await self._session(request.path_params["session_id"]))
         except Exception as exc:
             return error_response(exc)
 
     async def delete_session(self, request: Request) -> Response:
         try:
             session_id = request.path_params["session_id"]
-            self._session(session_id)  # 404 when unknown
-            self.service.close(session_id)
+            await self._session(session_id)  # 404 when unknown
+            await self.service.close(session_id)
             return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True})
         except Exception as exc:
             return error_response(exc)

@@ -111,7 +111,7 @@ class Generation:
                     await stream.aclose()
             if self.plan.session_id is not None:
                 with contextlib.suppress(GatewayError):
-                    self.session_length = len(self.service.session(self.plan.session_id))
+                    self.session_length = len(await self.service.session(self.plan.session_id))
 
     def _token(self, event: TokenEvent) -> Token:
         text, raw = self.texts.get(event.id)

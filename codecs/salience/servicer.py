@@ -27,7 +27,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
     async def OpenSession(
         self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.OpenSessionResponse:
-        session = self.service.open(request.model)
+        session = await self.service.open(request.model)
         return pb.OpenSessionResponse(
             session_id=session.id, max_model_len=self.service.info(session.model).max_model_len
         )
@@ -35,13 +35,13 @@ class SalienceServicer(pb_grpc.SalienceServicer):
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionResponse:
-        self.service.close(request.session_id)
+        await self.service.close(request.session_id)
         return pb.CloseSessionResponse()
 
     async def ForkSession(
         self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.ForkSessionResponse:
-        child = self.service.fork(request.session_id, request.at_position)
+        child = await self.service.fork(request.session_id, request.at_position)
         return pb.ForkSessionResponse(session_id=child.id)
 
     async def Generate(
@@ -67,7 +67,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
     async def DumpSession(
         self, request: pb.DumpSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.DumpSessionResponse:
-        return pb.DumpSessionResponse(tokens=self.service.dump(request.session_id))
+        return pb.DumpSessionResponse(tokens=await self.service.dump(request.session_id))
 
 
 async def _messages(events: AsyncGenerator[Event, None]) -> AsyncIterator[pb.GenerateEvent]:

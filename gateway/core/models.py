@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prismgate.core.engine import EngineInfo, ReadoutManifest, VisionTokens
 from prismgate.core.errors import Code, GatewayError, invalid, precondition
-from prismgate.core.health import HealthState
+from prismgate.core.health import Health, HealthState
 from prismgate.core.pool import EnginePool
 
 LOADING = "the model is still loading; retry once the server reports ready"
@@ -49,6 +49,10 @@ class Models:
     def ready(self) -> bool:
         """Every engine has loaded its model (the server reports ready)."""
         return self._pool.health().ready
+
+    def health(self) -> dict[str, Health]:
+        """Each served model's state, by name (for ``/readyz`` and the metrics)."""
+        return {name: self._pool.health_of(name) for name in self.names}
 
     def require_ready(self) -> None:
         """UNAVAILABLE until the server is ready (the reason says why): checked before a connection takes a session."""

@@ -68,39 +68,103 @@ class Admission:
         self.active -= 1
 
 
+# A session whose timeline is at least this long waits for its busy replica rather than
+# moving to an idle one: prefilling that much again costs more than a wait for decode steps.
+AFFINITY_MIN_TOKENS = 256
+
+
+class Replicas:
+    """One model's engines (copies of it) and which copy holds each session's KV cache.
+
+    The rule (docs/scaling.md): a session's turn goes to the replica that served its
+    last turn, where its cache is; it moves only when that replica is busy, another is
+    idle, and the session is shorter than :data:`AFFINITY_MIN_TOKENS`. New sessions and
+    one-off requests go to the least loaded replica: fewest requests in flight, then
+    fewest sessions cached.
+    """
+
+    def __init__(self, engines: list[Engine]) -> None:
+        self.engines = engines
+        self._home: dict[str, int] = {}  # session key -> index of the replica holding its cache
+        self._homed = [0] * len(engines)
+
+    def pick(self, request: EngineRequest) -> Engine:
+        if len(self.engines) == 1:
+            return self.engines[0]
+        key = request.session_key
+        home = self._home.get(key) if key is not None else None
+        loads = [engine.in_flight() for engine in self.engines]
+        if home is not None and (loads[home] == 0 or 0 not in loads or len(request.tokens) >= AFFINITY_MIN_TOKENS):
+            return self.engines[home]
+        index = min(range(len(self.engines)), key=lambda i: (loads[i], self._homed[i], i))
+        if key is not None:
+            self.release(key)  # its cache on the old replica is of no use any more
+            self._home[key] = index
+            self._homed[index] += 1
+        return self.engines[index]
+
+    def home(self, session_key: str) -> int | None:
+        """The index of the replica holding the session's cache (None: not placed yet)."""
+        return self._home.get(session_key)
+
+    def release(self, session_key: str) -> None:
+        home = self._home.pop(session_key, None)
+        if home is not None:
+            self._homed[home] -= 1
+        for engine in self.engines:
+            engine.release(session_key)
+
+
 class EnginePool:
-    """Engines by model id, shared by every codec in the process."""
+    """Engines by model id, shared by every codec in the process.
+
+    Engines with the same model id are replicas of that model (see :class:`Replicas`).
+    """
 
     def __init__(self, engines: list[Engine], *, max_active: int = 64, max_queued: int = 1024) -> None:
         if not engines:
             raise ValueError("an EnginePool needs at least one engine")
-        self._engines = {e.model_id: e for e in engines}
+        grouped: dict[str, list[Engine]] = {}
+        for engine in engines:
+            grouped.setdefault(engine.model_id, []).append(engine)
+        self._models = {model: Replicas(copies) for model, copies in grouped.items()}
+        self._all = list(engines)
         self.default_model = engines[0].model_id
         self.admission = Admission(max_active, max_queued)
         self._stopping = False
 
     @property
     def models(self) -> list[str]:
-        return list(self._engines)
+        return list(self._models)
+
+    def replicas(self, model: str | None = None) -> Replicas:
+        name = model or self.default_model
+        replicas = self._models.get(name)
+        if replicas is None:
+            served = ", ".join(sorted(self._models))
+            raise GatewayError(Code.NOT_FOUND, f"model {name!r} is not served here; this server serves {served}")
+        return replicas
 
     def engine(self, model: str | None = None) -> Engine:
-        name = model or self.default_model
-        engine = self._engines.get(name)
-        if engine is None:
-            served = ", ".join(sorted(self._engines))
-            raise GatewayError(Code.NOT_FOUND, f"model {name!r} is not served here; this server serves {served}")
-        return engine
+        """The model's first replica: what every copy shares (info, image sizing)."""
+        return self.replicas(model).engines[0]
 
     def health(self) -> Health:
         """READY only when every engine is; otherwise the state that keeps the pool from serving."""
         if self._stopping:
             return health.STOPPING
-        return health.worst([engine.health() for engine in self._engines.values()])
+        return health.worst([engine.health() for engine in self._all])
 
     @property
     def ready(self) -> bool:
         """``health().ready``, read-only; for callers that only need yes or no."""
         return self.health().ready
+
+    def health_of(self, model: str) -> Health:
+        """One model's state, all its replicas together (STOPPING for all once the pool is stopping)."""
+        if self._stopping:
+            return health.STOPPING
+        return health.worst([engine.health() for engine in self.replicas(model).engines])
 
     def begin_stopping(self) -> None:
         """Report STOPPING from now on, before :meth:`close`: probes take this replica out while
@@ -108,22 +172,22 @@ class EnginePool:
         self._stopping = True
 
     async def start(self) -> None:
-        for engine in self._engines.values():
+        for engine in self._all:
             await engine.start()
 
     async def close(self) -> None:
         self._stopping = True
-        for engine in self._engines.values():
+        for engine in self._all:
             await engine.close()
 
     def release(self, session_key: str) -> None:
-        for engine in self._engines.values():
-            engine.release(session_key)
+        for replicas in self._models.values():
+            replicas.release(session_key)
 
     async def generate(self, model: str | None, request: EngineRequest) -> AsyncGenerator[Event, None]:
-        engine = self.engine(model)
+        replicas = self.replicas(model)
         async with self.admission.slot(request.spec.priority):
-            stream = engine.generate(request)
+            stream = replicas.pick(request).generate(request)  # picked once a slot is held: loads are current
             try:
                 async for event in stream:
                     yield event

@@ -35,8 +35,9 @@ from prismgate.core.limits import check_fit, max_tokens_for
 from prismgate.core.models import Models
 from prismgate.core.pool import EnginePool
 from prismgate.core.prompts import plan_prompt
-from prismgate.core.session import Session, SessionStore
+from prismgate.core.session import Session
 from prismgate.core.steering import Steering
+from prismgate.core.stores import SessionStore
 from prismgate.core.text import TextStream
 from prismgate.core.token_texts import TokenTexts
 from prismgate.core.turns import ChatTurn, Turn
@@ -106,21 +107,25 @@ class SessionService:
 
     # -- session lifecycle -----------------------------------------------------------
 
-    def open(self, model: str | None = None) -> Session:
-        """A new session on ``model`` (the default model when None); the model must be loaded."""
-        return self.store.create(self.info(model).model_id)
+    async def open(self, model: str | None = None, *, pinned: bool = False) -> Session:
+        """A new session on ``model`` (the default model when None); the model must be loaded.
 
-    def close(self, session_id: str) -> None:
-        self.store.close(session_id)
+        ``pinned``: the session lives as long as the connection that opened it (Evergreen).
+        """
+        return await self.store.create(self.info(model).model_id, pinned=pinned)
 
-    def fork(self, session_id: str, at_position: int) -> Session:
-        return self.store.fork(session_id, at_position)
+    async def close(self, session_id: str) -> None:
+        await self.store.close(session_id)
 
-    def dump(self, session_id: str) -> list[int]:
-        return list(self.store.get(session_id).tokens)
+    async def fork(self, session_id: str, at_position: int) -> Session:
+        return await self.store.fork(session_id, at_position)
 
-    def session(self, session_id: str) -> Session:
-        return self.store.get(session_id)
+    async def dump(self, session_id: str) -> list[int]:
+        return list((await self.store.get(session_id)).tokens)
+
+    async def session(self, session_id: str) -> Session:
+        """The session as stored now (from a shared store: a copy)."""
+        return await self.store.get(session_id)
 
     # -- chat-shaped turns -------------------------------------------------------------
 
@@ -132,7 +137,7 @@ class SessionService:
         thread: it costs time in proportion to the prompt.
         """
         if session_id is not None:
-            session = self.store.get(session_id)
+            session = await self.store.get(session_id)
             if model and self.models.resolve(model) != session.model:
                 raise GatewayError(
                     Code.INVALID_ARGUMENT, f"session {session_id!r} is bound to model {session.model!r}, not {model!r}"
@@ -199,9 +204,8 @@ class SessionService:
         return _reported(self.monitor.watch(action, session_id, request_id, events))
 
     async def _generate(self, session_id: str, action: GenerateAction, request_id: str) -> AsyncGenerator[Event, None]:
-        session = self.store.get(session_id)
         done: Done | None = None
-        with session.generation():
+        async with self.store.generation(session_id) as session:
             before = session.snapshot() if action.atomic else None
             steered_before = session.steering
             finished = False
@@ -216,7 +220,6 @@ class SessionService:
                 if before is not None and not finished:
                     session.restore(before)  # turn atomicity: see prismgate.core.turns
                     session.steering = steered_before
-            self.store.touch(session)
         # Done goes out after the session is released, so a client that stops reading
         # at Done can start its next turn at once.
         assert done is not None
@@ -252,7 +255,7 @@ class SessionService:
         images += await checks.check_images(self.models, info, base, tokens, action.images)
 
         if session_key is not None:  # the append and the whole decode budget must fit, checked before anything runs
-            self.store.reserve(len(action.append_tokens) - (old_length - base) + spec.max_tokens)
+            await self.store.reserve(len(action.append_tokens) - (old_length - base) + spec.max_tokens)
         if base < old_length:
             session.truncate(base)
         session.tokens.extend(action.append_tokens)

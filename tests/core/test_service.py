@@ -36,26 +36,26 @@ def spec(**kw: Any) -> GenerateSpec:
 
 async def test_open_checks_the_model_name(tiny_service: Any) -> None:
     with pytest.raises(GatewayError) as e:
-        tiny_service.open("gpt-4")
+        await tiny_service.open("gpt-4")
     assert e.value.code is Code.NOT_FOUND
     assert "'gpt-4'" in e.value.message and "'tiny-llama'" in e.value.message
 
 
 async def test_turns_append_and_decoded_tokens_join_the_session(tiny_service: Any) -> None:
-    s = tiny_service.open("tiny-llama")
+    s = await tiny_service.open("tiny-llama")
     events, done = await collect(
         tiny_service, s.id, GenerateAction(append_tokens=(1, 2, 3), offset=0, spec=spec(max_tokens=4))
     )
     generated = [e.id for e in events]
-    assert tiny_service.dump(s.id) == [1, 2, 3, *generated]
+    assert await tiny_service.dump(s.id) == [1, 2, 3, *generated]
     assert done.prompt_tokens == 3 and done.completion_tokens == 4 and done.total_tokens == 7
     _, done2 = await collect(tiny_service, s.id, GenerateAction(append_tokens=(9,), offset=7, spec=spec(max_tokens=2)))
-    assert len(tiny_service.dump(s.id)) == 10
+    assert len(await tiny_service.dump(s.id)) == 10
     assert done2.cached_tokens >= 6  # the engine reused the session's prefix
 
 
 async def test_offset_drift_is_a_failed_precondition_naming_both_lengths(tiny_service: Any) -> None:
-    s = tiny_service.open("tiny-llama")
+    s = await tiny_service.open("tiny-llama")
     await collect(tiny_service, s.id, GenerateAction(append_tokens=(1, 2, 3), offset=0, spec=spec(max_tokens=0)))
     err = await expect_error(
         Code.FAILED_PRECONDITION, tiny_service.generate(s.id, GenerateAction(append_tokens=(4,), offset=2))
@@ -66,20 +66,20 @@ async def test_offset_drift_is_a_failed_precondition_naming_both_lengths(tiny_se
         tiny_service.generate(s.id, GenerateAction(append_tokens=(4,), offset=5, truncating=True)),
     )
     assert "offset 5" in err.message and "length 3" in err.message
-    assert tiny_service.dump(s.id) == [1, 2, 3]  # nothing changed
+    assert await tiny_service.dump(s.id) == [1, 2, 3]  # nothing changed
 
 
 async def test_truncating_rewinds_then_appends(tiny_service: Any) -> None:
-    s = tiny_service.open("tiny-llama")
+    s = await tiny_service.open("tiny-llama")
     await collect(tiny_service, s.id, GenerateAction(append_tokens=(1, 2, 3, 4), offset=0, spec=spec(max_tokens=0)))
     await collect(
         tiny_service, s.id, GenerateAction(append_tokens=(7, 8), offset=2, truncating=True, spec=spec(max_tokens=0))
     )
-    assert tiny_service.dump(s.id) == [1, 2, 7, 8]
+    assert await tiny_service.dump(s.id) == [1, 2, 7, 8]
 
 
 async def test_prefill_only_with_ranges_and_the_no_op_refresh(tiny_service: Any) -> None:
-    s = tiny_service.open("tiny-llama")
+    s = await tiny_service.open("tiny-llama")
     events, done = await collect(
         tiny_service,
         s.id,
@@ -96,7 +96,7 @@ async def test_prefill_only_with_ranges_and_the_no_op_refresh(tiny_service: Any)
 
 
 async def test_cancelled_generation_keeps_the_append_and_drops_decoded_tokens(tiny_service: Any) -> None:
-    s = tiny_service.open("tiny-llama")
+    s = await tiny_service.open("tiny-llama")
     stream = tiny_service.generate(s.id, GenerateAction(append_tokens=(1, 2, 3), offset=0, spec=spec(max_tokens=300)))
     seen = 0
     async for _ in stream:
@@ -104,14 +104,14 @@ async def test_cancelled_generation_keeps_the_append_and_drops_decoded_tokens(ti
         if seen == 3:
             break
     await stream.aclose()
-    assert tiny_service.dump(s.id) == [1, 2, 3]
+    assert await tiny_service.dump(s.id) == [1, 2, 3]
     assert not s.busy
     _, done = await collect(tiny_service, s.id, GenerateAction(append_tokens=(5,), offset=3, spec=spec(max_tokens=1)))
     assert done.completion_tokens == 1
 
 
 async def test_a_second_generation_on_a_busy_session_is_aborted(tiny_service: Any) -> None:
-    s = tiny_service.open("tiny-llama")
+    s = await tiny_service.open("tiny-llama")
     first = tiny_service.generate(s.id, GenerateAction(append_tokens=(1, 2), offset=0, spec=spec(max_tokens=50)))
     await first.__anext__()
     await expect_error(Code.ABORTED, tiny_service.generate(s.id, GenerateAction(offset=None, spec=spec(max_tokens=1))))
@@ -119,7 +119,7 @@ async def test_a_second_generation_on_a_busy_session_is_aborted(tiny_service: An
 
 
 async def test_context_overflow_is_resource_exhausted(tiny_service: Any) -> None:
-    s = tiny_service.open("tiny-llama")
+    s = await tiny_service.open("tiny-llama")
     err = await expect_error(
         Code.RESOURCE_EXHAUSTED,
         tiny_service.generate(s.id, GenerateAction(append_tokens=tuple([5] * 500), offset=0, spec=spec(max_tokens=20))),
@@ -129,7 +129,7 @@ async def test_context_overflow_is_resource_exhausted(tiny_service: Any) -> None
         Code.RESOURCE_EXHAUSTED,
         tiny_service.generate(s.id, GenerateAction(append_tokens=tuple([5] * 513), offset=0, spec=spec(max_tokens=0))),
     )
-    assert tiny_service.dump(s.id) == []
+    assert await tiny_service.dump(s.id) == []
 
 
 @pytest.mark.parametrize(
@@ -151,16 +151,16 @@ async def test_context_overflow_is_resource_exhausted(tiny_service: Any) -> None
     ],
 )
 async def test_bad_actions_are_invalid_argument(tiny_service: Any, action: GenerateAction, fragment: str) -> None:
-    s = tiny_service.open("tiny-llama")
+    s = await tiny_service.open("tiny-llama")
     err = await expect_error(Code.INVALID_ARGUMENT, tiny_service.generate(s.id, action))
     assert fragment in err.message
-    assert tiny_service.dump(s.id) == []
+    assert await tiny_service.dump(s.id) == []
 
 
 async def test_unknown_session_is_not_found(tiny_service: Any) -> None:
     await expect_error(Code.NOT_FOUND, tiny_service.generate("missing", GenerateAction()))
     with pytest.raises(GatewayError) as e:
-        tiny_service.fork("missing", 0)
+        await tiny_service.fork("missing", 0)
     assert e.value.code is Code.NOT_FOUND
 
 
@@ -188,24 +188,24 @@ async def test_stop_strings_end_with_stop_string_and_cut_the_text(tiny_service: 
 
 
 async def test_fork_then_diverge(tiny_service: Any) -> None:
-    s = tiny_service.open("tiny-llama")
+    s = await tiny_service.open("tiny-llama")
     await collect(tiny_service, s.id, GenerateAction(append_tokens=(1, 2, 3, 4, 5), offset=0, spec=spec(max_tokens=0)))
-    child = tiny_service.fork(s.id, 3)
+    child = await tiny_service.fork(s.id, 3)
     await collect(tiny_service, child.id, GenerateAction(append_tokens=(9,), offset=3, spec=spec(max_tokens=0)))
-    assert tiny_service.dump(child.id) == [1, 2, 3, 9]
-    assert tiny_service.dump(s.id) == [1, 2, 3, 4, 5]
+    assert await tiny_service.dump(child.id) == [1, 2, 3, 9]
+    assert await tiny_service.dump(s.id) == [1, 2, 3, 4, 5]
 
 
 async def test_the_store_wide_token_cap_counts_the_decode_budget_before_anything_runs(tiny_service: Any) -> None:
     tiny_service.store.max_total_tokens = 20
-    s = tiny_service.open("tiny-llama")
+    s = await tiny_service.open("tiny-llama")
     await collect(tiny_service, s.id, GenerateAction(append_tokens=(1, 2, 3, 4, 5), offset=0, spec=spec(max_tokens=5)))
-    assert len(tiny_service.dump(s.id)) == 10
+    assert len(await tiny_service.dump(s.id)) == 10
     err = await expect_error(
         Code.RESOURCE_EXHAUSTED,
         tiny_service.generate(s.id, GenerateAction(append_tokens=(6,), offset=10, spec=spec(max_tokens=10))),
     )
     assert "holds 10 session tokens and 11 more" in err.message and "limit of 20" in err.message
-    assert len(tiny_service.dump(s.id)) == 10  # refused before anything was appended or decoded
+    assert len(await tiny_service.dump(s.id)) == 10  # refused before anything was appended or decoded
     _, done = await collect(tiny_service, s.id, GenerateAction(append_tokens=(6,), offset=10, spec=spec(max_tokens=9)))
-    assert done.completion_tokens == 9 and len(tiny_service.dump(s.id)) == 20
+    assert done.completion_tokens == 9 and len(await tiny_service.dump(s.id)) == 20

@@ -67,11 +67,11 @@ async def test_unknown_model_is_not_found_and_loading_is_unavailable(
 
 
 async def test_replace_keeps_the_shared_prefix_and_continue_appends(tiny_service: Any) -> None:
-    s = tiny_service.open()
+    s = await tiny_service.open()
     first = await tiny_service.plan_turn(ChatTurn(prompt=user("Hello"), origin="t", max_tokens=2), session_id=s.id)
     assert first.reused_tokens == 0 and first.action.spec.max_tokens == 2
     done = await run(tiny_service, first)
-    length = len(tiny_service.dump(s.id))
+    length = len(await tiny_service.dump(s.id))
     assert length == done.prompt_tokens + done.completion_tokens
     again = await tiny_service.plan_turn(
         ChatTurn(prompt=user("Hello there"), origin="t", max_tokens=1), session_id=s.id
@@ -99,12 +99,12 @@ async def test_reports_cover_the_generated_positions_or_the_prompt_too(tiny_serv
 
 
 async def test_a_chat_turn_that_does_not_finish_leaves_the_session_as_it_was(tiny_service: Any) -> None:
-    s = tiny_service.open()
+    s = await tiny_service.open()
     await run(
         tiny_service,
         await tiny_service.plan_turn(ChatTurn(prompt=user("Hi"), origin="t", max_tokens=2), session_id=s.id),
     )
-    before = tiny_service.dump(s.id)
+    before = await tiny_service.dump(s.id)
     sampling = GenerateSpec(ignore_eos=True)
     turn = await tiny_service.plan_turn(
         ChatTurn(prompt=user("Hello, a longer one"), origin="t", max_tokens=50, sampling=sampling), session_id=s.id
@@ -112,6 +112,6 @@ async def test_a_chat_turn_that_does_not_finish_leaves_the_session_as_it_was(tin
     assert turn.action.truncating  # it rewinds part of the session before appending
     stream = tiny_service.run_turn(turn)
     await anext(stream)  # under way: appended, decoding
-    assert tiny_service.dump(s.id) != before
+    assert await tiny_service.dump(s.id) != before
     await stream.aclose()  # the client went away
-    assert tiny_service.dump(s.id) == before and not s.busy
+    assert await tiny_service.dump(s.id) == before and not s.busy

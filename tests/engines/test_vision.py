@@ -25,7 +25,8 @@ from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, Event, TokenEvent
 from prismgate.core.pool import EnginePool
 from prismgate.core.service import SessionService
-from prismgate.core.session import ImageSpan, SessionStore
+from prismgate.core.session import ImageSpan
+from prismgate.core.stores import InProcessStore
 from prismgate.engines.hf.engine import TransformersEngine
 from prismgate.engines.hf.vision import Qwen2VLAdapter
 from prismgate.engines.readouts.pack import ConceptPack
@@ -87,7 +88,7 @@ def engine(loop: asyncio.AbstractEventLoop, vl_dir: Path, pack_path: Path) -> It
 
 @pytest.fixture(scope="module")
 def service(engine: TransformersEngine) -> SessionService:
-    return SessionService(EnginePool([engine]), SessionStore())
+    return SessionService(EnginePool([engine]), InProcessStore())
 
 
 @pytest.fixture(scope="module")
@@ -251,12 +252,12 @@ def test_image_tokens_match_the_processor(engine: TransformersEngine, width: int
 def test_bad_images_are_invalid_argument(
     loop: asyncio.AbstractEventLoop, service: SessionService, data: bytes, mime: str, says: str
 ) -> None:
-    session = service.open(MODEL)
+    session = loop.run_until_complete(service.open(MODEL))
     prompt = Prompt().text(IM_START, 65).image(data, 4, mime)
     error = fails(loop, service.generate(session.id, action(prompt, greedy(2), offset=0)))
     assert error.code is Code.INVALID_ARGUMENT
     assert says in error.message
-    assert len(service.session(session.id)) == 0  # nothing was appended
+    assert len(loop.run_until_complete(service.session(session.id))) == 0  # nothing was appended
 
 
 def test_image_size_limits(engine: TransformersEngine) -> None:
@@ -286,14 +287,14 @@ def test_image_run_generates_and_the_image_matters(
     assert engine.image_tokens(second, PNG) == n
     results: list[list[float]] = []
     for data in (first, second):
-        session = service.open(MODEL)
+        session = loop.run_until_complete(service.open(MODEL))
         prompt = Prompt().text(IM_START, 117, 10).image(data, n).text(104, 105, IM_END, 10, IM_START, 97, 10)
         events, done = run(
             loop, service.generate(session.id, action(prompt, greedy(6, logprobs_from=len(prompt.tokens)), offset=0))
         )
         assert done.completion_tokens == 6 and done.prompt_tokens == len(prompt.tokens)
         assert [e.position for e in events] == list(range(len(prompt.tokens), len(prompt.tokens) + 6))
-        assert len(service.session(session.id)) == len(prompt.tokens) + 6
+        assert len(loop.run_until_complete(service.session(session.id))) == len(prompt.tokens) + 6
         results.append([e.logprob for e in events if e.logprob is not None])
         assert len(results[-1]) == 6
     # same tokens, different pixels: the vision features reach the language model
@@ -305,13 +306,13 @@ def test_wrong_pad_count_names_the_expected_count(
 ) -> None:
     data = image_bytes(300, 200, seed=3)
     n = engine.image_tokens(data, PNG)
-    session = service.open(MODEL)
+    session = loop.run_until_complete(service.open(MODEL))
     error = fails(
         loop, service.generate(session.id, action(Prompt().text(IM_START).image(data, n + 1), greedy(1), offset=0))
     )
     assert error.code is Code.INVALID_ARGUMENT
     assert f"holds {n + 1} image pad tokens but this image becomes {n}" in error.message
-    assert len(service.session(session.id)) == 0
+    assert len(loop.run_until_complete(service.session(session.id))) == 0
 
 
 def test_matches_transformers_with_two_images(
@@ -330,7 +331,7 @@ def test_matches_transformers_with_two_images(
     spans = spans_of(prompt)
     assert adapter.chunk_end(spans, 0, 16) == 3 and adapter.chunk_end(spans, 3, 19) == 21
     assert adapter.chunk_end(spans, 21, 37) == spans[1].start
-    session = service.open(MODEL)
+    session = loop.run_until_complete(service.open(MODEL))
     events, done = run(
         loop, service.generate(session.id, action(prompt, greedy(8, logprobs_from=len(prompt.tokens)), offset=0))
     )
@@ -344,10 +345,10 @@ def test_delta_prefill_equals_recompute(
 ) -> None:
     data = image_bytes(90, 90, seed=21)
     n = engine.image_tokens(data, PNG)
-    session = service.open(MODEL)
+    session = loop.run_until_complete(service.open(MODEL))
     turn1 = Prompt().text(IM_START, 117, 10).image(data, n).text(104, IM_END, 10, IM_START, 97, 10)
     run(loop, service.generate(session.id, action(turn1, greedy(4), offset=0)))
-    length = len(service.session(session.id))
+    length = len(loop.run_until_complete(service.session(session.id)))
     turn2 = Prompt(length).text(IM_END, 10, IM_START, 117, 10, 119, 104, 121, IM_END, 10, IM_START, 97, 10)
     events, done2 = run(
         loop,
@@ -357,7 +358,7 @@ def test_delta_prefill_equals_recompute(
     assert done2.cached_tokens == length - 1
     assert done2.prefilled_tokens == len(turn2.tokens) + 1
     # a full recompute of the same timeline, images re-declared, in a throwaway session
-    timeline = service.dump(session.id)[: length + len(turn2.tokens)]
+    timeline = loop.run_until_complete(service.dump(session.id))[: length + len(turn2.tokens)]
     whole = Prompt().text(*timeline)
     whole.images = list(turn1.images)
     recomputed, done3 = run(loop, service.run(action(whole, greedy(6, logprobs_from=len(timeline))), model=MODEL))
@@ -376,7 +377,7 @@ def test_replacing_an_image_of_the_same_size_recomputes_it(
     """Same token ids, other pixels: the cached keys/values of the old image must not be reused."""
     old, new = image_bytes(100, 60, seed=31), image_bytes(100, 60, seed=32)
     n = engine.image_tokens(old, PNG)
-    session = service.open(MODEL)
+    session = loop.run_until_complete(service.open(MODEL))
     head = Prompt().text(IM_START, 117, 10)
     run(loop, service.generate(session.id, action(head, greedy(0), offset=0)))
     tail = [IM_END, 10, IM_START, 97, 10]
@@ -399,7 +400,7 @@ def test_truncating_rewind_to_an_image_boundary(
     loop: asyncio.AbstractEventLoop, service: SessionService, engine: TransformersEngine, reference: Any
 ) -> None:
     a, b, c = image_bytes(56, 56, seed=41), image_bytes(120, 60, seed=42), image_bytes(30, 200, seed=43)
-    session = service.open(MODEL)
+    session = loop.run_until_complete(service.open(MODEL))
     turn1 = Prompt().text(IM_START, 117, 10).image(a, engine.image_tokens(a, PNG)).text(104, 105, 10)
     run(loop, service.generate(session.id, action(turn1, greedy(0), offset=0)))
     base = len(turn1.tokens)
@@ -417,7 +418,7 @@ def test_truncating_rewind_to_an_image_boundary(
             session.id, action(turn3, greedy(4, logprobs_from=base + len(turn3.tokens)), offset=base, truncating=True)
         ),
     )
-    stored = service.session(session.id)
+    stored = loop.run_until_complete(service.session(session.id))
     assert [im.digest for im in stored.images] == [s.digest for s in spans_of(turn1) + spans_of(turn3)]
     assert done.cached_tokens == base  # the first image's turn was reused
     processor = vl(engine).images.processor
@@ -430,22 +431,26 @@ def test_fork_inside_an_image_block_is_refused(
 ) -> None:
     data = image_bytes(100, 100, seed=51)
     n = engine.image_tokens(data, PNG)
-    session = service.open(MODEL)
+    session = loop.run_until_complete(service.open(MODEL))
     prompt = Prompt().text(IM_START, 117, 10).image(data, n).text(104, 105)
     run(loop, service.generate(session.id, action(prompt, greedy(2), offset=0)))
     image = prompt.images[0]
     for position in (image.start + 1, image.start + 1 + n // 2, image.end - 1):
         with pytest.raises(GatewayError) as info:
-            service.fork(session.id, position)
+            loop.run_until_complete(service.fork(session.id, position))
         assert info.value.code is Code.FAILED_PRECONDITION
         assert "inside the image block" in info.value.message
-    child = service.fork(session.id, image.end)  # a block boundary is fine, and keeps the image
-    assert [im.digest for im in child.images] == [im.digest for im in service.session(session.id).images]
+    child = loop.run_until_complete(
+        service.fork(session.id, image.end)
+    )  # a block boundary is fine, and keeps the image
+    assert [im.digest for im in child.images] == [
+        im.digest for im in loop.run_until_complete(service.session(session.id)).images
+    ]
     events, done = run(
         loop, service.generate(child.id, action(Prompt(image.end).text(IM_END), greedy(3), offset=image.end))
     )
     assert done.completion_tokens == 3 and len(events) == 3
-    before = service.fork(session.id, image.start)
+    before = loop.run_until_complete(service.fork(session.id, image.start))
     assert before.images == [] and len(before) == image.start
 
 
@@ -459,7 +464,7 @@ def test_readouts_for_an_image_session(
     data = image_bytes(80, 120, seed=61)
     n = engine.image_tokens(data, PNG)
     prompt = Prompt().text(IM_START, 117, 10).image(data, n).text(104, 105, 10)
-    session = service.open(MODEL)
+    session = loop.run_until_complete(service.open(MODEL))
     spec = GenerateSpec(max_tokens=2, ignore_eos=True, readout_ranges=(PositionRange(0, len(prompt.tokens) + 2),))
     events, _ = run(loop, service.generate(session.id, action(prompt, spec, offset=0)))
     assert [e.position for e in events] == list(range(len(prompt.tokens) + 2))
@@ -483,7 +488,7 @@ def test_readouts_for_an_image_session(
     want = out.hidden_states[1][0].float().numpy() @ directions[0].T
     np.testing.assert_allclose(got[:, 0, :], want, atol=1e-4)
     # the readouts of the next turn's reused prefix equal those computed the first time
-    length = len(service.session(session.id))
+    length = len(loop.run_until_complete(service.session(session.id)))
     spec2 = GenerateSpec(max_tokens=1, ignore_eos=True, readout_ranges=(PositionRange(0, length),))
     again, _ = run(loop, service.generate(session.id, action(Prompt(length).text(IM_END), spec2, offset=length)))
     np.testing.assert_allclose(readouts(again[: len(prompt.tokens)]), got, atol=1e-4)
@@ -498,8 +503,8 @@ def test_text_only_model_refuses_images(loop: asyncio.AbstractEventLoop, tiny_mo
     loop.run_until_complete(pool.start())
     try:
         assert engine.info.vision is None
-        service = SessionService(pool, SessionStore())
-        session = service.open("tiny-llama")
+        service = SessionService(pool, InProcessStore())
+        session = loop.run_until_complete(service.open("tiny-llama"))
         prompt = Prompt().text(IM_START, 65).image(image_bytes(56, 56), 4)
         error = fails(loop, service.generate(session.id, action(prompt, greedy(1), offset=0)))
         assert error.code is Code.INVALID_ARGUMENT

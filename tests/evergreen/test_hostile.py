@@ -130,7 +130,7 @@ async def test_an_open_connection_keeps_its_session_past_the_ttl(server_factory)
             )
             await collector.until_complete(first, within=60)
             await asyncio.sleep(1.0)  # idle past the TTL
-            server.service.store.evict_expired()
+            await server.service.store.evict_expired()
             follow = uid()
             await ws.send(
                 msg(

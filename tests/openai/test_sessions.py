@@ -75,7 +75,7 @@ def test_session_turns_send_only_new_messages_and_reuse_the_prefix(
     assert second.model_extra["prismgate"]["session_length"] == session_info(live_server, sid).json()["length"]
 
     # the timeline is exactly what the chat template makes of the whole conversation
-    timeline = live_server.service.dump(sid)
+    timeline = live_server.call(live_server.service.dump(sid))
     reply_ids = timeline[first.usage.prompt_tokens : after_first]
     specials = set(live_server.service.info().eos_token_ids) | {257}  # <|im_start|> in the test tokenizer
     if not specials & set(reply_ids[:-1]):  # a random model may emit special tokens mid-reply
@@ -121,13 +121,13 @@ def test_completions_append_raw_text_to_a_session(client: openai.OpenAI, live_se
     )
     length_a = a.model_extra["prismgate"]["session_length"]
     assert b.usage.prompt_tokens == length_a + 3
-    timeline = live_server.service.dump(sid)
+    timeline = live_server.call(live_server.service.dump(sid))
     tokenizer = live_server.service.info().tokenizer
     assert timeline[length_a : length_a + 3] == tokenizer.encode("def")
     # max_tokens=0 appends without generating: a way to prime a session
     c = client.completions.create(model=model, prompt="g", max_tokens=0, extra_body={"session_id": sid})
     assert c.choices[0].text == "" and c.usage.completion_tokens == 0
-    assert live_server.service.dump(sid)[-1:] == tokenizer.encode("g")
+    assert live_server.call(live_server.service.dump(sid))[-1:] == tokenizer.encode("g")
 
 
 def test_session_errors(client: openai.OpenAI, live_server: Any, model: str) -> None:

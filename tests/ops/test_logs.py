@@ -41,12 +41,12 @@ def generation_lines(out: io.StringIO) -> list[dict[str, Any]]:
 def test_one_json_line_per_generation_without_prompt_text(live_server: Any) -> None:
     service = live_server.service
     prompt = service.info().tokenizer.encode(SECRET)
-    session = service.open(service.pool.default_model)
+    session = live_server.call(service.open(service.pool.default_model))
     with json_logs() as out:
         _, done = live_server.call(
             collect(service.generate(session.id, action(prompt, max_tokens=5, ignore_eos=True, origin="ops-logs")))
         )
-    service.close(session.id)
+    live_server.call(service.close(session.id))
     assert SECRET not in out.getvalue()
     (line,) = generation_lines(out)
     assert line["message"] == "generation finished" and line["level"] == "info"

@@ -54,12 +54,12 @@ def test_prefix_cache_reuse_is_counted(live_server: Any) -> None:
     """A second turn on a session reuses the first turn's cache; the counters say how much."""
     proto = "ops-cache"
     service = live_server.service
-    session = service.open(service.pool.default_model)
+    session = live_server.call(service.open(service.pool.default_model))
     first = tokens_of(live_server, "the first turn of a chat")
     _, done1 = live_server.call(collect(service.generate(session.id, action(first, max_tokens=4, origin=proto))))
     second = tokens_of(live_server, " and a second one")
     _, done2 = live_server.call(collect(service.generate(session.id, action(second, max_tokens=4, origin=proto))))
-    service.close(session.id)
+    live_server.call(service.close(session.id))
     assert done2.cached_tokens > 0, "the engine should reuse the session's cache on the second turn"
     s = scrape(live_server.http_url)
     assert value(s, "prismgate_prompt_cached_tokens_total", protocol=proto) == done1.cached_tokens + done2.cached_tokens

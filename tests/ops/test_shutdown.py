@@ -96,7 +96,7 @@ def test_stop_closes_sessions(server_factory: Any) -> None:
         service = server.service
         released: list[str] = []
         service.store.on_release(released.append)
-        ids = [service.open(service.pool.default_model).id for _ in range(3)]
+        ids = [server.call(service.open(service.pool.default_model)).id for _ in range(3)]
         server.call(server.gateway.stop())
         assert sorted(released) == sorted(ids)
         assert len(service.store) == 0

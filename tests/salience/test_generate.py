@@ -281,13 +281,13 @@ def test_cancelled_stream_keeps_the_append_and_drops_decoded_tokens(live_server:
         call = slow.salience.Generate(long_request(sid, len(before), [33, 34, 35]))
         received = [next(call) for _ in range(len(before) + 3 + 2)]  # the prefill plus two decoded tokens
         assert [e.token.is_prefill for e in received][-2:] == [False, False]
-        assert live_server.service.session(sid).busy  # still generating: the cancel lands mid-stream
+        assert live_server.call(live_server.service.session(sid)).busy  # still generating: the cancel lands mid-stream
         call.cancel()
         with pytest.raises(grpc.RpcError) as caught:
             list(call)
         assert caught.value.code() == grpc.StatusCode.CANCELLED
 
-        wait_for(lambda: not live_server.service.session(sid).busy)
+        wait_for(lambda: not live_server.call(live_server.service.session(sid)).busy)
         assert slow.dump(sid) == [*before, 33, 34, 35]  # the append stays; the decoded tokens do not
         # The session is usable at once, at exactly the documented length.
         _, done = slow.generate(session_id=sid, offset=len(before) + 3, max_tokens=1, top_k=1)
@@ -302,7 +302,7 @@ def test_a_second_generate_on_a_busy_session_is_aborted(live_server: Any, client
         sid = slow.open()
         call = slow.salience.Generate(long_request(sid, 0, PROMPT))
         next(call)
-        assert live_server.service.session(sid).busy
+        assert live_server.call(live_server.service.session(sid)).busy
         error = rpc_error(client.generate, session_id=sid, offset=4, max_tokens=1)
         assert error.code() == grpc.StatusCode.ABORTED and "busy" in error.details()
         # Other sessions are not held up by it.
@@ -310,7 +310,7 @@ def test_a_second_generate_on_a_busy_session_is_aborted(live_server: Any, client
         _, done = client.generate(session_id=other, append_tokens=PROMPT, offset=0, max_tokens=2, top_k=1)
         assert done.completion_tokens == 2
         call.cancel()
-        wait_for(lambda: not live_server.service.session(sid).busy)
+        wait_for(lambda: not live_server.call(live_server.service.session(sid)).busy)
         assert slow.dump(sid) == PROMPT
     finally:
         slow.channel.close()

@@ -1,0 +1,168 @@
+"""Real servers for the scale-out tests: Debian's ``redis-server`` on a free loopback port, and
+``prismgate serve`` from a TOML file."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.ops.helpers import Served
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RedisServer:
+    process: subprocess.Popen[bytes]
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def cli(self, *args: str) -> str:
+        return subprocess.run(
+            ["redis-cli", "-p", str(self.port), *args], check=True, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+
+def start_redis(folder: Path) -> RedisServer:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed (apt-get install redis-server; .ci/run installs it)")
+    port = free_port()
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    server = RedisServer(process, port)
+    deadline = time.monotonic() + 20
+    while True:
+        assert process.poll() is None, "redis-server exited at start"
+        try:
+            if server.cli("ping") == "PONG":
+                return server
+        except subprocess.CalledProcessError:
+            pass
+        assert time.monotonic() < deadline, "redis-server never answered PING"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One redis-server for the session; each test starts from an empty database (``redis``)."""
+    server = start_redis(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis(redis_server: RedisServer) -> RedisServer:
+    redis_server.cli("flushall")
+    return redis_server
+
+
+@contextlib.contextmanager
+def serve_config(folder: Path, config: str, *args: str) -> Iterator[Served]:
+    """``prismgate serve --config`` in a process of its own (the models come from the TOML file)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "prismgate.toml").write_text(config)
+    port_file, log_path = folder / "ports.json", folder / "server.log"
+    command = [
+        str(Path(sys.executable).parent / "prismgate"), "serve", "--config", str(folder / "prismgate.toml"),
+        "--threads", "1", "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
+        "--port-file", str(port_file), "--log-json", *args,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not port_file.exists() or httpx_ready(port_file) is not True:
+            assert process.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "the server never became ready:\n" + log_path.read_text()
+            time.sleep(0.1)
+        ports = json.loads(port_file.read_text())
+        yield Served(
+            process, f"http://127.0.0.1:{ports['http_port']}", f"127.0.0.1:{ports['grpc_port']}", port_file, log_path
+        )
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+def httpx_ready(port_file: Path) -> bool:
+    try:
+        ports = json.loads(port_file.read_text())
+        return httpx.get(f"http://127.0.0.1:{ports['http_port']}/readyz", timeout=5).status_code == 200
+    except (ValueError, httpx.HTTPError):
+        return False
+
+
+NGINX_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "nginx" / "prismgate.conf"
+
+
+@dataclass
+class Nginx:
+    process: subprocess.Popen[bytes]
+    http_url: str
+    grpc_target: str
+
+
+@contextlib.contextmanager
+def nginx_in_front(folder: Path, gateways: list[Served]) -> Iterator[Nginx]:
+    """Debian's nginx running deploy/nginx/prismgate.conf, its upstreams and ports pointed at ``gateways``."""
+    binary = shutil.which("nginx")
+    if binary is None:
+        pytest.fail("nginx is not installed (apt-get install nginx; .ci/run installs it)")
+    folder.mkdir(parents=True, exist_ok=True)
+    http_port, grpc_port = free_port(), free_port()
+    text = NGINX_CONFIG.read_text()
+    for name, served in zip(("gateway-a", "gateway-b"), gateways, strict=True):
+        text = text.replace(f"server {name}:8000", "server " + served.http_url.removeprefix("http://"))
+        text = text.replace(f"server {name}:50051", "server " + served.grpc_target)
+    text = text.replace("listen 8000;", f"listen 127.0.0.1:{http_port};")
+    text = text.replace("listen 50051 http2;", f"listen 127.0.0.1:{grpc_port} http2;")
+    assert "gateway-" not in text, "the test must point every upstream at a test gateway"
+    config = folder / "nginx.conf"
+    config.write_text(text)
+    directives = f"daemon off; pid {folder}/nginx.pid; error_log {folder}/error.log;"
+    process = subprocess.Popen([binary, "-c", str(config), "-p", str(folder), "-g", directives])
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            assert process.poll() is None, (folder / "error.log").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{http_port}/nginx-health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "nginx never answered"
+            time.sleep(0.05)
+        yield Nginx(process, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
+    finally:
+        process.terminate()
+        process.wait(10)
