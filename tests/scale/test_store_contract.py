@@ -10,6 +10,7 @@ import pytest
 
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.session import ImageSpan, Session
+from prismgate.core.steering import SteeredSpan
 from prismgate.core.stores import InProcessStore, SessionStore
 from prismgate.core.stores.redis_store import RedisStore
 from tests.scale.conftest import RedisServer, free_port
@@ -102,6 +103,24 @@ async def test_fork_copies_the_prefix_and_whole_images(store: SessionStore) -> N
     async with store.generation(child.id) as held:
         held.tokens.append(99)
     assert (await store.get(parent.id)).tokens == list(range(20))  # independent timelines
+
+
+async def test_the_steering_record_is_stored_and_kept_in_step(store: SessionStore) -> None:
+    """What each span was computed under survives a save and a reload (another replica's view), fork and truncate."""
+    record = (SteeredSpan(0, 4, "a" * 16), SteeredSpan(4, 6, ""))
+    parent = await store.create("m")
+    async with store.generation(parent.id) as held:
+        held.tokens = [1, 2, 3, 4, 5, 6]
+        held.steering = record
+    assert (await store.get(parent.id)).steering == record
+    child = await store.fork(parent.id, 5)
+    assert (await store.get(child.id)).steering == (SteeredSpan(0, 4, "a" * 16), SteeredSpan(4, 5, ""))
+    async with store.generation(parent.id) as held:
+        held.truncate(2)
+    assert (await store.get(parent.id)).steering == (SteeredSpan(0, 2, "a" * 16),)
+    async with store.generation(parent.id) as held:  # a change of steering alone is saved too
+        held.steering = (SteeredSpan(0, 2, ""),)
+    assert (await store.get(parent.id)).steering == (SteeredSpan(0, 2, ""),)
 
 
 async def test_session_and_token_caps(store: SessionStore) -> None:

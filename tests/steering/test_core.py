@@ -12,7 +12,6 @@ from prismgate.core.actions import GenerateAction, GenerateSpec
 from prismgate.core.budget import RequestBudget
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done
-from prismgate.core.session import SessionStore
 from prismgate.core.steering import (
     Positions,
     SteeredSpan,
@@ -80,16 +79,6 @@ async def test_the_model_decides_what_can_be_steered(tiny_service: Any) -> None:
     assert caught.value.code is Code.INVALID_ARGUMENT
 
 
-def test_truncate_and_fork_keep_the_record_in_step() -> None:
-    store = SessionStore()
-    session = store.create("m", [1, 2, 3, 4, 5, 6])
-    session.steering = spans((replace(FRENCH, positions=Positions.PROMPT),), 4, 6)
-    child = store.fork(session.id, 5)
-    assert child.steering == (SteeredSpan(0, 4, digest((FRENCH,))), SteeredSpan(4, 5, ""))
-    session.truncate(2)
-    assert session.steering == (SteeredSpan(0, 2, digest((FRENCH,))),)
-
-
 async def run(service: Any, session_id: str, action: GenerateAction) -> Done:
     async for event in service.generate(session_id, action):
         if isinstance(event, Done):
@@ -98,12 +87,12 @@ async def run(service: Any, session_id: str, action: GenerateAction) -> Done:
 
 
 async def test_steered_then_unsteered_turns_prefill_what_they_must(tiny_service: Any) -> None:
-    s = tiny_service.open()
+    s = await tiny_service.open()
     prompt = tuple(range(40, 60))
     spec = GenerateSpec(max_tokens=4, ignore_eos=True, steering=(FRENCH,))
     done = await run(tiny_service, s.id, GenerateAction(append_tokens=prompt, offset=0, spec=spec))
     assert (done.cached_tokens, done.prefilled_tokens) == (0, 20)
-    assert tiny_service.session(s.id).steering == (SteeredSpan(0, 24, digest((FRENCH,))),)
+    assert (await tiny_service.session(s.id)).steering == (SteeredSpan(0, 24, digest((FRENCH,))),)
     # the same steering again: only the new tokens (and the last sampled one) run
     done = await run(tiny_service, s.id, GenerateAction(append_tokens=(70, 71), offset=24, spec=spec))
     assert (done.cached_tokens, done.prefilled_tokens) == (23, 3)
@@ -111,15 +100,15 @@ async def test_steered_then_unsteered_turns_prefill_what_they_must(tiny_service:
     plain = GenerateSpec(max_tokens=4, ignore_eos=True)
     done = await run(tiny_service, s.id, GenerateAction(append_tokens=(72,), offset=30, spec=plain))
     assert (done.cached_tokens, done.prefilled_tokens) == (0, 31)
-    assert tiny_service.session(s.id).steering == (SteeredSpan(0, 35, ""),)
+    assert (await tiny_service.session(s.id)).steering == (SteeredSpan(0, 35, ""),)
     # steering only what is generated: the unsteered prompt's cache serves
     gen = GenerateSpec(max_tokens=4, ignore_eos=True, steering=(replace(FRENCH, positions=Positions.GENERATED),))
     done = await run(tiny_service, s.id, GenerateAction(append_tokens=(73,), offset=35, spec=gen))
     assert (done.cached_tokens, done.prefilled_tokens) == (34, 2)
-    record = tiny_service.session(s.id).steering
+    record = (await tiny_service.session(s.id)).steering
     assert record == (SteeredSpan(0, 36, ""), SteeredSpan(36, 40, digest((FRENCH,))))
     # a refused turn leaves the record as it was
     bad = GenerateSpec(max_tokens=4, steering=(replace(FRENCH, concept="nope"),))
     with pytest.raises(GatewayError, match="unknown concept 'nope'"):
         await run(tiny_service, s.id, GenerateAction(append_tokens=(74,), offset=40, spec=bad))
-    assert tiny_service.session(s.id).steering == record and len(tiny_service.session(s.id)) == 40
+    assert (await tiny_service.session(s.id)).steering == record and len(await tiny_service.session(s.id)) == 40
