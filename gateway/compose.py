@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
+from prismgate.core.budget import RequestBudget
 from prismgate.core.engine import Engine
 from prismgate.core.pool import EnginePool
 from prismgate.core.service import SessionService
@@ -97,7 +99,12 @@ def build_service(settings: Settings, engine: Engine | None = None) -> SessionSe
     else:
         engines = [build_engine(served) for served in settings.served() for _ in range(served.replicas)]
     pool = EnginePool(engines, max_active=settings.max_active, max_queued=settings.max_queued)
-    return SessionService(pool, build_store(settings))
+    return SessionService(pool, build_store(settings), build_budget(settings))
+
+
+def build_budget(settings: Settings) -> RequestBudget:
+    """The core's request budget, limit for limit from the settings of the same names."""
+    return RequestBudget(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(RequestBudget)})
 
 
 def build_store(settings: Settings) -> SessionStore:

@@ -269,6 +269,23 @@ class Settings:
         "Content-Length says so.",
     )
 
+    # -- the request budget (gateway/core/budget.py): every protocol, checked before the work --
+    max_json_depth: int = setting(64, "Deepest nesting of arrays and objects in any JSON a client sends.")
+    max_stop_strings: int = setting(64, "Most stop strings in one request.")
+    max_stop_string_chars: int = setting(1024, "Longest stop string, in characters.")
+    max_stop_token_ids: int = setting(1024, "Most stop token ids in one request.")
+    max_position_ranges: int = setting(256, "Most logprob ranges, and most readout ranges, in one request.")
+    prompt_bytes_per_context_token: int = setting(
+        64,
+        "A prompt's text is refused before tokenizing when it has more UTF-8 bytes than this many per token of "
+        "the model's context.",
+    )
+    max_expanded_leaves: int = setting(
+        100_000, "Evergreen: most leaves an input node tree may expand to (a shared node counted each time)."
+    )
+    max_actions_in_flight: int = setting(1024, "Evergreen: most actions not yet ended on one session.")
+    max_steering_entries: int = setting(8, "Most steering entries in one request.")
+
     # -- several models (TOML only: a list of tables) ---------------------------------
     models: tuple[ModelConfig, ...] = field(
         default=(),

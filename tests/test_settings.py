@@ -47,3 +47,19 @@ def test_unknown_toml_keys_are_rejected(tmp_path: Path) -> None:
     with pytest.raises(GatewayError) as e:
         Settings.load(env={}, config_file=str(cfg))
     assert "unknown setting 'htp_port'" in e.value.message
+
+
+def test_every_budget_limit_is_a_setting_and_reaches_the_core() -> None:
+    """The request budget's limits are documented settings: none is a code constant only."""
+    import dataclasses
+
+    from prismgate.compose import build_budget
+    from prismgate.core.budget import RequestBudget
+
+    names = {f.name for f in dataclasses.fields(RequestBudget)}
+    assert names <= {f.name for f in Settings.fields()}
+    settings = Settings.load({"max_stop_strings": 2, "max_json_depth": 5}, env={})
+    budget = build_budget(settings)
+    assert (budget.max_stop_strings, budget.max_json_depth) == (2, 5)
+    with pytest.raises(GatewayError, match="3 stop strings; the limit is 2"):
+        budget.check_lists(stop_strings=["a", "b", "c"])
