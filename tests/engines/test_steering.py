@@ -68,6 +68,10 @@ async def test_steering_moves_the_readout_along_its_direction_at_its_layer_and_l
     # layer 0 (index 0), concept 1: the readout is the dot product with the unit vector added
     assert np.allclose(after[:, 0, 1] - before[:, 0, 1], 8.0, atol=1e-3)
     assert not np.allclose(after[:, 1], before[:, 1])  # layer 1 sees the steered stream
+    # two vectors at one layer add up, in order
+    twice, _ = await run(engine, p, **spec(p, push(3.0, positions=Positions.PROMPT), push(5.0)))
+    summed = np.stack([e.readout for e in twice if e.position < n])
+    assert np.allclose(summed[:, 0, 1] - before[:, 0, 1], 8.0, atol=1e-3)
 
 
 async def test_norm_matched_steering_scales_with_the_hidden_state(engine: Any) -> None:
@@ -82,7 +86,12 @@ async def test_norm_matched_steering_scales_with_the_hidden_state(engine: Any) -
 async def test_a_batch_steers_each_row_as_asked_and_leaves_unsteered_rows_exact(engine: Any) -> None:
     texts = ["a", "a longer question about prisms", "mid length", "the longest prompt of them all"]
     ps = [prompt(engine, t) for t in texts]
-    steerings: list[tuple[SteeringEntry, ...]] = [(), (push(6.0),), (), (push(-4.0, layer=1, concept="concept2"),)]
+    steerings: list[tuple[SteeringEntry, ...]] = [
+        (),
+        (push(6.0),),
+        (),
+        (push(-4.0, layer=1, concept="concept2"), push(0.5, layer=1, norm_match=True), push(2.0)),
+    ]
     alone = [await run(engine, p, **spec(p, *s)) for p, s in zip(ps, steerings, strict=True)]
     before = engine.stats["batched_steps"]
     mixed = await asyncio.gather(*(run(engine, p, **spec(p, *s)) for p, s in zip(ps, steerings, strict=True)))
