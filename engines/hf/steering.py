@@ -28,8 +28,7 @@ class Vector:
     """A steering entry resolved against the pack: which hooked layer, and the unit vector on the device."""
 
     index: int  # position of the layer in the pack's layer list (one hook each)
-    unit: torch.Tensor  # [hidden], float32
-    scale: float
+    add: torch.Tensor  # [hidden], float32: scale * the unit direction
     norm_match: bool
     positions: Positions
 
@@ -54,6 +53,7 @@ class Steerer:
         directions = torch.from_numpy(pack.directions).to(device=param.device, dtype=torch.float32)
         self._directions = directions / directions.norm(dim=-1, keepdim=True)  # packs hold unit vectors; be sure
         self._plan: dict[int, list[Group]] = {}
+        self._last: tuple[Any, dict[int, list[Group]]] = ((), {})  # a batch steers alike step after step
         self._handles = [
             layers[layer].register_forward_hook(self._hook(i), prepend=True) for i, layer in enumerate(pack.layers)
         ]
@@ -71,13 +71,17 @@ class Steerer:
                 unit = self._directions[index, self.pack.concepts.index(entry.concept)]
             else:
                 unit = torch.tensor(entry.unit_direction(), dtype=torch.float32, device=self._device)
-            vectors.append(Vector(index, unit, entry.scale, entry.norm_match, entry.positions))
+            vectors.append(Vector(index, entry.scale * unit, entry.norm_match, entry.positions))
         return tuple(vectors)
 
     @contextlib.contextmanager
     def plan(self, rows: Sequence[RowPlan]) -> Iterator[None]:
         """Steer the next forward pass as ``rows`` say; nothing is steered outside the block."""
-        self._plan = _groups(rows)
+        waves = _waves(rows)
+        key = tuple((where, tuple((row, id(vector)) for row, vector in members)) for where, members in waves)
+        if key != self._last[0]:
+            self._last = (key, _groups(waves))
+        self._plan = self._last[1]
         try:
             yield
         finally:
@@ -114,8 +118,11 @@ class Group:
     norm_matched: torch.Tensor | None  # [k, 1, 1] bool: multiply by the hidden state's norm; None: none is
 
 
-def _groups(rows: Sequence[RowPlan]) -> dict[int, list[Group]]:
-    """The work of each hooked layer: one indexed write per token range and per round.
+Wave = tuple[tuple[int, int, int, int], list[tuple[int, Vector]]]  # (layer index, round, lo, hi), members
+
+
+def _waves(rows: Sequence[RowPlan]) -> list[Wave]:
+    """Who gets which vector: by layer, round and token range, rounds in order.
 
     A row with several vectors at one layer gets them one round after another, in its
     order (the second norm-matched vector sees the stream the first has changed).
@@ -129,10 +136,15 @@ def _groups(rows: Sequence[RowPlan]) -> dict[int, list[Group]]:
                 continue
             wave = seen[vector.index] = seen.get(vector.index, -1) + 1
             waves.setdefault((vector.index, wave, lo, hi), []).append((r.row, vector))
+    return sorted(waves.items(), key=lambda item: item[0][1])
+
+
+def _groups(waves: list[Wave]) -> dict[int, list[Group]]:
+    """The work of each hooked layer: one indexed write per wave."""
     plan: dict[int, list[Group]] = {}
-    for (index, _wave, lo, hi), members in sorted(waves.items(), key=lambda item: item[0][1]):
-        device = members[0][1].unit.device
-        add = torch.stack([v.scale * v.unit for _, v in members]).unsqueeze(1)
+    for (index, _wave, lo, hi), members in waves:
+        device = members[0][1].add.device
+        add = torch.stack([v.add for _, v in members]).unsqueeze(1)
         norm_matched = None
         if any(v.norm_match for _, v in members):
             norm_matched = torch.tensor([v.norm_match for _, v in members], device=device).view(-1, 1, 1)

@@ -73,10 +73,6 @@ class SteeringEntry:
             if not any(self.direction):
                 raise invalid("a steering direction must not be all zeros")
 
-    @property
-    def what(self) -> str:
-        return repr(self.concept) if self.concept is not None else "a raw direction"
-
     def unit_direction(self) -> tuple[float, ...]:
         """The raw direction at unit length (only for entries that carry one)."""
         assert self.direction is not None
