@@ -9,6 +9,7 @@ server alive (idle expiry, caps on sessions and tokens), is a store's job:
 from __future__ import annotations
 
 import hashlib
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -69,6 +70,17 @@ class Session:
 
     def restore(self, snapshot: tuple[list[int], list[ImageSpan]]) -> None:
         self.tokens, self.images = list(snapshot[0]), list(snapshot[1])
+
+    def forked(self, at_position: int) -> Session:
+        """A new session (new id) holding this one's first ``at_position`` tokens, whole images and steering record."""
+        self.check_boundary(at_position, "fork")
+        return Session(
+            id=secrets.token_hex(16),
+            model=self.model,
+            tokens=self.tokens[:at_position],
+            images=[im for im in self.images if im.end <= at_position],
+            steering=clip(self.steering, at_position),
+        )
 
     def truncate(self, length: int) -> None:
         self.check_boundary(length, "truncation")

@@ -8,7 +8,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from prismgate.core.session import DEFAULT_TTL_S, Session
-from prismgate.core.steering import clip
 from prismgate.core.stores.base import SessionStore, busy, missing, over_token_cap, too_many
 
 
@@ -50,16 +49,8 @@ class InProcessStore(SessionStore):
         return session
 
     async def fork(self, session_id: str, at_position: int) -> Session:
-        source = await self.get(session_id)
-        source.check_boundary(at_position, "fork")
+        child = (await self.get(session_id)).forked(at_position)
         await self.reserve(at_position)
-        child = Session(
-            id=secrets.token_hex(16),
-            model=source.model,
-            tokens=source.tokens[:at_position],
-            images=[im for im in source.images if im.end <= at_position],
-            steering=clip(source.steering, at_position),
-        )
         return self._add(child)
 
     async def close(self, session_id: str) -> bool:

@@ -31,7 +31,7 @@ import redis.exceptions
 
 from prismgate.core.errors import Code, GatewayError, exhausted
 from prismgate.core.session import DEFAULT_TTL_S, ImageSpan, Session
-from prismgate.core.steering import SteeredSpan, clip
+from prismgate.core.steering import SteeredSpan
 from prismgate.core.stores.base import SessionStore, busy, missing, over_token_cap, too_many
 
 T = TypeVar("T")
@@ -250,16 +250,8 @@ class RedisStore(SessionStore):
         )
 
     async def fork(self, session_id: str, at_position: int) -> Session:
-        source = await self.get(session_id)
-        source.check_boundary(at_position, "fork")
+        child = (await self.get(session_id)).forked(at_position)
         await self.reserve(at_position)
-        child = Session(
-            id=secrets.token_hex(16),
-            model=source.model,
-            tokens=source.tokens[:at_position],
-            images=[im for im in source.images if im.end <= at_position],
-            steering=clip(source.steering, at_position),
-        )
         return await self._create(child)
 
     async def close(self, session_id: str) -> bool:
