@@ -23,7 +23,7 @@ from prismgate.engines.readouts.pack import ConceptPack
 from prismgate.engines.readouts.probe import decoder_layers
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # equal only to itself: plans are cached by identity
 class Vector:
     """A steering entry resolved against the pack: which hooked layer, and the unit vector on the device."""
 
@@ -78,7 +78,8 @@ class Steerer:
     def plan(self, rows: Sequence[RowPlan]) -> Iterator[None]:
         """Steer the next forward pass as ``rows`` say; nothing is steered outside the block."""
         waves = _waves(rows)
-        key = tuple((where, tuple((row, id(vector)) for row, vector in members)) for where, members in waves)
+        # the key holds the vectors themselves, so none is freed and its identity reused while cached
+        key = tuple((where, tuple(members)) for where, members in waves)
         if key != self._last[0]:
             self._last = (key, _groups(waves))
         self._plan = self._last[1]
