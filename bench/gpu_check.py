@@ -215,7 +215,7 @@ async def main(args: argparse.Namespace) -> int:
                     failures.append("a decoded event asked for a logprob came without one")
 
             # 3. prefix reuse with logprob ranges
-            session = service.open(info.model_id)
+            session = await service.open(info.model_id)
             first = prompts[0]
             out1 = [
                 e
@@ -226,7 +226,7 @@ async def main(args: argparse.Namespace) -> int:
             follow = info.tokenizer.render_chat(
                 [{"role": "user", "content": "And of Italy?"}], add_generation_prompt=True
             )
-            length = len(service.dump(session.id))
+            length = len(await service.dump(session.id))
             n2 = length + len(follow)
             spec2 = GenerateSpec(max_tokens=16, logprob_ranges=(PositionRange(length, n2 + 16),))
             out2 = [
@@ -247,7 +247,7 @@ async def main(args: argparse.Namespace) -> int:
             )
             if done2.cached_tokens == 0 or done2.cached_tokens < length // 2:
                 failures.append(f"turn 2 reused only {done2.cached_tokens} of {length} history tokens")
-            service.close(session.id)
+            await service.close(session.id)
 
             # 4. throughput, without and with readouts, side by side
             async def http_stream(i: int) -> int:

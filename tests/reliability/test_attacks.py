@@ -300,7 +300,7 @@ def test_9_a_cancelled_salience_stream_logs_no_error(server: LiveServer, caplog:
             next(call)
             time.sleep(0.5)  # the flow-control window fills: the server is left waiting on a write
             call.cancel()
-            assert wait_until(lambda sid=sid: not server.service.session(sid).busy, 10)
+            assert wait_until(lambda sid=sid: not server.call(server.service.session(sid)).busy, 10)
             stub.CloseSession(spb.CloseSessionRequest(session_id=sid))
         _collect_garbage_on(server)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
