@@ -108,6 +108,11 @@ class Settings:
         "Longest wait for the next piece of a request body; past it: 408 and the connection closes "
         "(nginx's client_body_timeout).",
     )
+    http_send_timeout_s: float = setting(
+        60.0,
+        "Longest an HTTP client may leave the answer untaken (the connection's writes stay blocked); past it the "
+        "connection is closed (nginx's send_timeout). Streams stop their generation earlier: slow_client_timeout_s.",
+    )
     http_max_header_bytes: int = setting(
         32 * 1024, "Largest request line plus headers; past it: 431 (nginx's large_client_header_buffers)."
     )
@@ -333,7 +338,7 @@ class Settings:
             value = getattr(self, f.name)
             if choices and value not in choices:
                 raise invalid(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
-        for name in ("http_header_timeout_s", "http_body_timeout_s", "http_max_header_bytes"):
+        for name in ("http_header_timeout_s", "http_body_timeout_s", "http_send_timeout_s", "http_max_header_bytes"):
             if getattr(self, name) <= 0:
                 raise invalid(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_connections_per_client < 0:

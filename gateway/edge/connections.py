@@ -9,6 +9,9 @@ live in uvicorn's HTTP protocol (a subclass of its httptools protocol, handed to
   client gets ``408`` and the connection closes;
 * ``http_max_header_bytes`` (nginx ``large_client_header_buffers``, 4 x 8 KiB): the request
   line and headers together; past it ``431``;
+* ``http_send_timeout_s`` (nginx ``send_timeout``, 60 s): how long the connection's writes may
+  stay blocked by a client that takes nothing; past it the connection is closed (the handler
+  then sees a disconnect), so a client that stopped reading cannot hold a socket for ever;
 * ``max_connections_per_client``: open connections from one address; past it ``503`` and
   the new connection closes. (nginx has no default here; one address must not be able
   to take every file descriptor.) Once a connection becomes a WebSocket the protocol
@@ -25,6 +28,7 @@ Each refusal is counted in ``prismgate_request_errors_total`` under the protocol
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +39,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from prismgate.core.errors import Code
 from prismgate.edge.refusals import Refusal, refuse
 from prismgate.settings import Settings
+
+log = logging.getLogger(__name__)
 
 Refused = Callable[[str, Code], None]
 LINGER_S = 2.0
@@ -97,6 +103,7 @@ class GuardedHTTP(HttpToolsProtocol):
     """uvicorn's httptools protocol with a request-head deadline, a head size limit and a per-client cap."""
 
     header_timeout_s: float
+    send_timeout_s: float
     max_header_bytes: int
     clients: ClientConnections
     refused: Refused
@@ -104,6 +111,7 @@ class GuardedHTTP(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
         self._head_received = 0  # bytes received while a head was still incomplete
         self._head_size = 0  # the parsed request line and headers
         self._address: str | None = None
@@ -123,6 +131,7 @@ class GuardedHTTP(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head()
+        self._stop_send()
         self._release()
         super().connection_lost(exc)
 
@@ -169,6 +178,30 @@ class GuardedHTTP(HttpToolsProtocol):
         self._stop_head()
         self._release()
         super().handle_websocket_upgrade()
+
+    def pause_writing(self) -> None:
+        """The client stopped taking what is sent: it has ``send_timeout_s`` to start again."""
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout_s, self._send_timed_out)
+
+    def resume_writing(self) -> None:
+        self._stop_send()
+        super().resume_writing()
+
+    def _stop_send(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_timed_out(self) -> None:
+        self._send_timer = None
+        log.info(
+            "closed a connection from %s: it took nothing for %gs (http_send_timeout_s)",
+            self.client[0] if self.client else "?",
+            self.send_timeout_s,
+        )
+        self.transport.abort()  # nothing can reach a client that reads nothing: no answer, no linger
 
     def _start_head(self) -> None:
         self._head_received = 0
@@ -219,6 +252,7 @@ def guarded_http(settings: Settings, clients: ClientConnections, refused: Refuse
         (GuardedHTTP,),
         {
             "header_timeout_s": settings.http_header_timeout_s,
+            "send_timeout_s": settings.http_send_timeout_s,
             "max_header_bytes": settings.http_max_header_bytes,
             "clients": clients,
             "refused": staticmethod(refused),

@@ -58,7 +58,27 @@ def roomy(long_model_dir: Any, big_pack: Any) -> Iterator[LiveServer]:
 def tight(long_model_dir: Any, big_pack: Any) -> Iterator[LiveServer]:
     """A small buffer and a short timeout."""
     settings = tiny_settings(
-        long_model_dir, big_pack, max_active=3, slow_client_buffer_bytes=64 << 10, slow_client_timeout_s=TIMEOUT_S
+        long_model_dir,
+        big_pack,
+        max_active=3,
+        slow_client_buffer_bytes=64 << 10,
+        slow_client_timeout_s=TIMEOUT_S,
+        http_send_timeout_s=600.0,  # a dropped client that comes back still reads why (see the test below)
+    )
+    with run_gateway(settings) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def send_timeout(long_model_dir: Any, big_pack: Any) -> Iterator[LiveServer]:
+    """Streams never stop for a slow reader (a long slow_client_timeout_s): only the connection's send timeout acts."""
+    settings = tiny_settings(
+        long_model_dir,
+        big_pack,
+        max_active=2,
+        slow_client_buffer_bytes=64 << 10,
+        slow_client_timeout_s=600.0,
+        http_send_timeout_s=TIMEOUT_S,
     )
     with run_gateway(settings) as server:
         yield server
@@ -223,3 +243,27 @@ def dropped(protocol: str, client: Any) -> None:
                 pass
         assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "slow_client_timeout_s" in (ended.value.details() or "")
+
+
+def test_a_connection_whose_client_takes_nothing_is_closed_after_the_send_timeout(send_timeout: LiveServer) -> None:
+    """nginx's send_timeout: the socket itself goes, so a client that stopped reading holds no connection."""
+    with UnderAttack(send_timeout.http_url, victim_limit_s=60) as attack, sse_reader(send_timeout, ENDLESS) as sock:
+        assert wait_until(lambda: engine_busy(send_timeout), 10), "the generation never started"
+        time.sleep(TIMEOUT_S + 3)  # the writes block once the socket buffers are full, then the timer runs out
+        # the client comes back: what was buffered, then the end of the connection (not a stream that goes on)
+        sock.settimeout(0.5)
+        ended = False
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if not sock.recv(1 << 20):
+                    ended = True
+                    break
+            except TimeoutError:
+                continue
+            except OSError:  # reset: the server aborted the connection
+                ended = True
+                break
+        assert ended, "the server kept the connection of a client that took nothing"
+        assert wait_engine_idle(send_timeout, 30), "the generation went on after its connection was closed"
+        attack.wait_for_victims(1, timeout=10)
