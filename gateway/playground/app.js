@@ -8,6 +8,12 @@
 // Evergreen reports readouts for generated tokens only, so the same conversation is also
 // sent to /playground/score, which returns every prompt token with its readouts and logprob.
 //
+// Steering: a slider per concept (0 = off) at the layer chosen beside them. While any is away
+// from 0, each question is also sent, with the spec in GenerateConfig `steering`, on a fresh
+// WebSocket of its own: its prompt is the unsteered conversation so far, sent as text, plus the
+// question, so the steered answer never enters the main session and the two answers differ only
+// by the steering. Its readouts shade its tokens like any other answer's.
+//
 // Shading: value - center (the concept's neutral point), on a fixed scale per concept and
 // layer from the concept pack (`scales`): full colour at twice the scale. A pack without
 // scales falls back to the largest value in the conversation, and the legend says so.
@@ -29,6 +35,8 @@ const state = {
   turns: [],
   nextPosition: 0, // where the next turn's prompt tokens start in the session's timeline
   busy: false,
+  running: new Set(), // turns still streaming: the page takes a new question when none is
+  sockets: new Set(), // the steered runs' own WebSockets, closed by New chat
 };
 
 function uuid() {
@@ -101,7 +109,49 @@ function showManifest(m) {
   m.readouts.concepts.forEach((name, i) => concept.add(new Option(name, String(i))));
   m.readouts.layers.forEach((l, i) => layer.add(new Option(`L${l}`, String(i))));
   layer.value = String(m.readouts.defaultLayer ?? m.readouts.layers.length - 1);
+  showSteering(m.readouts);
   renderAll();
+}
+
+function showSteering(readouts) {
+  const layer = $("steer-layer");
+  const sliders = $("steer-sliders");
+  layer.innerHTML = "";
+  sliders.innerHTML = "";
+  readouts.layers.forEach((l) => layer.add(new Option(`L${l}`, String(l))));
+  layer.value = String(readouts.layers[readouts.defaultLayer ?? readouts.layers.length - 1]);
+  for (const name of readouts.concepts) {
+    const label = el("label");
+    const slider = el("input", "steer");
+    Object.assign(slider, { type: "range", min: "-64", max: "64", step: "1", value: "0" });
+    slider.dataset.concept = name;
+    const shown = el("output", "", "0");
+    slider.addEventListener("input", () => {
+      shown.textContent = slider.value;
+      label.classList.toggle("on", Number(slider.value) !== 0);
+      summarizeSteering();
+    });
+    label.append(el("span", "", name), slider, shown);
+    sliders.appendChild(label);
+  }
+  $("steering").hidden = false;
+}
+
+// The steering spec for GenerateConfig: one entry per slider away from 0, or none.
+function steeringSpec() {
+  const layer = Number($("steer-layer").value);
+  return Array.from(document.querySelectorAll("#steer-sliders input.steer"))
+    .filter((slider) => Number(slider.value) !== 0)
+    .map((slider) => ({ concept: slider.dataset.concept, layer, scale: Number(slider.value) }));
+}
+
+function summarizeSteering() {
+  const spec = steeringSpec();
+  $("steer-summary").textContent = spec.length ? describeSteering(spec) : "off";
+}
+
+function describeSteering(spec) {
+  return spec.map((e) => `${e.concept} ${e.scale > 0 ? "+" : ""}${e.scale}`).join(", ") + ` at L${spec[0].layer}`;
 }
 
 function connect() {
@@ -143,7 +193,76 @@ function addError(text) {
 
 function finishBusy() {
   state.busy = false;
+  state.running.clear();
   $("send").disabled = false;
+}
+
+// An answer box and the turn that streams into it; `part` names its tokens ("answer" or "steered").
+function newTurn(ids, part, label, userBox, userBody) {
+  const box = el("div", `turn assistant${part === "steered" ? " steered" : ""}`);
+  const body = el("span", "answer");
+  const stats = el("span", "stats muted", "");
+  box.append(el("span", "role muted", label), body, stats);
+  const turn = {
+    index: state.turns.length, part,
+    ids, userBox, userBody, box, body, stats,
+    prompt: [], // prompt tokens, from /playground/score (the unsteered turn's)
+    tokens: [], // answer tokens, from the Evergreen stream
+    text: "", decoder: new TextDecoder(), lines: {}, done: false,
+  };
+  state.turns.push(turn);
+  state.running.add(turn);
+  for (const kind of ["response", "readouts", "logprobs", "usage"]) state.nodes.set(ids[kind], { turn, kind });
+  return turn;
+}
+
+function outputIds() {
+  return { prompt: uuid(), question: uuid(), response: uuid(), readouts: uuid(), logprobs: uuid(), usage: uuid() };
+}
+
+function generateAction(ids, config) {
+  const outputs = [{ name: "response", id: ids.response }, { name: "logprobs", id: ids.logprobs }, { name: "usage", id: ids.usage }];
+  if (readoutsManifest()) outputs.push({ name: "readouts", id: ids.readouts });
+  return { name: "GENERATE", inputs: [{ name: "prompt", id: ids.prompt }], outputs, configs: [{ "@type": STRUCT_URL, value: config }] };
+}
+
+function textLeaf(id, role, text) {
+  return { id, chunkFragment: { metadata: { mimetype: "text/plain", role }, data: toBase64(text) } };
+}
+
+// The steered twin of a question, on a WebSocket (so a session) of its own that closes when
+// the answer is done: the conversation so far goes as text leaves, then the question.
+function runSteered(turn, messages, prompt, config) {
+  const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+  const ws = new WebSocket(`${scheme}//${location.host}/evergreen${authQuery()}`);
+  turn.ws = ws;
+  state.sockets.add(ws);
+  ws.onmessage = (event) => {
+    if (typeof event.data === "string") onMessage(JSON.parse(event.data));
+  };
+  ws.onopen = () => {
+    const leaves = messages.map((m) => textLeaf(uuid(), m.role, m.content));
+    leaves.push(textLeaf(turn.ids.question, "user", prompt));
+    ws.send(JSON.stringify({ actions: [generateAction(turn.ids, config)] }));
+    ws.send(JSON.stringify({ nodeFragments: [{ id: turn.ids.prompt, childIds: leaves.map((l) => l.id) }, ...leaves] }));
+  };
+  ws.onclose = (event) => {
+    state.sockets.delete(ws);
+    if (turn.done) return;
+    turn.box.appendChild(el("span", "stats muted error", `steered run ended: ${event.code} ${event.reason || ""}`.trim()));
+    turn.box.classList.add("failed");
+    settle(turn);
+  };
+}
+
+// A turn is over: the page takes the next question once every turn of this one is.
+function settle(turn) {
+  turn.done = true;
+  state.running.delete(turn);
+  if (!state.running.size) {
+    finishBusy();
+    setStatus("idle");
+  }
 }
 
 async function send(prompt) {
@@ -160,38 +279,27 @@ async function send(prompt) {
     finishBusy();
     return;
   }
-  const ids = { prompt: uuid(), question: uuid(), response: uuid(), readouts: uuid(), logprobs: uuid(), usage: uuid() };
-  const withReadouts = Boolean(readoutsManifest());
-  const outputs = [{ name: "response", id: ids.response }, { name: "logprobs", id: ids.logprobs }, { name: "usage", id: ids.usage }];
-  if (withReadouts) outputs.push({ name: "readouts", id: ids.readouts });
+  const ids = outputIds();
   const config = { maxTokens: Number($("max-tokens").value) || 64, temperature: Number($("temperature").value) || 0, topLogprobs: 5 };
+  const steering = readoutsManifest() ? steeringSpec() : [];
 
   const userBox = el("div", "turn user");
   const userBody = el("span", "prompt", prompt);
   userBox.append(el("span", "role muted", "prompt"), userBody);
   $("chat").appendChild(userBox);
-  const box = el("div", "turn assistant");
-  const body = el("span", "answer");
-  const stats = el("span", "stats muted", "");
-  box.append(el("span", "role muted", "answer"), body, stats);
-  $("chat").appendChild(box);
-  const turn = {
-    index: state.turns.length,
-    ids, userBox, userBody, box, body, stats,
-    prompt: [], // prompt tokens, from /playground/score
-    tokens: [], // answer tokens, from the Evergreen stream
-    text: "", decoder: new TextDecoder(), lines: {}, done: false,
-  };
-  state.turns.push(turn);
-  for (const kind of ["response", "readouts", "logprobs", "usage"]) state.nodes.set(ids[kind], { turn, kind });
+  const turn = newTurn(ids, "answer", steering.length ? "unsteered" : "answer", userBox, userBody);
+  if (steering.length) {
+    const steered = newTurn(outputIds(), "steered", `steered: ${describeSteering(steering)}`, userBox, userBody);
+    const pair = el("div", "pair");
+    pair.append(turn.box, steered.box);
+    $("chat").appendChild(pair);
+    runSteered(steered, state.messages.slice(), prompt, { ...config, steering });
+  } else {
+    $("chat").appendChild(turn.box);
+  }
 
-  ws.send(JSON.stringify({ actions: [{ name: "GENERATE", inputs: [{ name: "prompt", id: ids.prompt }], outputs, configs: [{ "@type": STRUCT_URL, value: config }] }] }));
-  ws.send(JSON.stringify({
-    nodeFragments: [
-      { id: ids.prompt, childIds: [...state.history, ids.question] },
-      { id: ids.question, chunkFragment: { metadata: { mimetype: "text/plain", role: "user" }, data: toBase64(prompt) } },
-    ],
-  }));
+  ws.send(JSON.stringify({ actions: [generateAction(ids, config)] }));
+  ws.send(JSON.stringify({ nodeFragments: [{ id: ids.prompt, childIds: [...state.history, ids.question] }, textLeaf(ids.question, "user", prompt)] }));
   state.history.push(ids.question, ids.response);
   state.messages.push({ role: "user", content: prompt });
   scorePrompt(turn, state.messages.slice(), state.nextPosition);
@@ -269,7 +377,7 @@ function makeToken(turn, part, record) {
 
 function answerToken(turn, record) {
   while (turn.tokens.length <= record.index) {
-    const token = makeToken(turn, "answer", { position: null, text: "" });
+    const token = makeToken(turn, turn.part, { position: null, text: "" });
     token.span.dataset.index = String(turn.tokens.length);
     turn.tokens.push(token);
     turn.body.appendChild(token.span);
@@ -296,22 +404,27 @@ function onRecord(turn, kind, record) {
 }
 
 function endTurn(turn) {
-  turn.done = true;
   const shown = turn.tokens.map((t) => t.text).join("");
   if (turn.text.startsWith(shown) && turn.text.length > shown.length) {
     turn.body.appendChild(el("span", "tail", turn.text.slice(shown.length)));
   } else if (!turn.tokens.length) {
     turn.body.textContent = turn.text;
   }
+  turn.box.classList.add("done");
+  $("export-json").disabled = $("export-csv").disabled = false;
+  if (turn.part === "steered") {
+    turn.done = true; // before the close, which then has nothing to report
+    turn.ws.close(1000, "answered");
+    renderAll();
+    settle(turn);
+    return;
+  }
   const ids = turn.tokens.map((t) => t.id);
   state.messages.push(ids.length ? { role: "assistant", content: turn.text, tokens: ids } : { role: "assistant", content: turn.text });
   const last = turn.tokens.length ? turn.tokens[turn.tokens.length - 1].position : null;
   if (last !== null && last !== undefined) state.nextPosition = last + 1;
-  turn.box.classList.add("done");
-  $("export-json").disabled = $("export-csv").disabled = false;
   renderAll();
-  finishBusy();
-  setStatus("idle");
+  settle(turn);
 }
 
 // -- scale, colour and the views ------------------------------------------------------------
@@ -592,6 +705,8 @@ window.prismgatePlayground = { exportJSON, exportCSV };
 
 function newChat() {
   if (state.ws) state.ws.close(1000, "new chat");
+  for (const ws of state.sockets) ws.close(1000, "new chat");
+  state.sockets.clear();
   state.ws = null;
   state.history = [];
   state.messages = [];
@@ -618,6 +733,11 @@ $("concept").addEventListener("change", renderAll);
 $("layer").addEventListener("change", renderAll);
 document.querySelectorAll("#view input").forEach((input) => input.addEventListener("change", renderAll));
 $("new-chat").addEventListener("click", newChat);
+$("steer-layer").addEventListener("change", summarizeSteering);
+$("steer-reset").addEventListener("click", () => document.querySelectorAll("#steer-sliders input.steer").forEach((slider) => {
+  slider.value = "0";
+  slider.dispatchEvent(new Event("input"));
+}));
 $("export-json").addEventListener("click", () => download("prismgate-conversation.json", "application/json", exportJSON()));
 $("export-csv").addEventListener("click", () => download("prismgate-conversation.csv", "text/csv", exportCSV()));
 loadManifest();

@@ -511,3 +511,103 @@ def test_prompt_readouts_line_up_with_the_streamed_ones(calibrated, browser) -> 
         again = by_position[t["position"]]
         assert again["tokenId"] == t["tokenId"]
         np.testing.assert_allclose(np.array(again["values"]), np.array(t["values"]), rtol=1e-3, atol=1e-4)
+
+
+# -- steering: a slider per concept, the steered and unsteered answers side by side ----------------
+
+
+def _steer(browser, concept: str, scale: int) -> None:  # type: ignore[no-untyped-def]
+    """Move a concept's slider the way a drag does: set its value, fire `input`."""
+    browser.execute_script(
+        "const s = document.querySelector(`#steer-sliders input[data-concept='${arguments[0]}']`);"
+        "s.value = String(arguments[1]); s.dispatchEvent(new Event('input'));",
+        concept,
+        scale,
+    )
+
+
+def test_a_slider_answers_twice_steered_and_unsteered(calibrated, browser) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from selenium.webdriver.common.by import By
+
+    server, pack = calibrated
+    browser.set_window_size(1280, 1100)
+    browser.get(server.http_url + "/playground")
+    wait_for(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
+    assert browser.find_element(By.ID, "steer-summary").text == "off"
+    browser.find_element(By.CSS_SELECTOR, "#steering summary").click()  # the section opens on demand
+    sliders = browser.find_elements(By.CSS_SELECTOR, "#steer-sliders input.steer")
+    assert [s.get_attribute("data-concept") for s in sliders] == list(pack.concepts)
+    assert all(s.get_attribute("value") == "0" for s in sliders)
+    steer_layer = int(browser.find_element(By.ID, "steer-layer").get_attribute("value"))
+    layer, concept, scale = pack.layers.index(steer_layer), 1, 48
+    _steer(browser, pack.concepts[concept], scale)
+    assert browser.find_element(By.ID, "steer-summary").text == f"{pack.concepts[concept]} +{scale} at L{steer_layer}"
+
+    field = browser.find_element(By.ID, "max-tokens")
+    field.clear()
+    field.send_keys("8")
+    browser.find_element(By.ID, "prompt").send_keys("Tell me about prisms")
+    browser.find_element(By.ID, "send").click()
+    wait_for(
+        lambda: (
+            len(browser.find_elements(By.CSS_SELECTOR, ".pair .turn.assistant.done")) == 2
+            and browser.find_elements(By.CSS_SELECTOR, ".turn.user.scored")
+        )
+    )
+    assert not browser.find_elements(By.CSS_SELECTOR, ".turn.error, .turn.failed")
+    unsteered, steered = browser.find_elements(By.CSS_SELECTOR, ".pair .turn.assistant")
+    assert "steered" not in unsteered.get_attribute("class") and "steered" in steered.get_attribute("class")
+    label = steered.find_element(By.CSS_SELECTOR, ".role").get_attribute("textContent")
+    assert label == f"steered: {pack.concepts[concept]} +{scale} at L{steer_layer}"
+    for box in (unsteered, steered):  # both answers carry their readouts, shaded
+        tokens = box.find_elements(By.CSS_SELECTOR, ".tok")
+        assert len(tokens) == 8 and all(t.get_attribute("data-value") for t in tokens)
+    pixels = _pixels(steered, "steered-answer")
+    assert _tinted(pixels, ORANGE) + _tinted(pixels, BLUE) > 100
+    _pixels(browser.find_element(By.TAG_NAME, "body"), "steered-page")
+
+    # the spec reached the engine: at every answer position the steered readout of the concept, at
+    # the steered layer, is the unsteered one plus the scale (give or take the tiny model's own
+    # readouts, a few units at most, since the two answers' tokens may differ)
+    tokens = json.loads(browser.execute_script("return window.prismgatePlayground.exportJSON()"))["tokens"]
+    plain = [t for t in tokens if t["part"] == "answer"]
+    pushed = [t for t in tokens if t["part"] == "steered"]
+    assert len(plain) == len(pushed) == 8 and plain[0]["position"] == pushed[0]["position"]
+    for a, b in zip(plain, pushed, strict=True):
+        assert b["values"][layer][concept] - a["values"][layer][concept] == pytest.approx(scale, abs=0.15 * scale)
+
+    # the unsteered answer is what the page answers with every slider at 0, and that shows one answer
+    browser.find_element(By.ID, "steer-reset").click()
+    browser.find_element(By.ID, "new-chat").click()
+    _ask(browser, server, "Tell me about prisms", 8, new_chat=False)
+    assert not browser.find_elements(By.CSS_SELECTOR, ".pair, .turn.steered")
+    again = json.loads(browser.execute_script("return window.prismgatePlayground.exportJSON()"))["tokens"]
+    assert [t["tokenId"] for t in again if t["part"] == "answer"] == [t["tokenId"] for t in plain]
+
+
+def test_steered_turns_leave_the_session_alone(calibrated, browser) -> None:  # type: ignore[no-untyped-def]
+    """A steered question then a plain one: the second reuses the session's cache, as without steering."""
+    from selenium.webdriver.common.by import By
+
+    server, pack = calibrated
+    browser.get(server.http_url + "/playground")
+    wait_for(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
+    _steer(browser, pack.concepts[0], -32)
+    field = browser.find_element(By.ID, "max-tokens")
+    field.clear()
+    field.send_keys("6")
+    browser.find_element(By.ID, "prompt").send_keys("Tell me about prisms")
+    browser.find_element(By.ID, "send").click()
+    wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, ".pair .turn.assistant.done")) == 2)
+    _steer(browser, pack.concepts[0], 0)
+    field.clear()
+    field.send_keys("4")
+    browser.find_element(By.ID, "prompt").send_keys("And then?")
+    browser.find_element(By.ID, "send").click()
+    wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, ".turn.assistant.done")) == 3)
+    second = browser.find_elements(By.CSS_SELECTOR, ".turn.assistant")[-1]
+    assert len(browser.find_elements(By.CSS_SELECTOR, ".pair")) == 1  # the second question: one answer
+    assert int(second.get_attribute("data-cached-tokens")) > 6
+    assert not browser.find_elements(By.CSS_SELECTOR, ".turn.error, .turn.failed")
