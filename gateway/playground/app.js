@@ -197,14 +197,15 @@ function finishBusy() {
   $("send").disabled = false;
 }
 
-// An answer box and the turn that streams into it; `part` names its tokens ("answer" or "steered").
-function newTurn(ids, part, label, userBox, userBody) {
+// An answer box and the turn that streams into it; `part` names its tokens ("answer" or "steered")
+// and `index` the question it answers (a steered answer shares its unsteered twin's).
+function newTurn(index, ids, part, label, userBox, userBody) {
   const box = el("div", `turn assistant${part === "steered" ? " steered" : ""}`);
   const body = el("span", "answer");
   const stats = el("span", "stats muted", "");
   box.append(el("span", "role muted", label), body, stats);
   const turn = {
-    index: state.turns.length, part,
+    index, part,
     ids, userBox, userBody, box, body, stats,
     prompt: [], // prompt tokens, from /playground/score (the unsteered turn's)
     tokens: [], // answer tokens, from the Evergreen stream
@@ -287,9 +288,10 @@ async function send(prompt) {
   const userBody = el("span", "prompt", prompt);
   userBox.append(el("span", "role muted", "prompt"), userBody);
   $("chat").appendChild(userBox);
-  const turn = newTurn(ids, "answer", steering.length ? "unsteered" : "answer", userBox, userBody);
+  const index = state.turns.filter((t) => t.part === "answer").length;
+  const turn = newTurn(index, ids, "answer", steering.length ? "unsteered" : "answer", userBox, userBody);
   if (steering.length) {
-    const steered = newTurn(outputIds(), "steered", `steered: ${describeSteering(steering)}`, userBox, userBody);
+    const steered = newTurn(index, outputIds(), "steered", `steered: ${describeSteering(steering)}`, userBox, userBody);
     const pair = el("div", "pair");
     pair.append(turn.box, steered.box);
     $("chat").appendChild(pair);

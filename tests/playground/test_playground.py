@@ -575,6 +575,7 @@ def test_a_slider_answers_twice_steered_and_unsteered(calibrated, browser) -> No
     plain = [t for t in tokens if t["part"] == "answer"]
     pushed = [t for t in tokens if t["part"] == "steered"]
     assert len(plain) == len(pushed) == 8 and plain[0]["position"] == pushed[0]["position"]
+    assert {t["turn"] for t in tokens} == {0}  # one question: the steered answer is its turn's too
     for a, b in zip(plain, pushed, strict=True):
         assert b["values"][layer][concept] - a["values"][layer][concept] == pytest.approx(scale, abs=0.15 * scale)
 
@@ -611,3 +612,21 @@ def test_steered_turns_leave_the_session_alone(calibrated, browser) -> None:  # 
     assert len(browser.find_elements(By.CSS_SELECTOR, ".pair")) == 1  # the second question: one answer
     assert int(second.get_attribute("data-cached-tokens")) > 6
     assert not browser.find_elements(By.CSS_SELECTOR, ".turn.error, .turn.failed")
+
+
+def test_a_refused_steering_spec_fails_the_steered_answer_alone(live_server, browser) -> None:  # type: ignore[no-untyped-def]
+    """The server's refusal (a layer outside the pack) shows in the steered box; the unsteered one answers."""
+    from selenium.webdriver.common.by import By
+
+    browser.get(live_server.http_url + "/playground")
+    wait_for(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
+    browser.execute_script(
+        "const s = document.getElementById('steer-layer'); s.add(new Option('L99', '99')); s.value = '99';"
+    )
+    _steer(browser, live_server.service.info().readouts.concepts[0], 8)
+    browser.find_element(By.ID, "prompt").send_keys("Tell me about prisms")
+    browser.find_element(By.ID, "send").click()
+    failed = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".turn.steered.failed"))[0]
+    assert "steered run ended: 4400" in failed.text and "99" in failed.text, failed.text
+    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".pair .turn.assistant.done"))
+    wait_for(lambda: not browser.find_element(By.ID, "send").get_attribute("disabled"))
