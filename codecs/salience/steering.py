@@ -4,12 +4,15 @@ salience.v1 is frozen and its GenerateRequest has no steering field, so steering
 Salience session from the side: this service hands the entries to the core
 (:meth:`~prismgate.core.service.SessionService.set_steering`), which keeps them on the
 session and applies them to every later generation whose own spec names none. Entries are
-counted against the budget before any is read; what they mean the core checks.
+counted against the budget before any is read, and read in a worker thread: a raw direction
+may hold millions of numbers before the core can say it is not the model's hidden size. What
+the entries mean the core checks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+from collections.abc import Iterable, Sequence
 
 import grpc
 
@@ -40,13 +43,17 @@ class SteeringServicer(pb_grpc.SteeringServicer):
         self, request: pb.SetSteeringRequest, context: grpc.aio.ServicerContext
     ) -> pb.SetSteeringResponse:
         self.service.budget.check_lists(steering_entries=len(request.entries))
-        steering = tuple(_entry(e, f"entries[{i}]") for i, e in enumerate(request.entries))
+        steering = await asyncio.to_thread(_steering, request.entries)
         return pb.SetSteeringResponse(entries=_wire(await self.service.set_steering(request.session_id, steering)))
 
     async def GetSteering(
         self, request: pb.GetSteeringRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetSteeringResponse:
         return pb.GetSteeringResponse(entries=_wire(await self.service.get_steering(request.session_id)))
+
+
+def _steering(entries: Sequence[pb.SteeringEntry]) -> Steering:
+    return tuple(_entry(e, f"entries[{i}]") for i, e in enumerate(entries))
 
 
 def _entry(entry: pb.SteeringEntry, where: str) -> SteeringEntry:

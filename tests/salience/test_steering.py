@@ -136,6 +136,19 @@ def test_bad_steering_is_refused_and_leaves_the_session_as_it_was(
         assert rpc_error(call).code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_a_huge_direction_is_refused_while_other_calls_are_served(
+    client: Client, steering: salience_steering_pb2_grpc.SteeringStub
+) -> None:
+    """Eight megabytes of numbers: read off the event loop, then refused for its length."""
+    session = client.open()
+    huge = steer_pb.SteeringEntry(direction=[0.5] * 1_000_000, layer=0, scale=1)
+    pending = steering.SetSteering.future(steer_pb.SetSteeringRequest(session_id=session, entries=[huge]), timeout=60)
+    assert greedy(client, client.open(), 0, PROMPT, n=2)  # the server keeps answering meanwhile
+    error = rpc_error(pending.result)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "1000000 numbers" in error.details()
+    assert list(steering.GetSteering(steer_pb.GetSteeringRequest(session_id=session)).entries) == []
+
+
 def test_reflection_offers_the_service(live_server: Any) -> None:
     with grpc.insecure_channel(live_server.grpc_target) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
