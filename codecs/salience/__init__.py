@@ -1,7 +1,8 @@
 """The Salience codec: salience.v1 (stateful generation with readouts) over gRPC.
 
-Also serves the companions ``salience.images.v1.ImageTokens`` (image token counts) and
-``salience.tokens.v1.Tokens`` (text to ids and back). All run behind the same guard: the
+Also serves the companions ``salience.images.v1.ImageTokens`` (image token counts),
+``salience.tokens.v1.Tokens`` (text to ids and back) and ``salience.steering.v1.Steering``
+(a session's steering for its later Generate calls). All run behind the same guard: the
 optional bearer token and GatewayError -> status mapping (see
 :mod:`prismgate.codecs.grpc_guard`). See docs/salience.md.
 """
@@ -13,12 +14,18 @@ import grpc
 from prismgate.codecs.grpc_guard import Guard, add_guarded
 from prismgate.codecs.salience.images import ImageTokensServicer
 from prismgate.codecs.salience.servicer import SalienceServicer
+from prismgate.codecs.salience.steering import SteeringServicer
 from prismgate.codecs.salience.tokens import TokensServicer
 from prismgate.core.service import SessionService
-from prismgate.schemas import salience_images_pb2_grpc, salience_pb2_grpc, salience_tokens_pb2_grpc
+from prismgate.schemas import (
+    salience_images_pb2_grpc,
+    salience_pb2_grpc,
+    salience_steering_pb2_grpc,
+    salience_tokens_pb2_grpc,
+)
 from prismgate.settings import Settings
 
-__all__ = ["ImageTokensServicer", "SalienceServicer", "TokensServicer", "add_to_server"]
+__all__ = ["ImageTokensServicer", "SalienceServicer", "SteeringServicer", "TokensServicer", "add_to_server"]
 
 PROTOCOL = "salience"
 
@@ -37,4 +44,7 @@ def add_to_server(server: grpc.aio.Server, service: SessionService, settings: Se
             server, salience_images_pb2_grpc.add_ImageTokensServicer_to_server, ImageTokensServicer(service), guard
         ),
         add_guarded(server, salience_tokens_pb2_grpc.add_TokensServicer_to_server, TokensServicer(service), guard),
+        add_guarded(
+            server, salience_steering_pb2_grpc.add_SteeringServicer_to_server, SteeringServicer(service), guard
+        ),
     ]

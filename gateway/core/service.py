@@ -127,6 +127,26 @@ class SessionService:
         """The session as stored now (from a shared store: a copy)."""
         return await self.store.get(session_id)
 
+    # -- standing steering -------------------------------------------------------------
+
+    async def set_steering(self, session_id: str, entries: Steering) -> Steering:
+        """Steer every later generation on the session whose own spec names no steering.
+
+        For a wire whose generate request has no steering field (salience.v1). The empty
+        list clears it. Checked as a request's steering is (the budget's count, the model's
+        pack and engine), and saved the way a timeline is, by holding the session: a session
+        that is generating now is ABORTED rather than changed under a running turn.
+        """
+        self.budget.check_lists(steering_entries=len(entries))
+        async with self.store.generation(session_id) as session:
+            checks.check_steering(self.info(session.model), entries)
+            session.standing_steering = entries
+        return entries
+
+    async def get_steering(self, session_id: str) -> Steering:
+        """The session's standing steering (empty: none)."""
+        return (await self.store.get(session_id)).standing_steering
+
     # -- chat-shaped turns -------------------------------------------------------------
 
     async def plan_turn(self, turn: ChatTurn, *, session_id: str | None = None, model: str | None = None) -> Turn:
@@ -206,6 +226,7 @@ class SessionService:
     async def _generate(self, session_id: str, action: GenerateAction, request_id: str) -> AsyncGenerator[Event, None]:
         done: Done | None = None
         async with self.store.generation(session_id) as session:
+            action = _standing(session, action)
             before = session.snapshot() if action.atomic else None
             steered_before = session.steering
             finished = False
@@ -309,6 +330,13 @@ class SessionService:
             # positions that were computed under the same)
             session.steering = steering.spans(spec.steering, len(tokens), len(session.tokens))
         yield done
+
+
+def _standing(session: Session, action: GenerateAction) -> GenerateAction:
+    """The action under the session's standing steering when its own spec names none."""
+    if action.spec.steering or not session.standing_steering:
+        return action
+    return replace(action, spec=replace(action.spec, steering=session.standing_steering))
 
 
 async def _reported(events: AsyncGenerator[Event, None]) -> AsyncGenerator[Event, None]:

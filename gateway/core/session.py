@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from prismgate.core.errors import precondition
-from prismgate.core.steering import SteeredSpan, clip
+from prismgate.core.steering import SteeredSpan, Steering, clip
 
 DEFAULT_TTL_S = 30 * 60
 
@@ -49,6 +49,9 @@ class Session:
     busy: bool = False
     pinned: bool = False  # kept alive by an open connection (Evergreen): never evicted for idling
     steering: tuple[SteeredSpan, ...] = ()  # the steering each span was last computed under (core.steering)
+    # what a generation on this session steers with when its own spec names no steering
+    # (set by salience.steering.v1; see SessionService.set_steering)
+    standing_steering: Steering = ()
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -72,7 +75,11 @@ class Session:
         self.tokens, self.images = list(snapshot[0]), list(snapshot[1])
 
     def forked(self, at_position: int) -> Session:
-        """A new session (new id) holding this one's first ``at_position`` tokens, whole images and steering record."""
+        """A new session (new id) holding this one's first ``at_position`` tokens, whole images and steering.
+
+        The child inherits the standing steering too: a fork continues the same conversation,
+        so its next turn is steered as the parent's would be until the child sets its own.
+        """
         self.check_boundary(at_position, "fork")
         return Session(
             id=secrets.token_hex(16),
@@ -80,6 +87,7 @@ class Session:
             tokens=self.tokens[:at_position],
             images=[im for im in self.images if im.end <= at_position],
             steering=clip(self.steering, at_position),
+            standing_steering=self.standing_steering,
         )
 
     def truncate(self, length: int) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.session import ImageSpan, Session
-from prismgate.core.steering import SteeredSpan
+from prismgate.core.steering import Positions, SteeredSpan, SteeringEntry
 from prismgate.core.stores import InProcessStore, SessionStore
 from prismgate.core.stores.redis_store import RedisStore
 from tests.scale.conftest import RedisServer, free_port
@@ -121,6 +121,25 @@ async def test_the_steering_record_is_stored_and_kept_in_step(store: SessionStor
     async with store.generation(parent.id) as held:  # a change of steering alone is saved too
         held.steering = (SteeredSpan(0, 2, ""),)
     assert (await store.get(parent.id)).steering == (SteeredSpan(0, 2, ""),)
+
+
+async def test_the_standing_steering_is_stored_forked_and_cleared(store: SessionStore) -> None:
+    """A session's steering for later turns survives a reload (another replica's view) and a fork."""
+    standing = (
+        SteeringEntry(layer=0, scale=-2.5, concept="french", norm_match=True, positions=Positions.GENERATED),
+        SteeringEntry(layer=3, scale=60.0, direction=(0.5, -1.25, 3.0)),
+    )
+    parent = await store.create("m")
+    assert (await store.get(parent.id)).standing_steering == ()
+    async with store.generation(parent.id) as held:  # a change of standing steering alone is saved
+        held.standing_steering = standing
+    assert (await store.get(parent.id)).standing_steering == standing
+    child = await store.fork(parent.id, 0)
+    assert (await store.get(child.id)).standing_steering == standing
+    async with store.generation(parent.id) as held:
+        held.standing_steering = ()
+    assert (await store.get(parent.id)).standing_steering == ()
+    assert (await store.get(child.id)).standing_steering == standing
 
 
 async def test_session_and_token_caps(store: SessionStore) -> None:

@@ -1,11 +1,11 @@
 """Sessions in Redis: shared by every gateway replica and kept across restarts.
 
 A session is three keys under the store's prefix: ``s:<id>`` (a hash: model, tokens as
-little-endian int32, the image spans and the steering record as JSON), ``s:<id>:img`` (a hash: image bytes by
-SHA-256) and, while a generation runs, ``s:<id>:lock`` (a random token with an expiry).
-Idle expiry is Redis's own key expiry, refreshed by every use. Two more keys serve the
-store-wide limits and metrics: ``sessions`` (a sorted set of ids by expiry time) and
-``lengths`` (a hash of token counts by id).
+little-endian int32, the image spans, the steering record and the standing steering as
+JSON), ``s:<id>:img`` (a hash: image bytes by SHA-256) and, while a generation runs,
+``s:<id>:lock`` (a random token with an expiry). Idle expiry is Redis's own key expiry,
+refreshed by every use. Two more keys serve the store-wide limits and metrics:
+``sessions`` (a sorted set of ids by expiry time) and ``lengths`` (a hash of token counts by id).
 
 Every change that must hold across replicas runs as one Lua script, so Redis applies it
 atomically: creation checks the session cap; a generation's lock is ``SET NX PX`` and its
@@ -31,7 +31,7 @@ import redis.exceptions
 
 from prismgate.core.errors import Code, GatewayError, exhausted
 from prismgate.core.session import DEFAULT_TTL_S, ImageSpan, Session
-from prismgate.core.steering import SteeredSpan
+from prismgate.core.steering import Positions, SteeredSpan, Steering, SteeringEntry
 from prismgate.core.stores.base import SessionStore, busy, missing, over_token_cap, too_many
 
 T = TypeVar("T")
@@ -122,12 +122,30 @@ def _unpack(raw: bytes) -> list[int]:
 
 
 def _spans(session: Session) -> str:
-    """Where the images sit and which steering each span was computed under (core.steering)."""
+    """Where the images sit, which steering each span was computed under, and the standing steering."""
     return json.dumps(
         {
             "images": [[im.start, im.end, im.mime, im.digest] for im in session.images],
             "steering": [[sp.start, sp.end, sp.digest] for sp in session.steering],
+            "standing": [
+                [e.layer, e.scale, e.concept, e.direction, e.norm_match, e.positions.value]
+                for e in session.standing_steering
+            ],
         }
+    )
+
+
+def _standing(rows: list[list[Any]]) -> Steering:
+    return tuple(
+        SteeringEntry(
+            layer=layer,
+            scale=scale,
+            concept=concept,
+            direction=tuple(direction) if direction is not None else None,
+            norm_match=norm_match,
+            positions=Positions(positions),
+        )
+        for layer, scale, concept, direction, norm_match, positions in rows
     )
 
 
@@ -247,6 +265,7 @@ class RedisStore(SessionStore):
             ttl_s=self.ttl_s,
             busy=bool(locked),
             steering=tuple(SteeredSpan(start, end, digest) for start, end, digest in layout["steering"]),
+            standing_steering=_standing(layout.get("standing", [])),  # absent: saved before it existed
         )
 
     async def fork(self, session_id: str, at_position: int) -> Session:
@@ -274,7 +293,7 @@ class RedisStore(SessionStore):
         saved = False
         try:
             session = await self.get(session_id)
-            before = (session.snapshot(), session.steering)
+            before = (session.snapshot(), session.steering, session.standing_steering)
             renewing = asyncio.create_task(self._renew(session_id, token))
             try:
                 yield session
@@ -297,11 +316,15 @@ class RedisStore(SessionStore):
                 await self._call("renew", keys[:4], [token, lock_ms, self._ttl_ms, self._expires_at(), session_id])
 
     async def _save(
-        self, session: Session, token: str, before: tuple[tuple[list[int], list[ImageSpan]], tuple[SteeredSpan, ...]]
+        self,
+        session: Session,
+        token: str,
+        before: tuple[tuple[list[int], list[ImageSpan]], tuple[SteeredSpan, ...], Steering],
     ) -> None:
         keys = self._keys(session.id)
-        (tokens_before, images_before), steering_before = before
-        if (session.tokens, session.images, session.steering) == (tokens_before, images_before, steering_before):
+        (tokens_before, images_before), steering_before, standing_before = before
+        now = (session.tokens, session.images, session.steering, session.standing_steering)
+        if now == (tokens_before, images_before, steering_before, standing_before):
             await self._call("unlock", [keys[2]], [token])
             return
         stored = {im.digest for im in images_before}
