@@ -81,3 +81,21 @@ def _float(value: int | float) -> float:
 def _kind(value: Any) -> str:
     text = json.dumps(value) if isinstance(value, str | int | float | bool) or value is None else type(value).__name__
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def entry_from_message(message: Any, positions: Positions, where: str) -> SteeringEntry:
+    """A steering entry from a protobuf message with the core's field names (Evergreen's config, Salience's companion).
+
+    ``positions`` comes decoded: each wire spells it its own way (a string, an enum).
+    """
+    try:
+        return SteeringEntry(
+            layer=message.layer,
+            scale=message.scale,
+            concept=message.concept or None,
+            direction=tuple(message.direction) or None,
+            norm_match=message.norm_match,
+            positions=positions,
+        )
+    except GatewayError as exc:
+        raise invalid(f"{where}: {exc.message}") from None

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 from prismgate.codecs.evergreen.config import parse_configs
 from prismgate.codecs.evergreen.outputs import EXTRA_OUTPUTS, TEXT_OUTPUTS
+from prismgate.codecs.steering import entry_from_message
 from prismgate.core.actions import GenerateSpec
-from prismgate.core.errors import GatewayError, invalid
+from prismgate.core.errors import invalid
 from prismgate.core.steering import Positions, SteeringEntry
 from prismgate.schemas import evergreen_generate_pb2 as gpb
 from prismgate.schemas import evergreen_pb2 as pb
@@ -97,14 +98,4 @@ def _steering_entry(entry: gpb.SteeringEntry, index: int) -> SteeringEntry:
     choices = [p.value for p in Positions]
     if entry.positions and entry.positions not in choices:
         raise invalid(f"{where}.positions must be one of {', '.join(choices)}, got {entry.positions!r}")
-    try:
-        return SteeringEntry(
-            layer=entry.layer,
-            scale=entry.scale,
-            concept=entry.concept or None,
-            direction=tuple(entry.direction) or None,
-            norm_match=entry.norm_match,
-            positions=Positions(entry.positions or Positions.BOTH.value),
-        )
-    except GatewayError as exc:
-        raise invalid(f"{where}: {exc.message}") from None
+    return entry_from_message(entry, Positions(entry.positions or Positions.BOTH.value), where)

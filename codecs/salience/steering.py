@@ -16,7 +16,8 @@ from collections.abc import Iterable, Sequence
 
 import grpc
 
-from prismgate.core.errors import GatewayError, invalid
+from prismgate.codecs.steering import entry_from_message
+from prismgate.core.errors import invalid
 from prismgate.core.service import SessionService
 from prismgate.core.steering import Positions, Steering, SteeringEntry
 from prismgate.schemas import salience_steering_pb2 as pb
@@ -60,17 +61,7 @@ def _entry(entry: pb.SteeringEntry, where: str) -> SteeringEntry:
     positions = POSITIONS.get(entry.positions)
     if positions is None:
         raise invalid(f"{where}.positions: unknown value {entry.positions}")
-    try:
-        return SteeringEntry(
-            layer=entry.layer,
-            scale=entry.scale,
-            concept=entry.concept or None,
-            direction=tuple(entry.direction) or None,
-            norm_match=entry.norm_match,
-            positions=positions,
-        )
-    except GatewayError as exc:
-        raise invalid(f"{where}: {exc.message}") from None
+    return entry_from_message(entry, positions, where)
 
 
 def _wire(steering: Steering) -> Iterable[pb.SteeringEntry]:
