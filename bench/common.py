@@ -64,6 +64,17 @@ def settings(**values: Any) -> Any:
     return Settings.load(base, env={})
 
 
+def model_settings(name: str) -> Any:
+    """Settings serving a benchmark model by name: ``tiny`` (the tests' random Llama and pack) or
+    ``smollm2`` (the embedded default and its pack). ValueError for any other name."""
+    if name == "tiny":
+        model_dir, pack = tiny_model(512)
+        return settings(model=str(model_dir), model_name="tiny-llama", concept_pack=str(pack))
+    if name == "smollm2":
+        return settings()
+    raise ValueError(f"unknown model {name!r} (tiny, smollm2)")
+
+
 # -- a real gateway in a background thread ------------------------------------------------
 
 

@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import clients
-from bench.common import CpuMeter, Server, median, percentile, serve, settings, table, tiny_model, write_results
+from bench.common import CpuMeter, Server, median, model_settings, percentile, serve, settings, table, write_results
 from bench.null_engine import NullEngine
 
 PROTOCOLS = ("inproc", "salience", "evergreen", "graphpipe", "openai")
@@ -183,9 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             engine: Any = NullEngine()
             config = settings(model_name="null")
         elif name == "tiny":
-            model_dir, pack = tiny_model(512)
             engine = None
-            config = settings(model=str(model_dir), model_name="tiny-llama", concept_pack=str(pack))
+            config = model_settings(name)
         else:
             parser.error(f"unknown engine {name!r}")
         print(f"## engine {name}", flush=True)

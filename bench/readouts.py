@@ -26,7 +26,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Server, median, serve, settings, table, tiny_model, write_results
+from bench.common import Server, median, model_settings, serve, table, write_results
 
 MODES = ("off", "every", "few")
 
@@ -98,13 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     args.reps = args.reps or (3 if args.quick else 6)
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
-        if name == "tiny":
-            model_dir, pack = tiny_model(512)
-            config = settings(model=str(model_dir), model_name="tiny-llama", concept_pack=str(pack))
-        elif name == "smollm2":
-            config = settings()  # the embedded model and its default pack
-        else:
-            parser.error(f"unknown model {name!r}")
+        try:
+            config = model_settings(name)
+        except ValueError as exc:
+            parser.error(str(exc))
         with serve(config) as server:
             rows += asyncio.run_coroutine_threadsafe(measure(name, server, args), server.loop).result()
     path = write_results(
