@@ -4,12 +4,9 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.ops.helpers import Served
+from tests.serve_process import Served, serve_process
 
 
 def free_port() -> int:
@@ -84,42 +81,11 @@ def redis(redis_server: RedisServer) -> RedisServer:
     return redis_server
 
 
-@contextlib.contextmanager
-def serve_config(folder: Path, config: str, *args: str) -> Iterator[Served]:
+def serve_config(folder: Path, config: str, *args: str) -> contextlib.AbstractContextManager[Served]:
     """``prismgate serve --config`` in a process of its own (the models come from the TOML file)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "prismgate.toml").write_text(config)
-    port_file, log_path = folder / "ports.json", folder / "server.log"
-    command = [
-        str(Path(sys.executable).parent / "prismgate"), "serve", "--config", str(folder / "prismgate.toml"),
-        "--threads", "1", "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
-        "--port-file", str(port_file), "--log-json", *args,
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, text=True)
-    try:
-        deadline = time.monotonic() + 180
-        while not port_file.exists() or httpx_ready(port_file) is not True:
-            assert process.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "the server never became ready:\n" + log_path.read_text()
-            time.sleep(0.1)
-        ports = json.loads(port_file.read_text())
-        yield Served(
-            process, f"http://127.0.0.1:{ports['http_port']}", f"127.0.0.1:{ports['grpc_port']}", port_file, log_path
-        )
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
-
-
-def httpx_ready(port_file: Path) -> bool:
-    try:
-        ports = json.loads(port_file.read_text())
-        return httpx.get(f"http://127.0.0.1:{ports['http_port']}/readyz", timeout=5).status_code == 200
-    except (ValueError, httpx.HTTPError):
-        return False
+    return serve_process(folder, "--config", str(folder / "prismgate.toml"), *args)
 
 
 NGINX_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "nginx" / "prismgate.conf"
