@@ -27,6 +27,7 @@ def describe(pack: ConceptPack) -> dict[str, Any]:
         "concepts": {c: pack.descriptions.get(c, "") for c in pack.concepts},
         "shape": list(pack.directions.shape),
         "centers": None if pack.centers is None else [[float(v) for v in row] for row in pack.centers],
+        "scales": None if pack.scales is None else [[float(v) for v in row] for row in pack.scales],
         "method": pack.method,
     }
 
@@ -42,6 +43,7 @@ def print_summary(pack: ConceptPack, source: str | Path) -> None:
     for c in pack.concepts:
         print(f"  {c:<{width}}  {pack.descriptions.get(c, '')}")
     print_centers(pack)
+    print_scales(pack)
     print(f"method     {pack.method}")
 
 
@@ -51,10 +53,28 @@ def print_centers(pack: ConceptPack) -> None:
         print("centers    none (a pack built before centers existed: rebuild it to get them)")
         return
     print("centers    midpoint of the positive and negative prompts' mean readout (subtract it to read a value)")
+    _print_table(pack, pack.centers)
+
+
+def print_scales(pack: ConceptPack) -> None:
+    """Each concept's calibrated scale per layer (the playground's fixed colour scale), or a note that it has none.
+
+    With the centers they say how far a readout is: ``(value - center) / scale`` is +1 where
+    the typical positive prompt sits and -1 at the typical negative one.
+    """
+    if pack.scales is None:
+        print("scales     none (a pack built before scales existed: rebuild it to get them)")
+        return
+    print("scales     half the gap between the positive and negative prompts' mean readout ((value - center) / scale)")
+    _print_table(pack, pack.scales)
+
+
+def _print_table(pack: ConceptPack, values: npt.NDArray[np.float32]) -> None:
+    """``values[n_layers, n_concepts]`` as concepts down, layers across."""
     width = max(len(c) for c in pack.concepts)
     print(" " * (width + 2) + "".join(f"{'L' + str(layer):>9}" for layer in pack.layers))
     for ci, c in enumerate(pack.concepts):
-        print(f"  {c:<{width}}" + "".join(f"{float(v):>9.2f}" for v in pack.centers[:, ci]))
+        print(f"  {c:<{width}}" + "".join(f"{float(v):>9.2f}" for v in values[:, ci]))
 
 
 def print_similarity(pack: ConceptPack) -> None:

@@ -283,10 +283,18 @@ def test_cli_build_and_show(tiny_model_dir: Path, tmp_path: Path, capsys: pytest
     assert shown["concepts"] == {"colors": COLORS.description, "letters": LETTERS.description}
     assert shown["shape"] == [2, 2, 128]
     assert np.array_equal(np.array(shown["centers"], dtype=np.float32), pack.centers)
+    assert pack.scales is not None
+    assert np.array_equal(np.array(shown["scales"], dtype=np.float32), pack.scales)
     assert main(["show", str(out)]) == 0
     summary = capsys.readouterr().out
     assert "centers    midpoint" in summary
     assert f"{float(pack.centers[0, 0]):.2f}" in summary.split("centers")[1]
+    # the scales table: a row per concept, a column per layer, each the pack's own number
+    scales = summary.split("\nscales")[1].split("\nmethod")[0].splitlines()
+    assert scales[0].startswith("     half the gap") and scales[1].split() == ["L0", "L1"]
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in scales[2:]}
+    expected = {c: [round(float(v), 2) for v in pack.scales[:, ci]] for ci, c in enumerate(pack.concepts)}
+    assert rows == expected
     assert main(["show", str(out), "--similarity", "--model", str(tiny_model_dir), "--text", "red"]) == 0
     text = capsys.readouterr().out
     assert "cosine similarity at layer 1" in text and "fits" in text and "readouts at layer" in text

@@ -63,8 +63,10 @@ def test_round_trip_without_centers(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert again.centers is None and again.manifest.centers is None
     assert describe(again)["centers"] is None
     assert list(load_file(str(path))) == ["directions"]
+    assert describe(again)["scales"] is None
     assert main(["show", str(path)]) == 0
-    assert "centers    none" in capsys.readouterr().out
+    summary = capsys.readouterr().out
+    assert "centers    none" in summary and "scales     none" in summary
 
 
 def test_the_file_is_standard_safetensors_and_reproducible(tmp_path: Path) -> None:
