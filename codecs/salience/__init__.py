@@ -1,8 +1,9 @@
 """The Salience codec: salience.v1 (stateful generation with readouts) over gRPC.
 
 Also serves the companions ``salience.images.v1.ImageTokens`` (image token counts),
-``salience.tokens.v1.Tokens`` (text to ids and back) and ``salience.steering.v1.Steering``
-(a session's steering for its later Generate calls). All run behind the same guard: the
+``salience.tokens.v1.Tokens`` (text to ids and back), ``salience.steering.v1.Steering``
+(a session's steering for its later Generate calls) and ``salience.models.v1.Models`` (the
+served models and each one's readout manifest). All run behind the same guard: the
 optional bearer token and GatewayError -> status mapping (see
 :mod:`prismgate.codecs.grpc_guard`). See docs/salience.md.
 """
@@ -13,19 +14,28 @@ import grpc
 
 from prismgate.codecs.grpc_guard import Guard, add_guarded
 from prismgate.codecs.salience.images import ImageTokensServicer
+from prismgate.codecs.salience.models import ModelsServicer
 from prismgate.codecs.salience.servicer import SalienceServicer
 from prismgate.codecs.salience.steering import SteeringServicer
 from prismgate.codecs.salience.tokens import TokensServicer
 from prismgate.core.service import SessionService
 from prismgate.schemas import (
     salience_images_pb2_grpc,
+    salience_models_pb2_grpc,
     salience_pb2_grpc,
     salience_steering_pb2_grpc,
     salience_tokens_pb2_grpc,
 )
 from prismgate.settings import Settings
 
-__all__ = ["ImageTokensServicer", "SalienceServicer", "SteeringServicer", "TokensServicer", "add_to_server"]
+__all__ = [
+    "ImageTokensServicer",
+    "ModelsServicer",
+    "SalienceServicer",
+    "SteeringServicer",
+    "TokensServicer",
+    "add_to_server",
+]
 
 PROTOCOL = "salience"
 
@@ -47,4 +57,5 @@ def add_to_server(server: grpc.aio.Server, service: SessionService, settings: Se
         add_guarded(
             server, salience_steering_pb2_grpc.add_SteeringServicer_to_server, SteeringServicer(service), guard
         ),
+        add_guarded(server, salience_models_pb2_grpc.add_ModelsServicer_to_server, ModelsServicer(service), guard),
     ]

@@ -18,6 +18,8 @@ import pytest
 import websockets
 
 from prismgate.schemas import salience_images_pb2 as ipb
+from prismgate.schemas import salience_models_pb2 as mpb
+from prismgate.schemas import salience_models_pb2_grpc
 from prismgate.schemas import salience_pb2 as pb
 from tests.evergreen.wire import Collector, closed_with, generate, msg, parent, text_leaf
 from tests.ops.helpers import Served
@@ -131,3 +133,28 @@ async def test_evergreen_picks_the_model_from_the_first_generate(served: Served)
         )
         code, reason = await closed_with(ws)
         assert code == 4400 and "no images" in reason, json.dumps([code, reason])
+
+
+def test_salience_models_lists_both_and_serves_each_manifest(salience: Client) -> None:
+    stub = salience_models_pb2_grpc.ModelsStub(salience.channel)
+    listed = stub.ListModels(mpb.ListModelsRequest(), timeout=10).models
+    assert [(m.name, m.is_default, m.state, m.engine) for m in listed] == [
+        (LLAMA, True, mpb.MODEL_STATE_READY, "transformers"),
+        (VL, False, mpb.MODEL_STATE_READY, "transformers"),
+    ]
+    llama, vl = listed
+    assert (llama.has_concept_pack, llama.has_steering, llama.takes_images) == (True, True, False)
+    assert (vl.has_concept_pack, vl.has_steering, vl.takes_images) == (False, False, True)
+    assert vl.max_model_len == 1024 and llama.max_model_len != vl.max_model_len
+    # OpenSession answers with the same context length ListModels gives
+    for model in listed:
+        assert (
+            salience.salience.OpenSession(pb.OpenSessionRequest(model=model.name)).max_model_len == model.max_model_len
+        )
+
+    default = salience.salience.GetReadoutManifest(pb.GetReadoutManifestRequest(), timeout=10)
+    assert len(default.concepts) > 0
+    assert stub.GetReadoutManifest(mpb.GetReadoutManifestRequest(model=LLAMA), timeout=10) == default
+    assert stub.GetReadoutManifest(mpb.GetReadoutManifestRequest(model=VL), timeout=10) == pb.ReadoutManifest()
+    error = rpc_error(stub.GetReadoutManifest, mpb.GetReadoutManifestRequest(model="gpt-4"), timeout=10)
+    assert error.code() == grpc.StatusCode.NOT_FOUND and f"'{LLAMA}', '{VL}'" in (error.details() or "")
