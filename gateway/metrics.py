@@ -1,4 +1,4 @@
-"""Prometheus metrics, labelled by protocol.
+"""Prometheus metrics, labelled by protocol and by served model.
 
 Each :class:`~prismgate.server.Gateway` owns one :class:`GatewayMetrics` with its own
 registry, so that two gateways in one process (tests) never mix their counts; the
@@ -8,6 +8,10 @@ every generation of every protocol as it passes through the core service.
 
 Names follow the Prometheus conventions (``_total`` for counters, base units in
 seconds). ``deploy/grafana/prismgate.json`` charts them; docs/operations.md lists them.
+
+The ``model`` label holds a configured model name or ``""`` (a request refused before its
+model was known), never a name a client sent: the observer maps anything else to ``""``,
+so a client cannot create series.
 """
 
 from __future__ import annotations
@@ -39,7 +43,10 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 """Fallback registry for an app built without a Gateway (it then holds process metrics only)."""
 
 KNOWN_PROTOCOLS = ("salience", "evergreen", "graphpipe", "openai")
-"""Series for these exist at zero from the start, so dashboards show 0 rather than 'no data'."""
+"""Series for these (and each served model) exist at zero from the start, so dashboards show 0 rather than 'no data'."""
+
+NO_MODEL = ""
+"""The ``model`` label of a request refused before its model was known (Prometheus reads it as no label)."""
 
 # Time to first token covers queueing and prefill: from a few ms (cached prefix) to minutes (long prompt, busy pool).
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -53,7 +60,7 @@ class GatewayMetrics:
 
     def __init__(self, *, process_metrics: bool = True) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        p = ["protocol"]
+        p = ["protocol", "model"]
         self.requests = Counter(
             "prismgate_requests",
             "Generation requests received (every protocol's generations pass the core).",
@@ -63,19 +70,19 @@ class GatewayMetrics:
         self.errors = Counter(
             "prismgate_request_errors",
             "Requests that failed, by gateway error code (gRPC-style names).",
-            ["protocol", "code"],
+            ["protocol", "code", "model"],
             registry=r,
         )
         self.finished = Counter(
             "prismgate_generations_finished",
             "Generations that ended, by finish reason (cancelled: the client left).",
-            ["protocol", "finish_reason"],
+            ["protocol", "finish_reason", "model"],
             registry=r,
         )
         self.active = Gauge(
             "prismgate_active_sessions",
             "Sessions with a generation in flight (one-request sessions such as GraphPipe rows included).",
-            p,
+            ["protocol"],
             registry=r,
         )
         self.streamed_tokens = Counter(
@@ -131,17 +138,16 @@ class GatewayMetrics:
             "prismgate_ready", "1 once the model is loaded and the gateway serves; 0 while draining.", registry=r
         )
         for protocol in KNOWN_PROTOCOLS:
-            self.touch(protocol)
+            self.active.labels(protocol)
         if process_metrics:
             ProcessCollector(registry=r)
             PlatformCollector(registry=r)
             GCCollector(registry=r)
 
-    def touch(self, protocol: str) -> None:
-        """Create the protocol's series at zero (a counter that never moved is still a series)."""
+    def touch(self, protocol: str, model: str) -> None:
+        """Create the protocol's series for ``model`` at zero (a counter that never moved is still a series)."""
         for metric in (
             self.requests,
-            self.active,
             self.streamed_tokens,
             self.prompt_tokens,
             self.cached_tokens,
@@ -151,11 +157,14 @@ class GatewayMetrics:
             self.itl,
             self.duration,
         ):
-            metric.labels(protocol)
+            metric.labels(protocol, model)
 
     def bind(self, service: SessionService) -> None:
-        """Export the service's live state (admission queue, sessions), read at each scrape."""
+        """Export the service's live state (admission queue, sessions), read at each scrape; one series per model."""
         self.registry.register(_ServiceCollector(service))
+        for protocol in KNOWN_PROTOCOLS:
+            for model in service.models.names:
+                self.touch(protocol, model)
 
     def model_loaded(self, info: EngineInfo, seconds: float) -> None:
         self.model.info(

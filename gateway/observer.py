@@ -6,8 +6,13 @@ place and no codec has to remember to. The observer never changes an event; it
 times them, counts them, logs one line when the generation ends, and enters the
 generation in the shutdown :class:`~prismgate.drain.Drain` while it runs.
 
-Requests refused before any generation (auth, parse, validation) reach
-``prismgate_request_errors_total`` through :meth:`GenerationObserver.refused`. An HTTP
+Every series but ``prismgate_active_sessions`` carries the served model. The core names it
+(:meth:`GenerationObserver.running`) once a generation's session is loaded, before its
+first event; the request is counted then. A generation refused before that (an unknown
+session or model, a busy session) is counted with the model ``""``, as are requests refused
+before any generation (auth, parse, validation), which reach
+``prismgate_request_errors_total`` through :meth:`GenerationObserver.refused`. Only
+configured model names become label values. An HTTP
 request is counted at most once: the edge middleware opens a :func:`request_tally`
 and counts a failed response only when nothing inside the request counted it already.
 """
@@ -29,7 +34,7 @@ from prismgate.core.events import Done, Event, TokenEvent
 from prismgate.core.service import SessionService
 from prismgate.drain import Drain
 from prismgate.logs import context_field
-from prismgate.metrics import GatewayMetrics
+from prismgate.metrics import NO_MODEL, GatewayMetrics
 from prismgate.settings import Settings
 
 log = logging.getLogger("prismgate.generation")
@@ -83,6 +88,7 @@ class _Generation:
     session_id: str
     request_id: str
     start: float
+    model: str | None = None  # the served model, once the core names it (then the request is counted)
     first_token: float | None = None
     last_token: float | None = None
     completion_tokens: int = 0
@@ -90,7 +96,7 @@ class _Generation:
     done: Done | None = None
     ended: bool = False
     output_ids: list[int] = field(default_factory=list)
-    itl: Any = None  # this protocol's series, looked up once rather than per token
+    itl: Any = None  # this protocol and model's series, looked up once rather than per token
     streamed: Any = None
 
 
@@ -102,32 +108,44 @@ class GenerationObserver:
         self.settings = settings
         self.service = service
         self.drain = drain
+        self._running: dict[str, _Generation] = {}  # by the core's request id, until the model is named
 
     def watch(
         self, action: GenerateAction, session_id: str, request_id: str, events: AsyncGenerator[Event, None]
     ) -> AsyncGenerator[Event, None]:
-        return self._watch(action, session_id, context_field("request_id") or request_id, events)
+        return self._watch(action, session_id, request_id, events)
 
     def refused(self, protocol: str, code: Code) -> None:
         """Count a request refused before it reached a generation (auth, parse, validation)."""
-        self.metrics.errors.labels(protocol, code.name).inc()
+        self.metrics.errors.labels(protocol, code.name, NO_MODEL).inc()
         _mark_counted()
 
+    def running(self, request_id: str, model: str) -> None:
+        """The core names the generation's model: count the request under it."""
+        g = self._running.pop(request_id, None)
+        if g is not None:
+            self._count(g, model if model in self.service.models.names else NO_MODEL)
+
+    def _count(self, g: _Generation, model: str) -> None:
+        g.model = model
+        m = self.metrics
+        m.requests.labels(g.protocol, model).inc()
+        g.itl, g.streamed = m.itl.labels(g.protocol, model), m.streamed_tokens.labels(g.protocol, model)
+
     async def _watch(
-        self, action: GenerateAction, session_id: str, request_id: str, events: AsyncGenerator[Event, None]
+        self, action: GenerateAction, session_id: str, core_id: str, events: AsyncGenerator[Event, None]
     ) -> AsyncGenerator[Event, None]:
         protocol = action.origin or "unknown"
-        m = self.metrics
-        m.requests.labels(protocol).inc()
+        g = _Generation(protocol, session_id, context_field("request_id") or core_id, time.perf_counter())
         try:
-            self.drain.enter(request_id)
+            self.drain.enter(g.request_id)
         except GatewayError as exc:
             await events.aclose()
+            self._count(g, NO_MODEL)
             self.refused(protocol, exc.code)
             raise
-        g = _Generation(protocol, session_id, request_id, time.perf_counter())
-        g.itl, g.streamed = m.itl.labels(protocol), m.streamed_tokens.labels(protocol)
-        m.active.labels(protocol).inc()
+        self._running[core_id] = g
+        self.metrics.active.labels(protocol).inc()
         error: GatewayError | None = None
         try:
             async for event in events:
@@ -152,6 +170,7 @@ class GenerationObserver:
             error = GatewayError(Code.INTERNAL, f"{type(exc).__name__}: {exc}")
             raise
         finally:
+            self._running.pop(core_id, None)
             self._end(g, action, error)
             await events.aclose()
 
@@ -172,7 +191,7 @@ class GenerationObserver:
             now = time.perf_counter()
             if g.first_token is None:
                 g.first_token = now
-                self.metrics.ttft.labels(g.protocol).observe(now - g.start)
+                self.metrics.ttft.labels(g.protocol, g.model).observe(now - g.start)
             elif g.last_token is not None:
                 g.itl.observe(now - g.last_token)
             g.last_token = now
@@ -186,12 +205,17 @@ class GenerationObserver:
     def _finish(self, g: _Generation, action: GenerateAction, error: GatewayError | None) -> None:
         m = self.metrics
         p = g.protocol
+        if g.model is None:  # ended before the core named its model: refused on its session or model
+            self._count(g, NO_MODEL)
+        model = g.model or NO_MODEL
         duration = time.perf_counter() - g.start
-        m.duration.labels(p).observe(duration)
-        m.readout_tokens.labels(p).inc(g.readout_tokens)
+        m.duration.labels(p, model).observe(duration)
+        m.readout_tokens.labels(p, model).inc(g.readout_tokens)
         fields: dict[str, object] = {"protocol": p, "session_id": g.session_id, "request_id": g.request_id}
+        if model:
+            fields["model"] = model
         if error is not None and g.done is None:
-            m.errors.labels(p, error.code.name).inc()
+            m.errors.labels(p, error.code.name, model).inc()
             _mark_counted()
             fields.update(code=error.code.name, error=error.message, duration_s=round(duration, 4))
             level = logging.INFO if error.code in _CLIENT_CODES else logging.ERROR
@@ -201,11 +225,11 @@ class GenerationObserver:
             return
         done = g.done
         reason = done.finish_reason.value if done is not None else "cancelled"
-        m.finished.labels(p, reason).inc()
+        m.finished.labels(p, reason, model).inc()
         if done is not None:
-            m.prompt_tokens.labels(p).inc(done.prompt_tokens)
-            m.cached_tokens.labels(p).inc(done.cached_tokens)
-            m.prefilled_tokens.labels(p).inc(done.prefilled_tokens)
+            m.prompt_tokens.labels(p, model).inc(done.prompt_tokens)
+            m.cached_tokens.labels(p, model).inc(done.cached_tokens)
+            m.prefilled_tokens.labels(p, model).inc(done.prefilled_tokens)
         fields.update(
             prompt_tokens=done.prompt_tokens if done is not None else None,
             completion_tokens=g.completion_tokens,
@@ -221,7 +245,7 @@ class GenerationObserver:
     def _texts(self, action: GenerateAction, g: _Generation) -> dict[str, str]:
         """Prompt (this call's append) and output text, only when settings.log_prompts allows it."""
         try:
-            decode = self.service.info().tokenizer.decode
+            decode = self.service.info(g.model or None).tokenizer.decode
             return {"prompt_text": decode(list(action.append_tokens)), "output_text": decode(g.output_ids)}
         except Exception:  # logging must never fail a request
             return {}

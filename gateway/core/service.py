@@ -58,12 +58,22 @@ class GenerationMonitor(Protocol):
     def refused(self, protocol: str, code: Code) -> None:
         """A request of ``protocol`` was refused before it reached a generation (auth, parse, validation)."""
 
+    def running(self, request_id: str, model: str) -> None:
+        """The watched generation ``request_id`` runs on the served model ``model``.
+
+        Called before its first event, once its session (and so its model) is known; a request
+        refused before that (an unknown session or model, a busy session) never gets the call.
+        """
+
 
 class _PassThrough:
     def watch(
         self, action: GenerateAction, session_id: str, request_id: str, events: AsyncGenerator[Event, None]
     ) -> AsyncGenerator[Event, None]:
         return events
+
+    def running(self, request_id: str, model: str) -> None:
+        pass
 
     def refused(self, protocol: str, code: Code) -> None:
         pass
@@ -257,6 +267,7 @@ class SessionService:
     async def _run(
         self, session: Session, action: GenerateAction, session_key: str | None, request_id: str
     ) -> AsyncIterator[Event]:
+        self.monitor.running(request_id, session.model)
         info = self.info(session.model)
         spec = action.spec
         old_length = len(session)

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from prismgate.core.chat import Message, TextPart, render
+from tests.ops import helpers as metrics
 
 USER = [{"role": "user", "content": "Hello there"}]
 
@@ -374,11 +375,8 @@ def test_streaming_errors_before_the_first_token_are_http_errors(client: openai.
 
 def test_metrics_count_openai_requests(live_server: Any, client: openai.OpenAI, model: str) -> None:
     def count() -> float:
-        text = httpx.get(live_server.http_url + "/metrics").text
-        for line in text.splitlines():
-            if line.startswith('prismgate_requests_total{protocol="openai"}'):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        samples = metrics.scrape(live_server.http_url)
+        return metrics.value(samples, "prismgate_requests_total", protocol="openai", model=model)
 
     before = count()
     chat(client, model, max_tokens=2)

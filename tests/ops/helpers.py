@@ -27,7 +27,9 @@ def scrape(http_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float
 
 
 def value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+    """The sum over ``name``'s series that carry ``labels`` (PromQL's ``sum(name{labels})``), 0 when none do."""
+    wanted = set(labels.items())
+    return sum(v for (sample, have), v in samples.items() if sample == name and wanted <= set(have))
 
 
 def action(

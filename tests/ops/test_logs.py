@@ -50,7 +50,7 @@ def test_one_json_line_per_generation_without_prompt_text(live_server: Any) -> N
     assert SECRET not in out.getvalue()
     (line,) = generation_lines(out)
     assert line["message"] == "generation finished" and line["level"] == "info"
-    assert line["protocol"] == "ops-logs"
+    assert line["protocol"] == "ops-logs" and line["model"] == service.pool.default_model
     assert line["session_id"] == session.id
     assert len(line["request_id"]) == 32
     assert line["prompt_tokens"] == done.prompt_tokens == len(prompt)
@@ -77,6 +77,7 @@ def test_failed_generation_logs_code_and_ids(live_server: Any) -> None:
     (line,) = generation_lines(out)
     assert line["message"] == "generation failed"
     assert line["code"] == "NOT_FOUND" and line["session_id"] == "gone" and line["protocol"] == "ops-logs"
+    assert "model" not in line  # the session, and so its model, was never found
 
 
 def test_bound_request_id_is_used(live_server: Any) -> None:

@@ -6,11 +6,15 @@ import asyncio
 import time
 from typing import Any
 
+import httpx
 import pytest
 
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import FinishReason
+from tests.conftest import TINY_MODEL_ID
 from tests.ops.helpers import action, collect, scrape, value
+
+MODEL = TINY_MODEL_ID
 
 
 def tokens_of(server: Any, text: str) -> list[int]:
@@ -27,17 +31,17 @@ def test_generation_counts_and_latencies(live_server: Any) -> None:
     assert done.finish_reason is FinishReason.LENGTH and len(decoded) == 6
 
     s = scrape(live_server.http_url)
-    assert value(s, "prismgate_requests_total", protocol=proto) == 1
-    assert value(s, "prismgate_streamed_tokens_total", protocol=proto) == 6
-    assert value(s, "prismgate_prompt_tokens_total", protocol=proto) == done.prompt_tokens == len(prompt)
-    assert value(s, "prismgate_prompt_cached_tokens_total", protocol=proto) == done.cached_tokens
-    assert value(s, "prismgate_prompt_prefilled_tokens_total", protocol=proto) == done.prefilled_tokens
-    assert value(s, "prismgate_generations_finished_total", protocol=proto, finish_reason="length") == 1
-    assert value(s, "prismgate_time_to_first_token_seconds_count", protocol=proto) == 1
-    assert value(s, "prismgate_inter_token_latency_seconds_count", protocol=proto) == 5
-    assert value(s, "prismgate_generation_duration_seconds_count", protocol=proto) == 1
-    ttft = value(s, "prismgate_time_to_first_token_seconds_sum", protocol=proto)
-    total = value(s, "prismgate_generation_duration_seconds_sum", protocol=proto)
+    assert value(s, "prismgate_requests_total", protocol=proto, model=MODEL) == 1
+    assert value(s, "prismgate_streamed_tokens_total", protocol=proto, model=MODEL) == 6
+    assert value(s, "prismgate_prompt_tokens_total", protocol=proto, model=MODEL) == done.prompt_tokens == len(prompt)
+    assert value(s, "prismgate_prompt_cached_tokens_total", protocol=proto, model=MODEL) == done.cached_tokens
+    assert value(s, "prismgate_prompt_prefilled_tokens_total", protocol=proto, model=MODEL) == done.prefilled_tokens
+    assert value(s, "prismgate_generations_finished_total", protocol=proto, finish_reason="length", model=MODEL) == 1
+    assert value(s, "prismgate_time_to_first_token_seconds_count", protocol=proto, model=MODEL) == 1
+    assert value(s, "prismgate_inter_token_latency_seconds_count", protocol=proto, model=MODEL) == 5
+    assert value(s, "prismgate_generation_duration_seconds_count", protocol=proto, model=MODEL) == 1
+    ttft = value(s, "prismgate_time_to_first_token_seconds_sum", protocol=proto, model=MODEL)
+    total = value(s, "prismgate_generation_duration_seconds_sum", protocol=proto, model=MODEL)
     assert 0 < ttft <= total
     assert value(s, "prismgate_active_sessions", protocol=proto) == 0
     # the model and engine, and how long the model took to load
@@ -45,9 +49,10 @@ def test_generation_counts_and_latencies(live_server: Any) -> None:
     assert value(s, "prismgate_model_load_seconds") > 0
     assert value(s, "prismgate_ready") == 1
     assert value(s, "prismgate_engine_max_active") == 64
-    # every known protocol has its series from the start
+    # every known protocol has its series for the served model from the start
     for known in ("salience", "evergreen", "graphpipe", "openai"):
-        assert ("prismgate_requests_total", (("protocol", known),)) in s
+        assert ("prismgate_requests_total", (("model", MODEL), ("protocol", known))) in s
+        assert ("prismgate_active_sessions", (("protocol", known),)) in s
 
 
 def test_prefix_cache_reuse_is_counted(live_server: Any) -> None:
@@ -95,8 +100,12 @@ def test_errors_are_counted_by_code(live_server: Any) -> None:
         live_server.call(collect(live_server.service.run(too_long)))
     assert err.value.code is Code.RESOURCE_EXHAUSTED
     s = scrape(live_server.http_url)
-    assert value(s, "prismgate_request_errors_total", protocol=proto, code="NOT_FOUND") == 1
-    assert value(s, "prismgate_request_errors_total", protocol=proto, code="RESOURCE_EXHAUSTED") == 1
+    # the session was never found, so neither was its model: counted under model ""
+    assert value(s, "prismgate_request_errors_total", protocol=proto, code="NOT_FOUND", model="") == 1
+    assert value(s, "prismgate_requests_total", protocol=proto, model="") == 1
+    # the model was known when the prompt was measured against its context
+    assert value(s, "prismgate_request_errors_total", protocol=proto, code="RESOURCE_EXHAUSTED", model=MODEL) == 1
+    assert value(s, "prismgate_requests_total", protocol=proto, model=MODEL) == 1
     assert value(s, "prismgate_requests_total", protocol=proto) == 2
     assert value(s, "prismgate_active_sessions", protocol=proto) == 0
 
@@ -120,7 +129,8 @@ def test_client_leaving_counts_as_cancelled(live_server: Any) -> None:
     assert value(s, "prismgate_generations_finished_total", protocol=proto, finish_reason="cancelled") == 1
     assert value(s, "prismgate_streamed_tokens_total", protocol=proto) == 2
     assert value(s, "prismgate_active_sessions", protocol=proto) == 0
-    assert ("prismgate_request_errors_total", (("code", "CANCELLED"), ("protocol", proto))) not in s
+    assert value(s, "prismgate_generations_finished_total", protocol=proto, finish_reason="cancelled", model=MODEL) == 1
+    assert not [key for key in s if key[0] == "prismgate_request_errors_total" and ("protocol", proto) in key[1]]
 
 
 def test_queue_depth_and_active_sessions_while_busy(server_factory: Any) -> None:
@@ -167,3 +177,23 @@ def test_openmetrics_on_request(live_server: Any) -> None:
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("application/openmetrics-text")
     assert r.text.rstrip().endswith("# EOF")
+
+
+def test_a_client_cannot_create_a_model_series(live_server: Any) -> None:
+    """Model names clients send are never label values: an unknown one counts under model ""."""
+    proto = "ops-unknown-model"
+    for name in ("gpt-4", "a" * 200):
+        with pytest.raises(GatewayError) as err:
+            live_server.call(collect(live_server.service.run(action([1, 2], origin=proto), model=name)))
+        assert err.value.code is Code.NOT_FOUND
+    body = {"model": "gpt-4o-client-made", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    before = value(scrape(live_server.http_url), "prismgate_request_errors_total", protocol="openai", model="")
+    refused = httpx.post(live_server.http_url + "/v1/chat/completions", json=body, timeout=30)
+    assert refused.status_code == 404
+    s = scrape(live_server.http_url)
+    assert value(s, "prismgate_request_errors_total", protocol=proto, code="NOT_FOUND", model="") == 2
+    assert value(s, "prismgate_requests_total", protocol=proto, model="") == 2
+    assert value(s, "prismgate_request_errors_total", protocol="openai", model="") == before + 1
+    models = {dict(labels).get("model") for _, labels in s} - {None}
+    assert models <= {"", MODEL}, models
+    assert "gpt-4" not in httpx.get(live_server.http_url + "/metrics", timeout=10).text

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, FinishReason
-from tests.conftest import run_server, tiny_settings
+from tests.conftest import TINY_MODEL_ID, run_server, tiny_settings
 from tests.ops.helpers import action, collect, scrape, serve, value
 
 # -- in-process ---------------------------------------------------------------------------
@@ -88,7 +88,7 @@ def test_stop_cancels_what_outlives_the_grace_period(long_model_dir: Path, tiny_
             assert cut.value.code is Code.UNAVAILABLE and "retry on another replica" in cut.value.message
         assert gateway.drain.in_flight == 0
         assert len(service.store) == 0
-        assert gateway.metrics.errors.labels("ops-cut", "UNAVAILABLE")._value.get() == 3
+        assert gateway.metrics.errors.labels("ops-cut", "UNAVAILABLE", TINY_MODEL_ID)._value.get() == 3
 
 
 def test_stop_closes_sessions(server_factory: Any) -> None:

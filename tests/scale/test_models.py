@@ -22,7 +22,7 @@ from prismgate.schemas import salience_models_pb2 as mpb
 from prismgate.schemas import salience_models_pb2_grpc
 from prismgate.schemas import salience_pb2 as pb
 from tests.evergreen.wire import Collector, closed_with, generate, msg, parent, text_leaf
-from tests.ops.helpers import Served
+from tests.ops.helpers import Served, scrape, value
 from tests.salience.conftest import Client, connect, rpc_error
 from tests.scale.conftest import serve_config
 from tests.vision_model import build_tiny_qwen2_vl, image_bytes
@@ -158,3 +158,52 @@ def test_salience_models_lists_both_and_serves_each_manifest(salience: Client) -
     assert stub.GetReadoutManifest(mpb.GetReadoutManifestRequest(model=VL), timeout=10) == pb.ReadoutManifest()
     error = rpc_error(stub.GetReadoutManifest, mpb.GetReadoutManifestRequest(model="gpt-4"), timeout=10)
     assert error.code() == grpc.StatusCode.NOT_FOUND and f"'{LLAMA}', '{VL}'" in (error.details() or "")
+
+
+def test_request_metrics_carry_each_model(served: Served, salience: Client) -> None:
+    """Each model's own series move, and only by its own requests; a client's model name makes no series."""
+    before = scrape(served.http_url)
+    session = salience.open(LLAMA)
+    _, on_llama = salience.generate(session_id=session, append_tokens=[5, 17, 42], offset=0, max_tokens=3, top_k=1)
+    length = on_llama.prompt_tokens + on_llama.completion_tokens
+    _, again = salience.generate(session_id=session, append_tokens=[7], offset=length, max_tokens=1, top_k=1)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    answer = httpx.post(served.http_url + "/v1/chat/completions", json={**body, "model": VL}, timeout=120)
+    assert answer.status_code == 200, answer.text
+    on_vl = answer.json()["usage"]
+    error = rpc_error(salience.generate, session_id=salience.open(LLAMA), append_tokens=[IM_START], offset=0)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # refused by the Llama model: its vocabulary
+    unknown = httpx.post(served.http_url + "/v1/chat/completions", json={**body, "model": "gpt-4"}, timeout=60)
+    assert unknown.status_code == 404
+    after = scrape(served.http_url)
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    salience_llama, openai_vl = {"protocol": "salience", "model": LLAMA}, {"protocol": "openai", "model": VL}
+    assert moved("prismgate_requests_total", **salience_llama) == 3
+    assert moved("prismgate_requests_total", **openai_vl) == 1
+    assert moved("prismgate_requests_total", protocol="salience", model=VL) == 0
+    assert moved("prismgate_requests_total", protocol="openai", model=LLAMA) == 0
+    streamed = on_llama.completion_tokens + again.completion_tokens
+    assert moved("prismgate_streamed_tokens_total", **salience_llama) == streamed > 0
+    assert moved("prismgate_streamed_tokens_total", **openai_vl) == on_vl["completion_tokens"] == 2
+    prompts = on_llama.prompt_tokens + again.prompt_tokens
+    assert moved("prismgate_prompt_tokens_total", **salience_llama) == prompts == 3 + length + 1
+    assert moved("prismgate_prompt_tokens_total", **openai_vl) == on_vl["prompt_tokens"]
+    # the second Salience turn reused the first one's cache; the one OpenAI turn on the other model had none
+    cached = moved("prismgate_prompt_cached_tokens_total", **salience_llama)
+    assert cached > 0 and cached + moved("prismgate_prompt_prefilled_tokens_total", **salience_llama) == prompts
+    assert moved("prismgate_prompt_cached_tokens_total", **openai_vl) == 0
+    assert moved("prismgate_prompt_prefilled_tokens_total", **openai_vl) == on_vl["prompt_tokens"]
+    # durations: every generation that reached its model, the refused one too
+    for model, turns, durations in ((salience_llama, 2, 3), (openai_vl, 1, 1)):
+        assert moved("prismgate_generations_finished_total", finish_reason="length", **model) == turns
+        assert moved("prismgate_time_to_first_token_seconds_count", **model) == turns
+        assert moved("prismgate_generation_duration_seconds_count", **model) == durations
+    assert moved("prismgate_inter_token_latency_seconds_count", **openai_vl) == 1
+    assert moved("prismgate_request_errors_total", code="INVALID_ARGUMENT", **salience_llama) == 1
+    assert moved("prismgate_request_errors_total", protocol="openai", code="NOT_FOUND", model="") == 1
+    models = {dict(labels).get("model") for _, labels in after} - {None}
+    assert models == {"", LLAMA, VL}
+    assert "gpt-4" not in httpx.get(served.http_url + "/metrics").text
