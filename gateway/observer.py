@@ -110,11 +110,6 @@ class GenerationObserver:
         self.drain = drain
         self._running: dict[str, _Generation] = {}  # by the core's request id, until the model is named
 
-    def watch(
-        self, action: GenerateAction, session_id: str, request_id: str, events: AsyncGenerator[Event, None]
-    ) -> AsyncGenerator[Event, None]:
-        return self._watch(action, session_id, request_id, events)
-
     def refused(self, protocol: str, code: Code) -> None:
         """Count a request refused before it reached a generation (auth, parse, validation)."""
         self.metrics.errors.labels(protocol, code.name, NO_MODEL).inc()
@@ -132,11 +127,12 @@ class GenerationObserver:
         m.requests.labels(g.protocol, model).inc()
         g.itl, g.streamed = m.itl.labels(g.protocol, model), m.streamed_tokens.labels(g.protocol, model)
 
-    async def _watch(
-        self, action: GenerateAction, session_id: str, core_id: str, events: AsyncGenerator[Event, None]
+    async def watch(
+        self, action: GenerateAction, session_id: str, request_id: str, events: AsyncGenerator[Event, None]
     ) -> AsyncGenerator[Event, None]:
         protocol = action.origin or "unknown"
-        g = _Generation(protocol, session_id, context_field("request_id") or core_id, time.perf_counter())
+        # logged and drained under the codec's own request id when it bound one; the core names the model by its own
+        g = _Generation(protocol, session_id, context_field("request_id") or request_id, time.perf_counter())
         try:
             self.drain.enter(g.request_id)
         except GatewayError as exc:
@@ -144,7 +140,7 @@ class GenerationObserver:
             self._count(g, NO_MODEL)
             self.refused(protocol, exc.code)
             raise
-        self._running[core_id] = g
+        self._running[request_id] = g
         self.metrics.active.labels(protocol).inc()
         error: GatewayError | None = None
         try:
@@ -170,7 +166,7 @@ class GenerationObserver:
             error = GatewayError(Code.INTERNAL, f"{type(exc).__name__}: {exc}")
             raise
         finally:
-            self._running.pop(core_id, None)
+            self._running.pop(request_id, None)
             self._end(g, action, error)
             await events.aclose()
 
@@ -205,9 +201,10 @@ class GenerationObserver:
     def _finish(self, g: _Generation, action: GenerateAction, error: GatewayError | None) -> None:
         m = self.metrics
         p = g.protocol
-        if g.model is None:  # ended before the core named its model: refused on its session or model
-            self._count(g, NO_MODEL)
-        model = g.model or NO_MODEL
+        model = g.model
+        if model is None:  # ended before the core named its model: refused on its session or model
+            model = NO_MODEL
+            self._count(g, model)
         duration = time.perf_counter() - g.start
         m.duration.labels(p, model).observe(duration)
         m.readout_tokens.labels(p, model).inc(g.readout_tokens)
