@@ -62,6 +62,10 @@ lint: setup typecheck
 	$(BIN)/ruff format --check .
 	PYTHONPATH=build/typecheck $(BIN)/lint-imports --no-logo --cache-dir build/import-linter
 
+# the committed protobuf code, regenerated from schemas/*.proto (tests/test_schemas_current.py checks it)
+schemas: setup
+	$(BIN)/python scripts/generate_schemas.py
+
 format: setup
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
