@@ -141,6 +141,7 @@ class VLLMEngine:
         self._images: ImageCounter | None = None
         self._cache_block = 16
         self.info: EngineInfo = None  # type: ignore[assignment]  # set by start()
+        self.workers: list[dict[str, Any]] = []  # what each worker (of the first engine core) reported at start
         self.stats = {"prefilled_tokens": 0, "reused_tokens": 0, "decoded_tokens": 0, "rescored": 0, "cache_skips": 0}
 
     # -- lifecycle -------------------------------------------------------------------
@@ -176,6 +177,7 @@ class VLLMEngine:
             # every engine core's workers connect (vLLM sends the call to each core, answers with the first's)
             shapes = await self._llm.collective_rpc("prismgate_setup", args=(self._receiver.address,))
             log.info("vLLM workers connected: %s", shapes)
+            self.workers = list(shapes)
             want = sorted(self._pack.layers) if self._pack is not None else []
             got = sorted(layer for shape in shapes if shape["sends"] for layer in shape["readout_layers"])
             if got != want:  # each pipeline stage computes its own layers, and only its first TP rank sends
