@@ -459,6 +459,11 @@ class DataParallelRank:
     def cache_block_size(self) -> int:
         return self.engine.cache_block_size
 
+    @property
+    def stats(self) -> dict[str, int]:
+        """The engine's counters: every rank's together."""
+        return self.engine.stats
+
     async def start(self) -> None:
         await self.engine.start()
 
