@@ -75,3 +75,14 @@ def test_parallel_settings_are_checked(tmp_path: Path) -> None:
         Settings.load({"engine": "vllm", "pipeline_parallel_size": 0}, env={})
     with pytest.raises(GatewayError, match="distributed_executor_backend must be one of"):
         Settings.load({"engine": "vllm", "distributed_executor_backend": "slurm"}, env={})
+
+
+def test_the_parallel_example_in_the_scaling_guide_loads(tmp_path: Path) -> None:
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "scaling.md").read_text()
+    example = guide.split("## 6. vLLM's own parallelism", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "big.toml"
+    path.write_text(example)
+    (big,) = Settings.load({}, env={}, config_file=str(path)).served()
+    assert (big.engine, big.tensor_parallel_size, big.pipeline_parallel_size, big.data_parallel_size) == (
+        "vllm", 4, 2, 2,
+    )  # fmt: skip
