@@ -36,6 +36,12 @@ another's, ``release()`` really forgets, and ephemeral requests never hit. ``"gl
 shares identical prefixes (a common system prompt) across sessions; then a needed value
 vLLM served from another session's blocks is recomputed by the rescoring path above.
 
+Parallelism is vLLM's (:mod:`.config`). With ``data_parallel_size`` > 1 the engine shows
+its ranks to the pool as replicas (:meth:`VLLMEngine.ranks`, :class:`DataParallelRank`): the
+pool's session rule picks a rank and the request is pinned to it with vLLM's
+``data_parallel_rank``, so a session's turns meet the prefix cache of the core that holds it.
+Every rank's workers, and every pipeline stage's, send over the same side channel.
+
 The parts, one job each: :mod:`.config` (vLLM's engine arguments and the
 :class:`EngineInfo`), :mod:`.plan` (what a request needs), :mod:`.inputs` (that plan as
 vLLM's ``SamplingParams`` and prompt), :mod:`.tracker` (the side channel's receiving end),
