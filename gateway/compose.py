@@ -70,6 +70,9 @@ def _serving_engine(settings: Settings, folder: Path, model_id: str, pack: Path 
             kv_cache_gb=settings.vllm_kv_cache_gb,
             enforce_eager=settings.vllm_enforce_eager,
             tensor_parallel_size=settings.tensor_parallel_size,
+            pipeline_parallel_size=settings.pipeline_parallel_size,
+            data_parallel_size=settings.data_parallel_size,
+            distributed_executor_backend=settings.distributed_executor_backend,
             block_size=settings.vllm_block_size,
             cache_scope=settings.vllm_cache_scope,
         )

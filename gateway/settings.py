@@ -20,6 +20,7 @@ from typing import Any
 from prismgate.core.errors import invalid
 
 ENV_PREFIX = "PRISMGATE_"
+EXECUTOR_BACKENDS = ("mp", "ray", "uni", "external_launcher")  # vLLM's distributed executor backends
 
 
 def setting(default: Any, help: str, *, choices: Sequence[str] | None = None) -> Any:
@@ -30,7 +31,8 @@ def setting(default: Any, help: str, *, choices: Sequence[str] | None = None) ->
 ENGINE_OPTIONS = (
     "device", "dtype", "threads", "max_model_len", "prefill_chunk", "max_cached_tokens", "max_batch", "replicas",
     "gpu_memory_utilization", "vllm_kv_cache_gb", "vllm_enforce_eager", "tensor_parallel_size",
-    "vllm_block_size", "vllm_cache_scope",
+    "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend", "vllm_block_size",
+    "vllm_cache_scope",
 )  # fmt: skip
 
 
@@ -145,7 +147,7 @@ class Settings:
     replicas: int = setting(
         1,
         "transformers engine: copies of the model in this process; a session's turns stay on the copy that "
-        "holds its KV cache (docs/scaling.md). vLLM: use its own data parallelism instead.",
+        "holds its KV cache (docs/scaling.md). vLLM: use its own data parallelism (data_parallel_size) instead.",
     )
     max_batch: int = setting(
         16, "transformers engine: decode steps of up to this many requests run as one forward pass (1: no batching)."
@@ -161,7 +163,21 @@ class Settings:
     vllm_enforce_eager: bool = setting(
         False, "vLLM engine: run eagerly, without torch.compile or CUDA graphs (slower; for debugging)."
     )
-    tensor_parallel_size: int = setting(1, "vLLM engine: GPUs to shard the model over.")
+    tensor_parallel_size: int = setting(1, "vLLM engine: GPUs to shard each layer of the model over.")
+    pipeline_parallel_size: int = setting(
+        1, "vLLM engine: pipeline stages to split the model's layers over (each stage reports its own readouts)."
+    )
+    data_parallel_size: int = setting(
+        1,
+        "vLLM engine: copies of the model under one vLLM engine, each on its own tensor_parallel_size x "
+        "pipeline_parallel_size devices; a session's turns stay on the copy that holds its KV cache "
+        "(docs/scaling.md).",
+    )
+    distributed_executor_backend: str | None = setting(
+        None,
+        "vLLM engine: vLLM's distributed executor backend, passed through: 'mp' (processes on this node), "
+        "'ray' (several nodes; docs/scaling.md), 'uni' (one process); unset: vLLM's choice.",
+    )
     vllm_block_size: int | None = setting(
         None, "vLLM engine: KV block size, the grain of prefix reuse (CPU: multiples of 32)."
     )
@@ -349,6 +365,15 @@ class Settings:
             raise invalid(f"session_lock_s must be > 0, got {self.session_lock_s}")
         if self.replicas < 1 or (self.engine == "vllm" and self.replicas != 1):
             raise invalid(f"replicas must be >= 1 (and 1 with the vLLM engine, which has its own), got {self.replicas}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            size = getattr(self, name)
+            if size < 1 or (self.engine != "vllm" and size != 1):
+                raise invalid(f"{name} must be >= 1 (and 1 unless the engine is vllm), got {size}")
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
+            raise invalid(
+                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                f"got {self.distributed_executor_backend!r}"
+            )
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise invalid(f"[[models]] names must be unique, got {', '.join(names)}")

@@ -1,10 +1,12 @@
 """The side channel that carries readouts and prompt logprobs from vLLM's worker to the gateway.
 
-One ZMQ PUSH socket in the worker (rank 0), one PULL socket bound by the gateway on an
+One ZMQ PUSH socket in each worker that sends (see :mod:`.worker`), one PULL socket bound by the gateway on an
 ``ipc://`` path inside a private temporary folder. One multipart message per engine step:
 
-* frame 0: JSON header ``{"step": n, "reqs": [{"key", "n", "ro": [n, layers, concepts] | null,
-  "lp": [[target_position, logprob, [top ids], [top logprobs]], ...]}, ...]}``;
+* frame 0: JSON header ``{"step": n, "layers": [pack indices] | null, "reqs": [{"key", "n",
+  "ro": [n, layers, concepts] | null, "lp": [[target_position, logprob, [top ids], [top logprobs]],
+  ...]}, ...]}``; ``layers`` names the pack's layers the readouts hold when the sender computes
+  only some of them (a pipeline stage), null when it computes all;
 * then, per request in header order, its absolute positions (``int64[n]``) and, when
   ``ro`` is set, its readouts (``float32[n, layers, concepts]``).
 
@@ -39,6 +41,7 @@ class RequestRows:
 class StepPacket:
     step: int
     requests: list[RequestRows] = field(default_factory=list)
+    layers: list[int] | None = None  # the pack's layers (indices) the readouts hold; None: all
 
     def add(
         self, key: str, positions: npt.NDArray[Any], readouts: npt.NDArray[Any] | None, logprobs: Sequence[LogprobRow]
@@ -54,7 +57,7 @@ class StepPacket:
 
 
 def encode_step(packet: StepPacket) -> list[bytes]:
-    header: dict[str, Any] = {"step": packet.step, "reqs": []}
+    header: dict[str, Any] = {"step": packet.step, "layers": packet.layers, "reqs": []}
     frames: list[bytes] = [b""]
     for req in packet.requests:
         header["reqs"].append(
@@ -76,7 +79,8 @@ def encode_step(packet: StepPacket) -> list[bytes]:
 
 def decode_step(frames: Sequence[bytes]) -> StepPacket:
     header = json.loads(frames[0])
-    packet = StepPacket(step=int(header["step"]))
+    layers = header.get("layers")
+    packet = StepPacket(step=int(header["step"]), layers=None if layers is None else [int(i) for i in layers])
     if len(frames) != 1 + 2 * len(header["reqs"]):
         raise ValueError(f"step packet has {len(frames)} frames for {len(header['reqs'])} requests")
     for i, req in enumerate(header["reqs"]):
@@ -90,6 +94,8 @@ def decode_step(frames: Sequence[bytes]) -> StepPacket:
             readouts = np.frombuffer(frames[2 + 2 * i], dtype="<f4").astype(np.float32).reshape(shape)
             if shape[0] != n:
                 raise ValueError(f"request {req['key']}: {shape[0]} readout rows for {n} positions")
+            if packet.layers is not None and shape[1:2] != (len(packet.layers),):
+                raise ValueError(f"request {req['key']}: readouts of shape {shape} for layers {packet.layers}")
         rows = [(int(t), float(v), [int(x) for x in ids], [float(x) for x in vals]) for t, v, ids, vals in req["lp"]]
         packet.requests.append(RequestRows(str(req["key"]), positions, readouts, rows))
     return packet

@@ -7,6 +7,11 @@ into the model before vLLM compiles it. Compilation is vLLM's own default (torch
 CUDA graphs on GPUs); ``enforce_eager`` is an opt-in. vLLM's context is one position longer
 than the one served, for the look-ahead step (see :mod:`prismgate.engines.vllm.engine`).
 
+Parallelism is vLLM's own: ``tensor_parallel_size`` and ``pipeline_parallel_size`` shard one
+copy of the model over devices, ``data_parallel_size`` runs that many copies (engine cores)
+under the one ``AsyncLLM``, and ``distributed_executor_backend`` (``"ray"`` for several nodes)
+is passed through unchanged.
+
 Memory: ``kv_cache_gb`` fixes the KV cache on any device; otherwise on GPUs vLLM sizes it
 from ``gpu_memory_utilization``, and on CPU (where vLLM would refuse to start unless that
 fraction of the whole machine is free, or ``VLLM_CPU_KVCACHE_SPACE`` is set by hand) the
@@ -53,6 +58,9 @@ class Options:
     concept_pack: Path | None = None
     block_size: int | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     max_num_seqs: int | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -75,6 +83,8 @@ def engine_args(options: Options, *, on_cpu: bool) -> dict[str, Any]:
         "scheduling_policy": "priority",
         "worker_cls": CPU_WORKER if on_cpu else GPU_WORKER,
         "tensor_parallel_size": options.tensor_parallel_size,
+        "pipeline_parallel_size": options.pipeline_parallel_size,
+        "data_parallel_size": options.data_parallel_size,
         "logprobs_mode": "raw_logprobs",
         "max_logprobs": 20,
         "disable_log_stats": True,
@@ -82,6 +92,8 @@ def engine_args(options: Options, *, on_cpu: bool) -> dict[str, Any]:
     }
     if block is not None:
         kwargs["block_size"] = block
+    if options.distributed_executor_backend is not None:  # unset: vLLM's choice (processes on one node)
+        kwargs["distributed_executor_backend"] = options.distributed_executor_backend
     if options.concept_pack is not None:
         # Read by the worker at load time. Also part of the key of vLLM's compile cache: a graph
         # compiled for one pack's shapes must never be loaded for another's, hence the digest.

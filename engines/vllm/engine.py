@@ -36,6 +36,12 @@ another's, ``release()`` really forgets, and ephemeral requests never hit. ``"gl
 shares identical prefixes (a common system prompt) across sessions; then a needed value
 vLLM served from another session's blocks is recomputed by the rescoring path above.
 
+Parallelism is vLLM's (:mod:`.config`). With ``data_parallel_size`` > 1 the engine shows
+its ranks to the pool as replicas (:meth:`VLLMEngine.ranks`, :class:`DataParallelRank`): the
+pool's session rule picks a rank and the request is pinned to it with vLLM's
+``data_parallel_rank``, so a session's turns meet the prefix cache of the core that holds it.
+Every rank's workers, and every pipeline stage's, send over the same side channel.
+
 The parts, one job each: :mod:`.config` (vLLM's engine arguments and the
 :class:`EngineInfo`), :mod:`.plan` (what a request needs), :mod:`.inputs` (that plan as
 vLLM's ``SamplingParams`` and prompt), :mod:`.tracker` (the side channel's receiving end),
@@ -56,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from prismgate.core.actions import covered
-from prismgate.core.engine import EngineInfo, EngineRequest
+from prismgate.core.engine import Engine, EngineInfo, EngineRequest
 from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.core.events import Done, Event, FinishReason, TokenEvent
 from prismgate.core.health import LOADING, READY, STOPPING, Health
@@ -93,6 +99,9 @@ class VLLMEngine:
         enforce_eager: bool = False,
         block_size: int | None = None,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
         max_num_seqs: int | None = None,
         keep_session_readouts: bool = True,
         cache_scope: str = "session",
@@ -113,6 +122,9 @@ class VLLMEngine:
             concept_pack=self._pack_path,
             block_size=block_size,
             tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,
             max_num_seqs=max_num_seqs,
             engine_kwargs=dict(engine_kwargs or {}),
         )
@@ -126,12 +138,16 @@ class VLLMEngine:
         self._receiver: Receiver | None = None
         self._counter = itertools.count()
         self._active: set[str] = set()
+        self._rank_of: dict[str, int | None] = {}  # in-flight request key -> the data-parallel rank it is pinned to
+        size = data_parallel_size
+        self._ranks = [DataParallelRank(self, rank) for rank in range(size)] if size > 1 else []
         self._drained = asyncio.Event()
         self._closing = False
         self._pack: ConceptPack | None = None
         self._images: ImageCounter | None = None
         self._cache_block = 16
         self.info: EngineInfo = None  # type: ignore[assignment]  # set by start()
+        self.workers: list[dict[str, Any]] = []  # what each worker (of the first engine core) reported at start
         self.stats = {"prefilled_tokens": 0, "reused_tokens": 0, "decoded_tokens": 0, "rescored": 0, "cache_skips": 0}
 
     # -- lifecycle -------------------------------------------------------------------
@@ -162,16 +178,21 @@ class VLLMEngine:
             usage_context=UsageContext.ENGINE_CONTEXT,
         )
         try:
-            self._receiver = Receiver()
+            self._receiver = Receiver(len(self._pack.layers) if self._pack is not None else 0)
             self._receiver.start()
+            # every engine core's workers connect (vLLM sends the call to each core, answers with the first's)
             shapes = await self._llm.collective_rpc("prismgate_setup", args=(self._receiver.address,))
             log.info("vLLM workers connected: %s", shapes)
-            want = list(self._pack.layers) if self._pack is not None else []
-            if any(shape["readout_layers"] != want for shape in shapes):
+            self.workers = list(shapes)
+            want = sorted(self._pack.layers) if self._pack is not None else []
+            got = sorted(layer for shape in shapes if shape["sends"] for layer in shape["readout_layers"])
+            if got != want:  # each pipeline stage computes its own layers, and only its first TP rank sends
                 raise GatewayError(Code.INTERNAL, f"vLLM's workers compute readouts at {shapes}, the pack names {want}")
             vllm_len = int(self._llm.vllm_config.model_config.max_model_len)
             manifest = self._pack.manifest if self._pack is not None else None
             self.info = config.engine_info(self._options, tokenizer, vllm_len, manifest)
+            for view in self._ranks:
+                view.info = self.info
             if self.info.vision is not None:
                 self._images = ImageCounter(self.model_path)
             self._cache_block = int(self._llm.vllm_config.cache_config.block_size)
@@ -229,6 +250,20 @@ class VLLMEngine:
         """Generations this engine is running now."""
         return len(self._active)
 
+    def ranks(self) -> list[Engine]:
+        """The copies of the model the pool chooses between: one per data-parallel rank.
+
+        With ``data_parallel_size`` 1, this engine itself. Otherwise each rank is a view whose
+        requests vLLM runs on that rank's engine core, which holds its own prefix cache: the
+        pool's rule for replicas (:class:`prismgate.core.pool.Replicas`) then keeps a session
+        on the rank that holds its KV cache.
+        """
+        return [self] if not self._ranks else list(self._ranks)
+
+    def rank_in_flight(self, rank: int) -> int:
+        """Generations pinned to this data-parallel rank now."""
+        return sum(1 for pinned in self._rank_of.values() if pinned == rank)
+
     @property
     def cache_block_size(self) -> int:
         """Granularity of prefix reuse: vLLM caches whole blocks of this many tokens."""
@@ -238,7 +273,12 @@ class VLLMEngine:
         """Requests vLLM still tracks (for tests and health checks)."""
         return 0 if self._llm is None else int(self._llm.get_num_unfinished_requests())
 
-    async def generate(self, request: EngineRequest) -> AsyncGenerator[Event, None]:
+    def generate(self, request: EngineRequest) -> AsyncGenerator[Event, None]:
+        """Run ``request``; with data parallelism vLLM picks the rank (the pool pins through :meth:`ranks`)."""
+        return self.generate_on(request, None)
+
+    async def generate_on(self, request: EngineRequest, rank: int | None) -> AsyncGenerator[Event, None]:
+        """Run ``request`` on data-parallel ``rank`` (None: vLLM's choice)."""
         if self._llm is None or self._receiver is None:
             raise GatewayError(Code.UNAVAILABLE, "the engine is not started")
         if self._closing:
@@ -255,11 +295,12 @@ class VLLMEngine:
         key = f"pg{next(self._counter)}"
         tracker = self._receiver.open(key)
         self._active.add(key)
+        self._rank_of[key] = rank
         skip = must_skip_cache(plan, spec.logprob_top_k, self._cache_block)
         if skip:
             self.stats["cache_skips"] += 1
         side = request_wants(key, request, plan, self._pack is not None, self._keep_session_readouts)
-        stream = self._submit(key, request, inputs.sampling_params(request, plan, side, skip))
+        stream = self._submit(key, request, inputs.sampling_params(request, plan, side, skip), rank)
         generated: list[int] = []
         decoded_lp: dict[int, LogprobEntry] = {}
         cached = 0
@@ -273,7 +314,7 @@ class VLLMEngine:
                         finish = FinishReason.CANCELLED
                         break
                     cached = events.cached_tokens(out, n)
-                    for event in await self._prompt_events(request, plan, tracker, cached):
+                    for event in await self._prompt_events(request, plan, tracker, cached, rank):
                         yield event
                     if spec.max_tokens == 0:
                         finish = FinishReason.PREFILL_ONLY
@@ -325,6 +366,7 @@ class VLLMEngine:
             if self._receiver is not None:
                 self._receiver.drop(key)
             self._active.discard(key)
+            self._rank_of.pop(key, None)
             if not self._active:
                 self._drained.set()
         # Done goes out only once vLLM has let go of the request: a consumer that stops
@@ -333,12 +375,12 @@ class VLLMEngine:
 
     # -- talking to vLLM -------------------------------------------------------------
 
-    def _submit(self, key: str, request: EngineRequest, params: Any) -> AsyncGenerator[Any, None]:
-        """Hand ``request`` to vLLM under ``key``, salted for its session's cache scope."""
+    def _submit(self, key: str, request: EngineRequest, params: Any, rank: int | None) -> AsyncGenerator[Any, None]:
+        """Hand ``request`` to vLLM under ``key``, salted for its session's cache scope, on ``rank``."""
         assert self._llm is not None
         prompt = inputs.prompt(request, self._salt(request.session_key), self.info.vision)
         stream: AsyncGenerator[Any, None] = self._llm.generate(
-            prompt, params, request_id=key, priority=request.spec.priority
+            prompt, params, request_id=key, priority=request.spec.priority, data_parallel_rank=rank
         )
         return stream
 
@@ -352,7 +394,7 @@ class VLLMEngine:
     # -- values for prompt positions -------------------------------------------------
 
     async def _prompt_events(
-        self, request: EngineRequest, plan: Plan, tracker: Tracker, cached: int
+        self, request: EngineRequest, plan: Plan, tracker: Tracker, cached: int, rank: int | None
     ) -> list[TokenEvent]:
         """The prompt's events, its values taken from the store, this request's rows or a rescoring."""
         k = request.spec.logprob_top_k
@@ -374,13 +416,13 @@ class VLLMEngine:
         ro_left = [p for p in plan.ro_prompt if p not in readouts]
         lp_left = [p for p in plan.lp_prompt if p not in logprobs]
         if ro_left or lp_left:
-            got_ro, got_lp = await self._rescore(request, ro_left, lp_left)
+            got_ro, got_lp = await self._rescore(request, ro_left, lp_left, rank)
             readouts.update(got_ro)
             logprobs.update(got_lp)
         return events.prompt_events(request.tokens, request.spec, plan, readouts, logprobs)
 
     async def _rescore(
-        self, request: EngineRequest, ro: list[int], lp: list[int]
+        self, request: EngineRequest, ro: list[int], lp: list[int], rank: int | None
     ) -> tuple[dict[int, Any], dict[int, events.EventLogprob]]:
         """Recompute a prefix with the cache off, for values vLLM served from someone else's cache."""
         assert self._receiver is not None
@@ -391,7 +433,7 @@ class VLLMEngine:
         tracker = self._receiver.open(key)
         images = tuple(i for i in request.images if i.end <= end)
         prefix = EngineRequest(request.request_id, request.tokens[:end], request.spec, images, request.session_key)
-        stream = self._submit(key, prefix, inputs.rescore_params(wants(key, bool(ro), lp, k)))
+        stream = self._submit(key, prefix, inputs.rescore_params(wants(key, bool(ro), lp, k)), rank)
         try:
             async for _ in stream:
                 break
@@ -404,3 +446,47 @@ class VLLMEngine:
             {p: tracker.readouts[p] for p in ro},
             {p: events.row_logprob(tracker.logprobs[p], k) for p in lp},
         )
+
+
+class DataParallelRank:
+    """One data-parallel rank of a :class:`VLLMEngine`, as the pool sees a replica.
+
+    Starting, stopping and health are the engine's (one ``AsyncLLM`` over every rank); a
+    request runs on this rank's engine core; the load is the requests pinned to this rank.
+    """
+
+    def __init__(self, engine: VLLMEngine, rank: int) -> None:
+        self.engine = engine
+        self.rank = rank
+        self.model_id = engine.model_id
+        self.info: EngineInfo = None  # type: ignore[assignment]  # the engine's, set by its start()
+
+    @property
+    def cache_block_size(self) -> int:
+        return self.engine.cache_block_size
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """The engine's counters: every rank's together."""
+        return self.engine.stats
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+    def health(self) -> Health:
+        return self.engine.health()
+
+    def generate(self, request: EngineRequest) -> AsyncGenerator[Event, None]:
+        return self.engine.generate_on(request, self.rank)
+
+    def image_tokens(self, data: bytes, mime: str) -> int:
+        return self.engine.image_tokens(data, mime)
+
+    def release(self, session_key: str) -> None:
+        self.engine.release(session_key)
+
+    def in_flight(self) -> int:
+        return self.engine.rank_in_flight(self.rank)

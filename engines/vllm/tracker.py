@@ -4,7 +4,8 @@ The worker's step packets and vLLM's own outputs travel on different sockets, so
 may arrive first. A request's stream therefore waits on its :class:`Tracker` for the
 positions it needs ("the readout of position 17 has arrived") instead of assuming an
 order. Rows are keyed by absolute position, so a position computed twice (chunked
-prefill, preemption) simply overwrites itself.
+prefill, preemption) simply overwrites itself. With pipeline parallelism each stage sends
+the readouts of its own layers: a position's readout counts as arrived once every layer has.
 """
 
 from __future__ import annotations
@@ -31,26 +32,47 @@ SIDE_CHANNEL_TIMEOUT_S = 60.0  # a step's packet arrives within milliseconds; th
 
 
 class Tracker:
-    """Everything the worker computed for one vLLM request, by absolute position."""
+    """Everything the workers computed for one vLLM request, by absolute position."""
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, n_layers: int = 0) -> None:
         self.key = key
+        self.n_layers = n_layers  # the pack's layers: what a complete readout holds
         self.readouts: dict[int, npt.NDArray[np.float32]] = {}
+        self._partial: dict[int, tuple[npt.NDArray[np.float32], set[int]]] = {}  # pipeline stages still to come
         self.logprobs: dict[int, LogprobRow] = {}  # by target position
         self.computed: set[int] = set()
         self._changed = asyncio.Event()
 
     def feed(
-        self, positions: npt.NDArray[np.int64], readouts: npt.NDArray[np.float32] | None, rows: list[LogprobRow]
+        self,
+        positions: npt.NDArray[np.int64],
+        readouts: npt.NDArray[np.float32] | None,
+        rows: list[LogprobRow],
+        layers: list[int] | None = None,
     ) -> None:
+        """One step's rows; ``layers`` are the pack's layers ``readouts`` holds (None: all of them)."""
         pos = positions.tolist()
         self.computed.update(pos)
         if readouts is not None:
-            for i, p in enumerate(pos):
-                self.readouts[p] = readouts[i]
+            if layers is None or len(layers) == self.n_layers:
+                for i, p in enumerate(pos):
+                    self.readouts[p] = readouts[i]
+            else:
+                self._merge(pos, readouts, layers)
         for row in rows:
             self.logprobs[row[0]] = row
         self._changed.set()
+
+    def _merge(self, positions: list[int], readouts: npt.NDArray[np.float32], layers: list[int]) -> None:
+        for i, p in enumerate(positions):
+            full, have = self._partial.get(p) or (np.zeros((self.n_layers, readouts.shape[2]), np.float32), set())
+            full[layers] = readouts[i]
+            have.update(layers)
+            if len(have) == self.n_layers:
+                self._partial.pop(p, None)
+                self.readouts[p] = full
+            else:
+                self._partial[p] = (full, have)
 
     async def wait(self, ready: Callable[[], bool], limit_s: float) -> bool:
         """Wait until ``ready()`` holds; False when ``limit_s`` seconds pass first."""
@@ -80,7 +102,7 @@ class Tracker:
 class Receiver:
     """Binds the PULL socket and routes each step's rows to the trackers that asked."""
 
-    def __init__(self) -> None:
+    def __init__(self, n_layers: int = 0) -> None:
         import zmq
         import zmq.asyncio
 
@@ -92,6 +114,7 @@ class Receiver:
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(self.address)
+        self.n_layers = n_layers  # the concept pack's layers (0: no pack)
         self._trackers: dict[str, Tracker] = {}
         self._task: asyncio.Task[None] | None = None
         self.steps = 0
@@ -101,7 +124,7 @@ class Receiver:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="prismgate-vllm-readouts")
 
     def open(self, key: str) -> Tracker:
-        tracker = Tracker(key)
+        tracker = Tracker(key, self.n_layers)
         self._trackers[key] = tracker
         return tracker
 
@@ -124,7 +147,7 @@ class Receiver:
                     self.rows_seen.popitem(last=False)
                 tracker = self._trackers.get(req.key)
                 if tracker is not None:
-                    tracker.feed(req.positions, req.readouts, req.logprobs)
+                    tracker.feed(req.positions, req.readouts, req.logprobs, packet.layers)
 
     async def close(self) -> None:
         if self._task is not None:

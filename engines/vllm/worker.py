@@ -20,10 +20,13 @@ Rows of the flattened batch map to requests through the runner's ``query_start_l
 ``input_batch.req_ids``, and to absolute positions as the runner itself computes them
 (``num_computed_tokens`` + offset in the query: plain positions even for M-RoPE models).
 What a request wants is read from its ``SamplingParams.extra_args["prismgate"]``, so no
-extra RPC per request is needed. Once per engine step, rank 0 sends everything it computed
-to the gateway process over a ZMQ PUSH socket (:mod:`prismgate.engines.vllm.channel`
-defines the frames). A step no request asked anything of costs only the in-graph dot
-products (when a pack is loaded) and no copy or message.
+extra RPC per request is needed. Once per engine step, each worker that computed something
+sends it to the gateway process over a ZMQ PUSH socket (:mod:`prismgate.engines.vllm.channel`
+defines the frames): the first tensor-parallel rank of every pipeline stage of every
+data-parallel engine core. A pipeline stage sends the readouts of the pack's layers it holds
+(the gateway merges the stages' rows) and the last stage the prompt logprobs. A step no
+request asked anything of costs only the in-graph dot products (when a pack is loaded) and
+no copy or message.
 
 This module imports only torch, numpy and zmq at the top: it is loaded by vLLM's worker
 process, long before any model exists.
@@ -32,6 +35,7 @@ process, long before any model exists.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,6 +47,21 @@ from prismgate.engines.vllm.channel import StepPacket, encode_step
 log = logging.getLogger(__name__)
 
 EXTRA_KEY = "prismgate"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """This worker's place in the model: the pack's layers it computes, and whether it scores logprobs.
+
+    ``slots`` are indices into the pack's layers (None: every layer, or no pack); only the
+    last pipeline stage has the final hidden states prompt logprobs are scored from.
+    """
+
+    slots: list[int] | None = None
+    last: bool = True
+
+
+SOLE_STAGE = Stage()
 
 
 class _RequestPlan:
@@ -83,11 +102,11 @@ class _Tap:
     final hidden states prompt logprobs are scored from.
     """
 
-    def __init__(self, runner: Any, buffers: list[torch.Tensor], sender: Any, rank: int) -> None:
+    def __init__(self, runner: Any, buffers: list[torch.Tensor], sender: Any, stage: Stage = SOLE_STAGE) -> None:
         self.runner = runner
         self.model = runner.get_model()
         self.sender = sender
-        self.rank = rank
+        self.stage = stage
         self.buffers = buffers
         self.plans: list[_RequestPlan] = []
         self.n_rows = 0
@@ -148,16 +167,16 @@ class _Tap:
             log.exception("prismgate: could not compute readouts for this step")
             return
         self.step += 1
-        if self.rank == 0 and packet.requests:
+        if packet.requests:
             self.sender.send(encode_step(packet))
 
     def _collect(self, output: Any) -> StepPacket:
-        packet = StepPacket(step=self.step)
+        packet = StepPacket(step=self.step, layers=self.stage.slots)
         readouts: np.ndarray | None = None
         if self.any_readouts and self.buffers:
             n = self.n_rows  # the graph wrote every row of the (maybe padded) batch; these are the real ones
             readouts = torch.stack([b[:n] for b in self.buffers], dim=1).to("cpu").numpy()  # [rows, layers, concepts]
-        rows = [(plan, r) for plan in self.plans for r in plan.logprob_rows()]
+        rows = [(plan, r) for plan in self.plans for r in plan.logprob_rows()] if self.stage.last else []
         scored: dict[str, list[tuple[int, float, list[int], list[float]]]] = {}
         if rows:
             hidden = output[0] if isinstance(output, tuple) else output
@@ -193,6 +212,7 @@ class PrismgateWorkerExtension:
     _prismgate_tap: _Tap | None = None
     _prismgate_buffers: list[torch.Tensor] | None = None
     _prismgate_layers: list[int] | None = None
+    _prismgate_slots: list[int] | None = None  # the pack's indices of those layers (None: no pack)
 
     def prismgate_install_readouts(self) -> None:
         """Put the concept pack named in vLLM's config into the model's graph; call before its first run."""
@@ -209,24 +229,34 @@ class PrismgateWorkerExtension:
         model = runner.get_model()
         pack = ConceptPack.load(settings["pack"])
         pack.check_model(len(decoder_layers(model)), int(runner.model_config.get_hidden_size()))
-        layers = list(pack.layers)
-        self._prismgate_buffers = capture.install(model, list(pack.directions), layers, max_rows(self.vllm_config))  # type: ignore[attr-defined]
+        # with pipeline parallelism only this stage's layers are real; the others are placeholders
+        slots = [i for i, layer in enumerate(pack.layers) if is_local(decoder_layers(model)[layer])]
+        layers = [pack.layers[i] for i in slots]
+        directions = [pack.directions[i] for i in slots]
+        self._prismgate_buffers = capture.install(model, directions, layers, max_rows(self.vllm_config))  # type: ignore[attr-defined]
         self._prismgate_layers = layers
+        self._prismgate_slots = slots
 
     def prismgate_setup(self, address: str) -> dict[str, Any]:
         """Connect the side channel and start reading each step; returns the model's shape."""
+        from vllm.distributed import get_pp_group, get_tp_group
+
         from prismgate.engines.vllm.channel import Sender
 
         runner = self.model_runner  # type: ignore[attr-defined]
         self.prismgate_shutdown()
         model = runner.get_model()
-        rank = int(getattr(self, "rank", 0))
-        sender = Sender(address) if rank == 0 else _NullSender()
-        self._prismgate_tap = _Tap(runner, self._prismgate_buffers or [], sender, rank)
+        # Tensor-parallel ranks of a stage hold the same residual stream: the first one sends. Each
+        # pipeline stage sends its own layers' readouts, the last one also the prompt logprobs.
+        stage = Stage(self._prismgate_slots, last=bool(get_pp_group().is_last_rank))
+        sends = get_tp_group().rank_in_group == 0 and (stage.last or bool(self._prismgate_layers))
+        sender = Sender(address) if sends else _NullSender()
+        self._prismgate_tap = _Tap(runner, self._prismgate_buffers or [], sender, stage)
         return {
             "n_layers": len(decoder_layers(model)),
             "hidden_size": int(runner.model_config.get_hidden_size()),
-            "rank": rank,
+            "rank": int(getattr(self, "rank", 0)),
+            "sends": sends,
             "readout_layers": list(self._prismgate_layers or []),
         }
 
@@ -252,6 +282,13 @@ def max_rows(vllm_config: Any) -> int:
     budget = int(vllm_config.scheduler_config.max_num_batched_tokens)
     graphs = getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None) or 0
     return max(budget, int(graphs))
+
+
+def is_local(layer: torch.nn.Module) -> bool:
+    """False for the placeholder vLLM puts where another pipeline stage holds the layer."""
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    return not isinstance(layer, PPMissingLayer)
 
 
 class _NullSender:

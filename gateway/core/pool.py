@@ -11,6 +11,7 @@ import contextlib
 import heapq
 import itertools
 from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Protocol, runtime_checkable
 
 from prismgate.core import health
 from prismgate.core.engine import Engine, EngineRequest
@@ -73,6 +74,23 @@ class Admission:
 AFFINITY_MIN_TOKENS = 256
 
 
+@runtime_checkable
+class RankedEngine(Protocol):
+    """An engine that runs several copies of its model itself (vLLM's data parallelism).
+
+    ``ranks()`` returns one :class:`~prismgate.core.engine.Engine` per copy, each running its
+    requests on that copy and reporting that copy's load: the pool chooses between them with
+    the same rule as between separate engines (:class:`Replicas`).
+    """
+
+    def ranks(self) -> list[Engine]: ...
+
+
+def copies_of(engine: Engine) -> list[Engine]:
+    """The replicas an engine stands for: its ranks when it runs several copies itself, else itself."""
+    return list(engine.ranks()) if isinstance(engine, RankedEngine) else [engine]
+
+
 class Replicas:
     """One model's engines (copies of it) and which copy holds each session's KV cache.
 
@@ -118,7 +136,8 @@ class Replicas:
 class EnginePool:
     """Engines by model id, shared by every codec in the process.
 
-    Engines with the same model id are replicas of that model (see :class:`Replicas`).
+    Engines with the same model id are replicas of that model (see :class:`Replicas`), and
+    so are the ranks of an engine that runs data-parallel copies itself (:class:`RankedEngine`).
     """
 
     def __init__(self, engines: list[Engine], *, max_active: int = 64, max_queued: int = 1024) -> None:
@@ -126,7 +145,7 @@ class EnginePool:
             raise ValueError("an EnginePool needs at least one engine")
         grouped: dict[str, list[Engine]] = {}
         for engine in engines:
-            grouped.setdefault(engine.model_id, []).append(engine)
+            grouped.setdefault(engine.model_id, []).extend(copies_of(engine))
         self._models = {model: Replicas(copies) for model, copies in grouped.items()}
         self._all = list(engines)
         self.default_model = engines[0].model_id
