@@ -299,6 +299,24 @@ def test_dashboard_queries_name_real_metrics() -> None:
     assert source["current"]["value"] == uid
 
 
+def test_dashboard_filters_by_model_wherever_the_metric_has_the_label() -> None:
+    """Every query of a model-labelled metric follows the dashboard's Model selector."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert "model" in {v["name"] for v in dashboard["templating"]["list"]}
+    metrics = vars(GatewayMetrics(process_metrics=False)).values()
+    labelled = {m._name for m in metrics if "model" in getattr(m, "_labelnames", ())}
+    assert "prismgate_requests" in labelled
+    checked = 0
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            for name in re.findall(r"\bprismgate_[a-z_]+", target["expr"]):
+                base = re.sub(r"_(total|bucket|sum|count)$", "", name)
+                if base in labelled:
+                    assert 'model=~"$model"' in target["expr"], target["expr"]
+                    checked += 1
+    assert checked >= 10
+
+
 def test_operations_doc_lists_every_metric() -> None:
     doc = (ROOT / "docs" / "operations.md").read_text()
     families = {f.name for f in GatewayMetrics(process_metrics=False).registry.collect()} | scrape_time_gauges()
