@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar, cast
@@ -21,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from prismgate.codecs import json_input
 from prismgate.codecs.openai.errors import OpenAIError, bad_request, from_gateway, to_openai
-from prismgate.codecs.openai.formats import ChatFormat, CompletionFormat, Format
+from prismgate.codecs.openai.formats import ChatFormat, CompletionFormat, Format, dumps
 from prismgate.codecs.openai.generation import Generation, Piece
 from prismgate.codecs.openai.plan import Plan, plan_chat, plan_completion
 from prismgate.codecs.openai.request import Common, parse_chat, parse_completion
@@ -43,10 +42,6 @@ def error_response(exc: BaseException) -> Response:
     err = to_openai(exc)
     headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -149,8 +144,8 @@ class OpenAIEndpoints:
             for chunk in fmt.head():
                 yield dumps(chunk)
             async for piece in pieces:
-                for chunk in fmt.piece(piece):
-                    yield dumps(chunk)
+                for payload in fmt.piece_payloads(piece):
+                    yield payload
             assert generation.done is not None
             for chunk in fmt.tail(generation.done, generation.session_length):
                 yield dumps(chunk)

@@ -25,10 +25,31 @@ class ReadoutAxes:
     def describe(self) -> dict[str, Any]:
         return {"layers": list(self.layers), "concepts": list(self.concepts)}
 
-    def take(self, readout: np.ndarray) -> list[list[float]]:
-        part = readout[np.ix_(self.layer_index, self.concept_index)]
-        # str() of a float32 is its shortest round-trip form: exact, and short on the wire
-        return [[float(str(v)) for v in row] for row in part]
+    def take(self, readout: np.ndarray) -> np.ndarray:
+        """The requested layers and concepts of one position's readout (float32 ``[layers, concepts]``)."""
+        return readout[np.ix_(self.layer_index, self.concept_index)]
+
+
+def values(part: np.ndarray) -> list[list[float]]:
+    """A taken readout as JSON numbers: each float32 in its shortest round-trip form, exact and short on the wire."""
+    return [[float(s) for s in row] for row in part.astype(str).tolist()]
+
+
+def values_json(part: np.ndarray) -> str:
+    """``dumps(values(part))`` without the floats in between: a stream writes this for every token.
+
+    numpy's shortest float32 text is what Python prints for the same number, but for
+    numpy's exponent forms (it switches to them at other magnitudes): those are
+    re-printed Python's way. Non-finite values have no JSON form: the caller keeps to
+    the general path, which refuses them as every payload does.
+    """
+    rows = []
+    for row in part.astype(str).tolist():
+        text = ",".join(row)
+        if "e" in text:
+            text = ",".join([s if "e" not in s else repr(float(s)) for s in row])
+        rows.append("[" + text + "]")
+    return "[" + ",".join(rows) + "]"
 
 
 def readout_axes(manifest: ReadoutManifest, wanted: ReadoutRequest) -> ReadoutAxes:
