@@ -1,10 +1,9 @@
 """The HTTP endpoints: auth, body, plan, run, and JSON or Server-Sent Events out.
 
 Cancellation: when the client goes away the generation is cancelled, so the engine
-stops decoding for nobody. Streaming responses get this from ``sse-starlette``
-(it cancels the body iterator on ``http.disconnect``), and the slow-reader rules from
-:mod:`.stream`; the wait for the first event and non-streaming requests race the work
-against ``http.disconnect`` themselves.
+stops decoding for nobody. Streaming responses get this, and the slow-reader rules, from
+:mod:`.stream` (it stops the stream on ``http.disconnect``); the wait for the first event
+and non-streaming requests race the work against ``http.disconnect`` themselves.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,13 +21,24 @@ class ReadoutAxes:
     concepts: tuple[str, ...]
     layer_index: tuple[int, ...]
     concept_index: tuple[int, ...]
+    _whole: tuple[int, int] | None = field(init=False, repr=False, compare=False)
+    _index: tuple[np.ndarray, ...] = field(init=False, repr=False, compare=False)
 
     def describe(self) -> dict[str, Any]:
         return {"layers": list(self.layers), "concepts": list(self.concepts)}
 
+    def __post_init__(self) -> None:
+        # taken for every token: the index is built once (and skipped when it is everything, in order)
+        n_layers, n_concepts = len(self.layer_index), len(self.concept_index)
+        whole = self.layer_index == tuple(range(n_layers)) and self.concept_index == tuple(range(n_concepts))
+        object.__setattr__(self, "_whole", (n_layers, n_concepts) if whole else None)
+        object.__setattr__(self, "_index", np.ix_(self.layer_index, self.concept_index))
+
     def take(self, readout: np.ndarray) -> np.ndarray:
         """The requested layers and concepts of one position's readout (float32 ``[layers, concepts]``)."""
-        return readout[np.ix_(self.layer_index, self.concept_index)]
+        if readout.shape == self._whole:
+            return readout
+        return readout[self._index]
 
 
 def values(part: np.ndarray) -> list[list[float]]:
