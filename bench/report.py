@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.report
 
-Reads bench/results/{overhead,vs_vllm,sessions,readouts}.json (whichever exist), draws one
+Reads bench/results/{overhead,vs_vllm,vs_vllm_frontend,sessions,readouts}.json (whichever exist), draws one
 PNG per benchmark with matplotlib, and writes docs/benchmarks.md: ratios first, since only
 ratios measured side by side in one run compare across these noisy machines.
 """
@@ -165,6 +165,49 @@ def vs_vllm_section(vs: dict[str, Any], name: str, where: str) -> list[str]:
     ]
 
 
+FRONTEND_COLUMNS = ("streams", "vllm serve", "readouts off", "readouts every token", "off / vllm", "every / vllm")
+
+
+def frontend_section(after: dict[str, Any], before: dict[str, Any] | None) -> list[str]:
+    """``bench/vs_vllm.py --frontend-only``: front-end CPU per streamed token, this build (and an earlier one)."""
+
+    def rows(vs: dict[str, Any], build: str) -> list[dict[str, Any]]:
+        out = []
+        for streams in sorted({r["streams"] for r in vs["rows"]}):
+            at = {r["server"]: r for r in vs["rows"] if r["streams"] == streams}
+            off = at["prismgate, readouts off (OpenAI SSE)"]
+            every = at["prismgate, readouts every token (OpenAI SSE)"]
+            out.append(
+                {
+                    "build": build,
+                    "streams": streams,
+                    "vllm serve": at["vllm serve"]["frontend_cpu_ms_per_token"],
+                    "readouts off": off["frontend_cpu_ms_per_token"],
+                    "readouts every token": every["frontend_cpu_ms_per_token"],
+                    "off / vllm": off["frontend_cpu_ratio"],
+                    "every / vllm": every["frontend_cpu_ratio"],
+                }
+            )
+        return out
+
+    table_rows = rows(before, before.get("build") or "before") if before else []
+    table_rows += rows(after, after.get("build") or "now")
+    return [
+        "### Front-end CPU per streamed token, against `vllm serve`'s API server (CPU)",
+        "",
+        "`bench/vs_vllm.py --frontend-only`: `vllm serve` (its defaults) and `prismgate serve --engine vllm`, same",
+        f"model, OpenAI SSE `/v1/completions`, greedy, {after['max_tokens']} tokens per generation, {after['reps']}",
+        "rounds per target alternating. Milliseconds of CPU of the API-server process alone (engine core and",
+        "workers excluded, read from `/proc` per thread in nanoseconds) per streamed token, median over rounds;",
+        "the ratios are medians of each round's ratio to `vllm serve`'s round of the same rep. Readouts every",
+        "token: the default pack's 8 layers x 8 concepts on every chunk, work `vllm serve` does not do.",
+        *([machine_load(after["load_average"])] if "load_average" in after else []),
+        "",
+        table(table_rows, ("build", *FRONTEND_COLUMNS)),
+        "",
+    ]
+
+
 def machine_load(load: list[float]) -> str:
     return f"Machine load (1-minute average): {load[0]:.1f} at the start of the measurements, {load[1]:.1f} at the end."
 
@@ -222,6 +265,9 @@ def main() -> int:
         vs = load(name)
         if vs:
             parts += vs_vllm_section(vs, name, where)
+    frontend = load("vs_vllm_frontend")
+    if frontend:
+        parts += frontend_section(frontend, load("vs_vllm_frontend_before"))
     sessions = load("sessions")
     if sessions:
         parts += [

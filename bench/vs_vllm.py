@@ -1,6 +1,6 @@
 """Benchmark 2: ``prismgate serve --engine vllm`` against ``vllm serve`` as it ships, side by side.
 
-    .venv-vllm/bin/python bench/vs_vllm.py [--quick] [--model PATH] [--concurrency 1,4,8]
+    .venv-vllm/bin/python bench/vs_vllm.py [--quick] [--model PATH] [--concurrency 1,4,8] [--frontend-only]
 
 Runs only in ``.venv-vllm`` (``make vllm-venv``). Three servers run at once, each in its own
 process, on the same model and dtype, each otherwise with its own defaults:
@@ -17,7 +17,13 @@ alternate between the targets so drift in the machine's speed hits all of them. 
 and concurrency: TTFT and decode tokens/s per stream (medians) and their ratios to ``vllm
 serve``, and the front-end process's CPU seconds per streamed token: the API-server process
 only (vLLM's engine core and workers are its children and are not counted), read from
-``/proc`` through psutil around each of the target's own rounds.
+``/proc`` (each thread's nanosecond ``schedstat``) around each of the target's own rounds.
+The CPU figure is the median over rounds, and its ratio the median of each round's ratio to
+``vllm serve``'s round of the same rep: on a shared machine the load drifts between rounds,
+and a ratio of neighbours carries less of it than a ratio of totals.
+
+``--frontend-only`` runs just ``vllm serve`` and prismgate's two OpenAI SSE targets, for the
+CPU comparison (more rounds in the same time: ``--reps 8 --max-tokens 128``, say).
 
 On CPU, vLLM's worker refuses to start unless 90% of the machine's memory is free or a
 KV-cache size is given; both servers get the same explicit KV cache (``--kv-cache-gb``).
@@ -165,11 +171,26 @@ def prismgate_serve(model: Path, pack: Path | None, args: argparse.Namespace) ->
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of this one process (its children, vLLM's engine core and workers, excluded)."""
-    import psutil
+    """CPU seconds of this one process, every thread (its children, vLLM's engine core and workers, excluded).
 
-    times = psutil.Process(pid).cpu_times()
-    return float(times.user + times.system)
+    Read from each thread's ``/proc/<pid>/task/<tid>/schedstat`` (nanoseconds) where there is
+    one; ``/proc/<pid>/stat`` (what psutil reads) counts in 10 ms ticks, too coarse for a
+    round of a few hundred tokens at a fraction of a millisecond each.
+    """
+    total = 0
+    try:
+        for task in os.scandir(f"/proc/{pid}/task"):
+            with (
+                contextlib.suppress(FileNotFoundError, ProcessLookupError),  # a thread that just ended
+                open(f"{task.path}/schedstat") as f,
+            ):
+                total += int(f.read().split()[0])
+        return total / 1e9
+    except (FileNotFoundError, PermissionError):  # no /proc (or no schedstat): ticks, from psutil
+        import psutil
+
+        times = psutil.Process(pid).cpu_times()
+        return float(times.user + times.system)
 
 
 @dataclass
@@ -184,22 +205,28 @@ def few_positions(n_prompt: int, max_tokens: int) -> list[tuple[int, int]]:
     return [(n_prompt + i * max_tokens // 4, n_prompt + i * max_tokens // 4 + 1) for i in range(4)]
 
 
-def targets(vllm: Server, eager: Server, gateway: Server) -> list[Target]:
-    return [
-        Target(BASE, vllm.pid, clients.openai_sse(vllm.http_url, MODEL_NAME)),
-        Target(eager.name, eager.pid, clients.openai_sse(eager.http_url, MODEL_NAME)),
+def targets(vllm: Server, eager: Server | None, gateway: Server) -> list[Target]:
+    """What is measured; without ``eager`` (``--frontend-only``) only the OpenAI SSE targets."""
+    out = [Target(BASE, vllm.pid, clients.openai_sse(vllm.http_url, MODEL_NAME))]
+    if eager is not None:
+        out.append(Target(eager.name, eager.pid, clients.openai_sse(eager.http_url, MODEL_NAME)))
+    out += [
         Target("prismgate, readouts off (OpenAI SSE)", gateway.pid, clients.openai_sse(gateway.http_url, MODEL_NAME)),
         Target(
             "prismgate, readouts every token (OpenAI SSE)",
             gateway.pid,
             clients.openai_sse(gateway.http_url, MODEL_NAME, extra={"readouts": True}),
         ),
-        Target(
-            "prismgate, readouts at 4 positions (Salience gRPC)",
-            gateway.pid,
-            clients.Salience(gateway.grpc_target or "", MODEL_NAME, readout_ranges=few_positions),
-        ),
     ]
+    if eager is not None:
+        out.append(
+            Target(
+                "prismgate, readouts at 4 positions (Salience gRPC)",
+                gateway.pid,
+                clients.Salience(gateway.grpc_target or "", MODEL_NAME, readout_ranges=few_positions),
+            )
+        )
+    return out
 
 
 def rate(r: clients.StreamResult) -> float | None:
@@ -209,7 +236,7 @@ def rate(r: clients.StreamResult) -> float | None:
 
 
 async def measure(
-    servers: tuple[Server, Server, Server], prompt: list[int], args: argparse.Namespace
+    servers: tuple[Server, Server | None, Server], prompt: list[int], args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     ts = targets(*servers)  # on this loop: gRPC's aio channels belong to the loop that made them
     for t in ts:  # warm-up
@@ -217,18 +244,21 @@ async def measure(
     rows: list[dict[str, Any]] = []
     for streams in args.concurrency:
         results: dict[str, list[clients.StreamResult]] = {t.name: [] for t in ts}
-        cpu: dict[str, float] = dict.fromkeys(results, 0.0)
+        cpu: dict[str, list[float]] = {t.name: [] for t in ts}  # per round: front-end CPU ms per token
         for rep in range(args.reps):
             for t in ts[rep % len(ts) :] + ts[: rep % len(ts)]:
                 before = cpu_seconds(t.pid)
-                results[t.name] += await asyncio.gather(*(t.client(prompt, args.max_tokens) for _ in range(streams)))
-                cpu[t.name] += cpu_seconds(t.pid) - before
+                got = await asyncio.gather(*(t.client(prompt, args.max_tokens) for _ in range(streams)))
+                spent = cpu_seconds(t.pid) - before
+                results[t.name] += got
+                cpu[t.name].append(spent / max(sum(r.tokens for r in got), 1) * 1e3)
         block = [summarize(t.name, streams, results[t.name], cpu[t.name]) for t in ts]
         base = block[0]
         for row in block:
             row["ttft_ratio"] = row["ttft_ms"] / base["ttft_ms"]
             row["decode_rate_ratio"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-            row["frontend_cpu_ratio"] = row["frontend_cpu_ms_per_token"] / base["frontend_cpu_ms_per_token"]
+            # per round against the base's round of the same rep: the machine's drift cancels out
+            row["frontend_cpu_ratio"] = median([a / b for a, b in zip(cpu[row["server"]], cpu[BASE], strict=True) if b])
         print(table(block, list(block[0])), flush=True)
         rows += block
     for t in ts:
@@ -238,8 +268,7 @@ async def measure(
     return rows
 
 
-def summarize(name: str, streams: int, results: list[clients.StreamResult], cpu_s: float) -> dict[str, Any]:
-    tokens = sum(r.tokens for r in results)
+def summarize(name: str, streams: int, results: list[clients.StreamResult], cpu_ms: list[float]) -> dict[str, Any]:
     return {
         "server": name,
         "streams": streams,
@@ -247,7 +276,7 @@ def summarize(name: str, streams: int, results: list[clients.StreamResult], cpu_
         "tokens_each": median([r.tokens for r in results]),
         "ttft_ms": median([r.ttft_s for r in results]) * 1e3,
         "decode_tokens_per_s": median([x for r in results if (x := rate(r)) is not None]),
-        "frontend_cpu_ms_per_token": cpu_s / max(tokens, 1) * 1e3,
+        "frontend_cpu_ms_per_token": median(cpu_ms),
     }
 
 
@@ -280,9 +309,15 @@ def main(argv: list[str] | None = None) -> int:
         help="weights dtype of every server (CPU: float32, bf16 is slow without AVX512-BF16; GPU: bfloat16)",
     )
     parser.add_argument("--results", default="vs_vllm", help="name of the results file in bench/results")
+    parser.add_argument("--build", default="", help="what prismgate build was measured (kept in the results)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per generation (64; quick 32)")
     parser.add_argument("--reps", type=int, default=None, help="rounds per target per concurrency (3; quick 2)")
     parser.add_argument("--concurrency", default="1,4,8")
+    parser.add_argument(
+        "--frontend-only",
+        action="store_true",
+        help="only `vllm serve` and prismgate's OpenAI SSE targets (no eager server, no Salience): the CPU comparison",
+    )
     args = parser.parse_args(argv)
     args.max_tokens = args.max_tokens or (32 if args.quick else 64)
     args.reps = args.reps or (2 if args.quick else 3)
@@ -305,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     # One at a time: three vLLM start-ups (each compiling) at once would starve each other.
     with (
         vllm_serve(model, args, eager=False) as base,
-        vllm_serve(model, args, eager=True) as eager,
+        contextlib.nullcontext(None) if args.frontend_only else vllm_serve(model, args, eager=True) as eager,
         prismgate_serve(model, pack, args) as gateway,
     ):
         load = [os.getloadavg()[0]]  # other work on the machine: the noise every ratio here carries
@@ -316,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         args.results,
         {
             "quick": args.quick,
+            "frontend_only": args.frontend_only,
+            "build": args.build,
             "model": str(model),
             "vllm": vllm.__version__,
             "device": "cpu" if not _has_gpu() else "gpu",

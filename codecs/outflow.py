@@ -44,6 +44,7 @@ class Outflow(Generic[T]):
         self._items: collections.deque[tuple[T, int]] = collections.deque()
         self._buffered = 0
         self._ready = asyncio.Event()
+        self._woken = False
         self._room = asyncio.Event()
         self._room.set()
         self._error: BaseException | None = None
@@ -83,6 +84,33 @@ class Outflow(Generic[T]):
             aclose = getattr(self._source, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+    async def take(self) -> tuple[list[T], bool]:
+        """Every message buffered now (waiting for one if there are none), and whether the source has ended.
+
+        One wake-up hands a writer everything that came since its last write, so it can put
+        them on the wire in one go. The list is empty only after :meth:`wake` (or at the end).
+        """
+        if not self._items and not self._ended and not self._woken:
+            self._ready.clear()
+            await self._ready.wait()
+        self._woken = False
+        items = [item for item, _ in self._items]
+        self._items.clear()
+        self._buffered = 0
+        self._room.set()
+        if self._ended and self._error is not None:
+            error, self._error = self._error, None
+            if items:  # what came before the error goes out first; the next take raises it
+                self._error = error
+            else:
+                raise error
+        return items, self._ended and self._error is None
+
+    def wake(self) -> None:
+        """Make a waiting (or the next) :meth:`take` return now, empty-handed if nothing came (a writer's timer)."""
+        self._woken = True
+        self._ready.set()
 
     def __aiter__(self) -> AsyncIterator[T]:
         return self

@@ -12,11 +12,14 @@ from prismgate.core.errors import invalid
 class HFTokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.hf = tokenizer
+        self._backend = _plain_backend(tokenizer)
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
+        if self._backend is not None:  # streaming decodes twice per token: skip transformers' wrapping
+            return str(self._backend.decode(list(ids), skip_special_tokens=True))
         return str(self.hf.decode(list(ids), skip_special_tokens=True))
 
     def token_text(self, token_id: int) -> str:
@@ -31,3 +34,26 @@ class HFTokenizer:
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
+
+
+def _plain_backend(tokenizer: Any) -> Any:
+    """The ``tokenizers`` object behind ``tokenizer`` when its ``decode`` adds nothing to that object's own.
+
+    transformers' fast tokenizer decodes with its Rust backend, then cleans up spaces when
+    ``clean_up_tokenization_spaces`` is set; a subclass may change either. Only the plain case
+    is skipped over; anything else keeps ``tokenizer.decode``.
+    """
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    kind = type(tokenizer)
+    if (
+        isinstance(tokenizer, TokenizersBackend)
+        and kind.decode is PreTrainedTokenizerBase.decode
+        and kind._decode is TokenizersBackend._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    ):
+        return tokenizer.backend_tokenizer
+    return None

@@ -1,17 +1,15 @@
 """The HTTP endpoints: auth, body, plan, run, and JSON or Server-Sent Events out.
 
 Cancellation: when the client goes away the generation is cancelled, so the engine
-stops decoding for nobody. Streaming responses get this from ``sse-starlette``
-(it cancels the body iterator on ``http.disconnect``), and the slow-reader rules from
-:mod:`.stream`; the wait for the first event and non-streaming requests race the work
-against ``http.disconnect`` themselves.
+stops decoding for nobody. Streaming responses get this, and the slow-reader rules, from
+:mod:`.stream` (it stops the stream on ``http.disconnect``); the wait for the first event
+and non-streaming requests race the work against ``http.disconnect`` themselves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar, cast
@@ -21,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from prismgate.codecs import json_input
 from prismgate.codecs.openai.errors import OpenAIError, bad_request, from_gateway, to_openai
-from prismgate.codecs.openai.formats import ChatFormat, CompletionFormat, Format
+from prismgate.codecs.openai.formats import ChatFormat, CompletionFormat, Format, dumps
 from prismgate.codecs.openai.generation import Generation, Piece
 from prismgate.codecs.openai.plan import Plan, plan_chat, plan_completion
 from prismgate.codecs.openai.request import Common, parse_chat, parse_completion
@@ -43,10 +41,6 @@ def error_response(exc: BaseException) -> Response:
     err = to_openai(exc)
     headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -149,8 +143,8 @@ class OpenAIEndpoints:
             for chunk in fmt.head():
                 yield dumps(chunk)
             async for piece in pieces:
-                for chunk in fmt.piece(piece):
-                    yield dumps(chunk)
+                for payload in fmt.piece_payloads(piece):
+                    yield payload
             assert generation.done is not None
             for chunk in fmt.tail(generation.done, generation.session_length):
                 yield dumps(chunk)

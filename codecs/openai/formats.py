@@ -16,15 +16,22 @@ concepts) and the session's id and length.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from prismgate.codecs.openai.errors import OpenAIError
 from prismgate.codecs.openai.generation import Piece, Token
 from prismgate.codecs.openai.plan import Plan
+from prismgate.codecs.openai.readouts import values, values_json
 from prismgate.core.events import Done, FinishReason
+
+# one encoder for every payload: json.dumps with options builds a new one per call
+dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
 
 _FINISH = {
     FinishReason.EOS: "stop",
@@ -54,10 +61,24 @@ def usage(done: Done) -> dict[str, Any]:
 
 def _readouts(tokens: Sequence[Token]) -> list[dict[str, Any]]:
     return [
-        {"position": t.position, "id": t.id, "token": t.text, "values": t.readout}
+        {"position": t.position, "id": t.id, "token": t.text, "values": values(t.readout)}
         for t in tokens
         if t.readout is not None
     ]
+
+
+def _readouts_json(tokens: Sequence[Token]) -> str | None:
+    """``dumps(_readouts(tokens))``, or None when a value has no JSON form (the general path refuses it)."""
+    items = []
+    for t in tokens:
+        if t.readout is None:
+            continue
+        if not np.isfinite(t.readout).all():
+            return None
+        items.append(
+            f'{{"position":{t.position:d},"id":{t.id:d},"token":{dumps(t.text)},"values":{values_json(t.readout)}}}'
+        )
+    return "[" + ",".join(items) + "]"
 
 
 class Format:
@@ -73,6 +94,13 @@ class Format:
         self.id = self.id_prefix + secrets.token_hex(12)
         self.created = int(time.time())
         self.text_offset = 0
+        # what every token's chunk repeats, as JSON text: the envelope up to the choice's own
+        # fields, and what closes it (see :meth:`piece_payloads`)
+        self._open = (
+            f'{{"id":{dumps(self.id)},"object":{dumps(self.chunk_object_name)},"created":{self.created:d},'
+            f'"model":{dumps(self.plan.model)},"choices":[{{"index":0,'
+        )
+        self._close = ',"usage":null}' if include_usage else "}"
 
     # -- shared pieces -----------------------------------------------------------------
 
@@ -121,6 +149,29 @@ class Format:
     def piece(self, piece: Piece) -> list[dict[str, Any]]:
         raise NotImplementedError
 
+    def piece_payloads(self, piece: Piece) -> list[str]:
+        """``piece``'s chunks as JSON text: a stream writes this for every token.
+
+        Without logprobs the chunk is the same text as ``dumps(chunk)`` assembled from the
+        parts every chunk repeats; anything else goes the general way.
+        """
+        if not self.plan.want_logprobs:
+            readouts = None if self.plan.axes is None else _readouts_json(piece.tokens)
+            if self.plan.axes is None or readouts is not None:
+                fields = self._choice_fields(piece)
+                if readouts is not None:
+                    fields += ',"prismgate":{"readouts":' + readouts + "}"
+                return [self._open + fields + "}]" + self._extra() + self._close]
+        return [dumps(chunk) for chunk in self.piece(piece)]
+
+    def _choice_fields(self, piece: Piece) -> str:
+        """A piece's choice without logprobs, after its index, as JSON text."""
+        raise NotImplementedError
+
+    def _extra(self) -> str:
+        """Top-level members of a piece's chunk between ``choices`` and ``usage``."""
+        return ""
+
     def tail(self, done: Done, session_length: int | None) -> list[dict[str, Any]]:
         raise NotImplementedError
 
@@ -159,6 +210,9 @@ class ChatFormat(Format):
             "finish_reason": None,
         }
         return [self.chunk([self.choice_extension(choice, piece.tokens)])]
+
+    def _choice_fields(self, piece: Piece) -> str:
+        return f'"delta":{{"content":{dumps(piece.text)}}},"logprobs":null,"finish_reason":null'
 
     def tail(self, done: Done, session_length: int | None) -> list[dict[str, Any]]:
         choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(done)}
@@ -225,6 +279,14 @@ class CompletionFormat(Format):
     def piece(self, piece: Piece) -> list[dict[str, Any]]:
         choice = {"index": 0, "text": piece.text, "logprobs": self._logprobs([piece]), "finish_reason": None}
         return [self.chunk([self.choice_extension(choice, piece.tokens)], prismgate=self._first_extension())]
+
+    def _choice_fields(self, piece: Piece) -> str:
+        self.text_offset += len(piece.text)  # as _logprobs keeps it
+        return f'"text":{dumps(piece.text)},"logprobs":null,"finish_reason":null'
+
+    def _extra(self) -> str:
+        ext = self._first_extension()
+        return "" if ext is None else ',"prismgate":' + dumps(ext)
 
     def _first_extension(self) -> dict[str, Any] | None:
         """The readout axes and session ride on the first chunk (completions have no role chunk)."""

@@ -14,6 +14,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import anyio
+import numpy as np
+import numpy.typing as npt
 
 from prismgate.codecs.openai.plan import Plan
 from prismgate.core.errors import Code, GatewayError
@@ -34,7 +36,7 @@ class Token:
     bytes: list[int]
     logprob: float | None = None
     top: list[tuple[str, list[int], float]] | None = None
-    readout: list[list[float]] | None = None
+    readout: npt.NDArray[np.float32] | None = None  # the requested layers x concepts
 
 
 @dataclass(slots=True)

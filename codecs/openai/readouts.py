@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,14 +21,46 @@ class ReadoutAxes:
     concepts: tuple[str, ...]
     layer_index: tuple[int, ...]
     concept_index: tuple[int, ...]
+    _whole: tuple[int, int] | None = field(init=False, repr=False, compare=False)
+    _index: tuple[np.ndarray, ...] = field(init=False, repr=False, compare=False)
 
     def describe(self) -> dict[str, Any]:
         return {"layers": list(self.layers), "concepts": list(self.concepts)}
 
-    def take(self, readout: np.ndarray) -> list[list[float]]:
-        part = readout[np.ix_(self.layer_index, self.concept_index)]
-        # str() of a float32 is its shortest round-trip form: exact, and short on the wire
-        return [[float(str(v)) for v in row] for row in part]
+    def __post_init__(self) -> None:
+        # taken for every token: the index is built once (and skipped when it is everything, in order)
+        n_layers, n_concepts = len(self.layer_index), len(self.concept_index)
+        whole = self.layer_index == tuple(range(n_layers)) and self.concept_index == tuple(range(n_concepts))
+        object.__setattr__(self, "_whole", (n_layers, n_concepts) if whole else None)
+        object.__setattr__(self, "_index", np.ix_(self.layer_index, self.concept_index))
+
+    def take(self, readout: np.ndarray) -> np.ndarray:
+        """The requested layers and concepts of one position's readout (float32 ``[layers, concepts]``)."""
+        if readout.shape == self._whole:
+            return readout
+        return readout[self._index]
+
+
+def values(part: np.ndarray) -> list[list[float]]:
+    """A taken readout as JSON numbers: each float32 in its shortest round-trip form, exact and short on the wire."""
+    return [[float(s) for s in row] for row in part.astype(str).tolist()]
+
+
+def values_json(part: np.ndarray) -> str:
+    """``dumps(values(part))`` without the floats in between: a stream writes this for every token.
+
+    numpy's shortest float32 text is what Python prints for the same number, but for
+    numpy's exponent forms (it switches to them at other magnitudes): those are
+    re-printed Python's way. Non-finite values have no JSON form: the caller keeps to
+    the general path, which refuses them as every payload does.
+    """
+    rows = []
+    for row in part.astype(str).tolist():
+        text = ",".join(row)
+        if "e" in text:
+            text = ",".join([s if "e" not in s else repr(float(s)) for s in row])
+        rows.append("[" + text + "]")
+    return "[" + ",".join(rows) + "]"
 
 
 def readout_axes(manifest: ReadoutManifest, wanted: ReadoutRequest) -> ReadoutAxes:

@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 
@@ -24,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from prismgate.core.errors import Code, GatewayError
-from prismgate.engines.vllm.channel import LogprobRow, decode_step
+from prismgate.engines.vllm.channel import LogprobRow, StepPacket, decode_step
 
 log = logging.getLogger(__name__)
 
@@ -75,17 +74,20 @@ class Tracker:
                 self._partial[p] = (full, have)
 
     async def wait(self, ready: Callable[[], bool], limit_s: float) -> bool:
-        """Wait until ``ready()`` holds; False when ``limit_s`` seconds pass first."""
-        deadline = time.monotonic() + limit_s
-        while not ready():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            self._changed.clear()
-            if ready():
-                return True
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), remaining)
+        """Wait until ``ready()`` holds; False when ``limit_s`` seconds pass first.
+
+        A stream with readouts waits here for nearly every token (the step's packet and
+        vLLM's output race), so the wait is one timeout scope, not a task per wake-up.
+        """
+        if ready():
+            return True
+        try:
+            async with asyncio.timeout(limit_s):
+                while not ready():
+                    self._changed.clear()
+                    await self._changed.wait()
+        except TimeoutError:
+            return ready()
         return True
 
     async def require(
@@ -104,24 +106,31 @@ class Receiver:
 
     def __init__(self, n_layers: int = 0) -> None:
         import zmq
-        import zmq.asyncio
 
+        self._zmq = zmq
         self._dir = tempfile.mkdtemp(prefix="prismgate-vllm-")
         os.chmod(self._dir, 0o700)
         self.address = f"ipc://{self._dir}/readouts.sock"
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(self.address)
         self.n_layers = n_layers  # the concept pack's layers (0: no pack)
         self._trackers: dict[str, Tracker] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._fd: int | None = None
         self.steps = 0
         self.rows_seen: OrderedDict[str, int] = OrderedDict()  # key -> rows received (bounded; for tests and metrics)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="prismgate-vllm-readouts")
+        """Read the socket from the event loop's own poller: a packet arrives every engine step.
+
+        Not through ``zmq.asyncio``, which makes a future (and re-registers the socket) per
+        message: here one readiness callback takes every packet that is waiting.
+        """
+        self._fd = int(self._sock.getsockopt(self._zmq.FD))
+        asyncio.get_running_loop().add_reader(self._fd, self._drain)
+        self._drain()  # the descriptor only signals changes: take what came before we listened
 
     def open(self, key: str) -> Tracker:
         tracker = Tracker(key, self.n_layers)
@@ -131,30 +140,37 @@ class Receiver:
     def drop(self, key: str) -> None:
         self._trackers.pop(key, None)
 
-    async def _run(self) -> None:
-        while True:
-            frames = await self._sock.recv_multipart()
+    def _drain(self) -> None:
+        zmq = self._zmq
+        # ZMQ's descriptor is edge-triggered: read until the socket says nothing is left
+        while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
             try:
                 packet = decode_step(frames)
             except Exception:
                 log.exception("prismgate: dropped a malformed readout packet")
                 continue
-            self.steps += 1
-            for req in packet.requests:
-                self.rows_seen[req.key] = self.rows_seen.get(req.key, 0) + int(req.positions.shape[0])
-                self.rows_seen.move_to_end(req.key)
-                while len(self.rows_seen) > 4096:
-                    self.rows_seen.popitem(last=False)
-                tracker = self._trackers.get(req.key)
-                if tracker is not None:
-                    tracker.feed(req.positions, req.readouts, req.logprobs, packet.layers)
+            self._route(packet)
+
+    def _route(self, packet: StepPacket) -> None:
+        self.steps += 1
+        for req in packet.requests:
+            self.rows_seen[req.key] = self.rows_seen.get(req.key, 0) + int(req.positions.shape[0])
+            self.rows_seen.move_to_end(req.key)
+            while len(self.rows_seen) > 4096:
+                self.rows_seen.popitem(last=False)
+            tracker = self._trackers.get(req.key)
+            if tracker is not None:
+                tracker.feed(req.positions, req.readouts, req.logprobs, packet.layers)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        if self._fd is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed already
+                asyncio.get_running_loop().remove_reader(self._fd)
+            self._fd = None
         self._sock.close()
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
