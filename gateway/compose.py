@@ -73,6 +73,7 @@ def _serving_engine(settings: Settings, folder: Path, model_id: str, pack: Path 
             pipeline_parallel_size=settings.pipeline_parallel_size,
             data_parallel_size=settings.data_parallel_size,
             distributed_executor_backend=settings.distributed_executor_backend,
+            readout_address=settings.vllm_readout_address,
             block_size=settings.vllm_block_size,
             cache_scope=settings.vllm_cache_scope,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import tomllib
 import types
 import typing
@@ -31,8 +32,8 @@ def setting(default: Any, help: str, *, choices: Sequence[str] | None = None) ->
 ENGINE_OPTIONS = (
     "device", "dtype", "threads", "max_model_len", "prefill_chunk", "max_cached_tokens", "max_batch", "replicas",
     "gpu_memory_utilization", "vllm_kv_cache_gb", "vllm_enforce_eager", "tensor_parallel_size",
-    "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend", "vllm_block_size",
-    "vllm_cache_scope",
+    "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend", "vllm_readout_address",
+    "vllm_block_size", "vllm_cache_scope",
 )  # fmt: skip
 
 
@@ -177,6 +178,12 @@ class Settings:
         None,
         "vLLM engine: vLLM's distributed executor backend, passed through: 'mp' (processes on this node), "
         "'ray' (several nodes; docs/scaling.md), 'uni' (one process); unset: vLLM's choice.",
+    )
+    vllm_readout_address: str | None = setting(
+        None,
+        "vLLM engine: where the workers send readouts and prompt logprobs. Unset: a private ipc:// socket on this "
+        "host. tcp://HOST:PORT (HOST an address of this machine): workers on other nodes (Ray) reach it too; "
+        "bind it only where the cluster's private network reaches (docs/scaling.md).",
     )
     vllm_block_size: int | None = setting(
         None, "vLLM engine: KV block size, the grain of prefix reuse (CPU: multiples of 32)."
@@ -374,6 +381,9 @@ class Settings:
                 f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                 f"got {self.distributed_executor_backend!r}"
             )
+        address = self.vllm_readout_address
+        if address is not None and not re.fullmatch(r"tcp://[^\s:/]+:\d{1,5}", address):
+            raise invalid(f"vllm_readout_address must be tcp://HOST:PORT, got {address!r}")
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise invalid(f"[[models]] names must be unique, got {', '.join(names)}")

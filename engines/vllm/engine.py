@@ -102,6 +102,7 @@ class VLLMEngine:
         pipeline_parallel_size: int = 1,
         data_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
+        readout_address: str | None = None,
         max_num_seqs: int | None = None,
         keep_session_readouts: bool = True,
         cache_scope: str = "session",
@@ -128,6 +129,7 @@ class VLLMEngine:
             max_num_seqs=max_num_seqs,
             engine_kwargs=dict(engine_kwargs or {}),
         )
+        self._readout_address = readout_address
         self._keep_session_readouts = keep_session_readouts
         if cache_scope not in {"session", "global"}:
             raise invalid(f"cache_scope must be 'session' or 'global', got {cache_scope!r}")
@@ -178,7 +180,7 @@ class VLLMEngine:
             usage_context=UsageContext.ENGINE_CONTEXT,
         )
         try:
-            self._receiver = Receiver(len(self._pack.layers) if self._pack is not None else 0)
+            self._receiver = Receiver(len(self._pack.layers) if self._pack is not None else 0, self._readout_address)
             self._receiver.start()
             # every engine core's workers connect (vLLM sends the call to each core, answers with the first's)
             shapes = await self._llm.collective_rpc("prismgate_setup", args=(self._receiver.address,))

@@ -104,13 +104,17 @@ class Tracker:
 class Receiver:
     """Binds the PULL socket and routes each step's rows to the trackers that asked."""
 
-    def __init__(self, n_layers: int = 0) -> None:
+    def __init__(self, n_layers: int = 0, address: str | None = None) -> None:
+        """Bind ``address`` (``tcp://HOST:PORT``, for workers on other nodes), or a private ``ipc://`` socket."""
         import zmq
 
         self._zmq = zmq
-        self._dir = tempfile.mkdtemp(prefix="prismgate-vllm-")
-        os.chmod(self._dir, 0o700)
-        self.address = f"ipc://{self._dir}/readouts.sock"
+        self._dir: str | None = None
+        if address is None:
+            self._dir = tempfile.mkdtemp(prefix="prismgate-vllm-")
+            os.chmod(self._dir, 0o700)
+            address = f"ipc://{self._dir}/readouts.sock"
+        self.address = address
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, 0)
@@ -173,4 +177,5 @@ class Receiver:
             self._fd = None
         self._sock.close()
         self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)

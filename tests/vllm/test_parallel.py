@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,12 @@ BLOCK = 32  # the test engines' KV block: vLLM reuses whole blocks
 PROMPT = list(range(10, 80))
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @pytest.fixture(scope="module")
 def split_pack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Layers 1 and 2: with two pipeline stages vLLM puts layers 0-1 on the first, 2 on the second."""
@@ -45,7 +52,14 @@ def split_pack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 async def dp_service(tiny_model_dir: Path, split_pack: Path) -> AsyncIterator[SessionService]:
     from prismgate.compose import build_service
 
-    engine = make_vllm_engine(tiny_model_dir, concept_pack=split_pack, data_parallel_size=2, kv_cache_gb=0.25)
+    # The side channel over TCP, as workers on other nodes (Ray) would reach it.
+    engine = make_vllm_engine(
+        tiny_model_dir,
+        concept_pack=split_pack,
+        data_parallel_size=2,
+        kv_cache_gb=0.25,
+        readout_address=f"tcp://127.0.0.1:{free_port()}",
+    )
     service = build_service(tiny_settings(tiny_model_dir, split_pack), engine)
     await service.pool.start()
     yield service
@@ -77,6 +91,7 @@ async def test_data_parallel_sessions_stay_on_the_rank_that_holds_their_cache(dp
     service = dp_service
     replicas = service.pool.replicas()
     assert [engine.rank for engine in replicas.engines] == [0, 1]  # type: ignore[attr-defined]
+    assert replicas.engines[0].engine._receiver.address.startswith("tcp://127.0.0.1:")  # type: ignore[attr-defined]
     a, b = (await service.open()).id, (await service.open()).id
     for sid in (a, b):
         events, done = await turn(service, sid, PROMPT)

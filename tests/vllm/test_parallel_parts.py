@@ -75,6 +75,11 @@ def test_parallel_settings_are_checked(tmp_path: Path) -> None:
         Settings.load({"engine": "vllm", "pipeline_parallel_size": 0}, env={})
     with pytest.raises(GatewayError, match="distributed_executor_backend must be one of"):
         Settings.load({"engine": "vllm", "distributed_executor_backend": "slurm"}, env={})
+    remote = Settings.load({"engine": "vllm", "vllm_readout_address": "tcp://10.0.0.5:5601"}, env={})
+    assert remote.vllm_readout_address == "tcp://10.0.0.5:5601"
+    for bad in ("ipc:///tmp/x", "tcp://10.0.0.5", "tcp://host:port", "tcp://a b:1"):
+        with pytest.raises(GatewayError, match="vllm_readout_address must be tcp://HOST:PORT"):
+            Settings.load({"engine": "vllm", "vllm_readout_address": bad}, env={})
 
 
 def test_the_parallel_example_in_the_scaling_guide_loads(tmp_path: Path) -> None:
