@@ -1,8 +1,10 @@
 """Benchmark 5: what concept steering costs, in decode tokens/s.
 
     .venv/bin/python -m bench.steering [--quick] [--models tiny,smollm2] [--batch 8]
+    .venv-vllm/bin/python -m bench.steering --engine vllm [--quick] [--models tiny,smollm2]
 
-The transformers engine, driven through ``SessionService`` in-process (no wire), greedy,
+The transformers engine (or, with ``--engine vllm``, the vLLM engine on its default compiled
+path, steering in the graph), driven through ``SessionService`` in-process (no wire), greedy,
 ``--batch`` requests at once (so their decode steps run as one batched forward pass), three
 ways, interleaved round by round:
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -29,6 +32,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import Server, median, model_settings, serve, table, write_results
+
+VLLM_SETTINGS = {"engine": "vllm", "vllm_kv_cache_gb": 1.0}  # vLLM's defaults otherwise: compiled, not eager
 
 MODES = ("off", "all", "mixed")
 
@@ -78,6 +83,7 @@ async def measure(name: str, server: Server, args: argparse.Namespace) -> list[d
     rows = [
         {
             "model": name,
+            "engine": args.engine,
             "batch": args.batch,
             "steering": mode,
             "tokens_per_s": median(rates[mode]),
@@ -93,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--models", default="tiny,smollm2")
+    parser.add_argument("--engine", default="transformers", choices=("transformers", "vllm"))
     parser.add_argument("--batch", type=int, default=8, help="requests decoding at once (8)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (96; quick 32)")
     parser.add_argument("--reps", type=int, default=None, help="rounds per mode (7; quick 3)")
@@ -105,11 +112,20 @@ def main(argv: list[str] | None = None) -> int:
             config = model_settings(name)
         except ValueError as exc:
             parser.error(str(exc))
+        if args.engine == "vllm":
+            config = dataclasses.replace(config, **VLLM_SETTINGS)
         with serve(config) as server:
             rows += asyncio.run_coroutine_threadsafe(measure(name, server, args), server.loop).result()
     path = write_results(
-        "steering",
-        {"quick": args.quick, "batch": args.batch, "max_tokens": args.max_tokens, "reps": args.reps, "rows": rows},
+        "steering" if args.engine == "transformers" else f"steering_{args.engine}",
+        {
+            "quick": args.quick,
+            "engine": args.engine,
+            "batch": args.batch,
+            "max_tokens": args.max_tokens,
+            "reps": args.reps,
+            "rows": rows,
+        },
     )
     print(f"results: {path}")
     return 0

@@ -25,6 +25,10 @@ to the gateway process over a ZMQ PUSH socket (:mod:`prismgate.engines.vllm.chan
 defines the frames). A step no request asked anything of costs only the in-graph dot
 products (when a pack is loaded) and no copy or message.
 
+Steering rides the same path the other way: before the model call the host writes which
+vector goes to which row into the graph's steering buffers (:mod:`.steer_rows`), from the
+request's ``extra_args`` as well; a request that only steers sends nothing back.
+
 This module imports only torch, numpy and zmq at the top: it is loaded by vLLM's worker
 process, long before any model exists.
 """
@@ -32,13 +36,17 @@ process, long before any model exists.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from prismgate.engines.readouts.probe import decoder_layers
 from prismgate.engines.vllm.channel import StepPacket, encode_step
+from prismgate.engines.vllm.steer_rows import SteeredRows, SteerWriter
+
+if TYPE_CHECKING:
+    from prismgate.engines.vllm.capture import SteerBuffers
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +67,11 @@ class _RequestPlan:
         self.lp_ranges = [(int(a), int(b)) for a, b in want.get("lp", ())]
         self.lp_k = int(want.get("k", 0))
         self.prompt = prompt
+
+    @property
+    def ships(self) -> bool:
+        """Whether the gateway waits for rows of this request (a request may only steer)."""
+        return self.readouts or bool(self.lp_ranges)
 
     def logprob_rows(self) -> list[tuple[int, int, int]]:
         """(flat row, target position, target token) for prompt positions to score."""
@@ -83,12 +96,15 @@ class _Tap:
     final hidden states prompt logprobs are scored from.
     """
 
-    def __init__(self, runner: Any, buffers: list[torch.Tensor], sender: Any, rank: int) -> None:
+    def __init__(
+        self, runner: Any, buffers: list[torch.Tensor], steer: list[SteerBuffers], sender: Any, rank: int
+    ) -> None:
         self.runner = runner
         self.model = runner.get_model()
         self.sender = sender
         self.rank = rank
         self.buffers = buffers
+        self.steer = SteerWriter(steer) if steer else None
         self.plans: list[_RequestPlan] = []
         self.n_rows = 0
         self.any_readouts = False
@@ -104,6 +120,7 @@ class _Tap:
 
     def _before(self) -> None:
         self.plans = []
+        self.steered: list[SteeredRows] = []
         self.n_rows = 0
         self.any_readouts = False
         try:
@@ -111,6 +128,8 @@ class _Tap:
         except Exception:  # never break the engine over a readout
             log.exception("prismgate: could not plan readouts for this step")
             self.plans = []
+        if self.steer is not None:  # steering is the request's answer: a failure here fails the step
+            self.steer.plan(self.steered, self.n_rows)
 
     def _plan(self) -> None:
         runner = self.runner
@@ -135,8 +154,11 @@ class _Tap:
             positions = computed[i] + np.arange(hi - lo, dtype=np.int64)
             prompt = getattr(state, "prompt_token_ids", None)
             plan = _RequestPlan(str(want["key"]), lo, hi, positions, want, prompt)
-            self.plans.append(plan)
-            self.any_readouts = self.any_readouts or plan.readouts
+            if plan.ships:
+                self.plans.append(plan)
+                self.any_readouts = self.any_readouts or plan.readouts
+            if want.get("st"):
+                self.steered.append(SteeredRows(plan.key, lo, positions, want["st"]))
         self.n_rows = int(qsl[-1])
 
     def _after(self, output: Any) -> None:
@@ -192,6 +214,7 @@ class PrismgateWorkerExtension:
 
     _prismgate_tap: _Tap | None = None
     _prismgate_buffers: list[torch.Tensor] | None = None
+    _prismgate_steer: list[SteerBuffers] | None = None
     _prismgate_layers: list[int] | None = None
 
     def prismgate_install_readouts(self) -> None:
@@ -210,7 +233,10 @@ class PrismgateWorkerExtension:
         pack = ConceptPack.load(settings["pack"])
         pack.check_model(len(decoder_layers(model)), int(runner.model_config.get_hidden_size()))
         layers = list(pack.layers)
-        self._prismgate_buffers = capture.install(model, list(pack.directions), layers, max_rows(self.vllm_config))  # type: ignore[attr-defined]
+        rows = max_rows(self.vllm_config)  # type: ignore[attr-defined]
+        self._prismgate_buffers, self._prismgate_steer = capture.install(
+            model, list(pack.directions), layers, rows, steering=True
+        )
         self._prismgate_layers = layers
 
     def prismgate_setup(self, address: str) -> dict[str, Any]:
@@ -222,7 +248,7 @@ class PrismgateWorkerExtension:
         model = runner.get_model()
         rank = int(getattr(self, "rank", 0))
         sender = Sender(address) if rank == 0 else _NullSender()
-        self._prismgate_tap = _Tap(runner, self._prismgate_buffers or [], sender, rank)
+        self._prismgate_tap = _Tap(runner, self._prismgate_buffers or [], self._prismgate_steer or [], sender, rank)
         return {
             "n_layers": len(decoder_layers(model)),
             "hidden_size": int(runner.model_config.get_hidden_size()),
