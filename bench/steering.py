@@ -16,6 +16,9 @@ ways, interleaved round by round:
 
 Tokens/s is the batch's decoded tokens over the time from its first decoded token to its
 last; the figure is the median over rounds, and ratios are to ``off`` in the same run.
+Beside it, tokens per CPU second of this process and its children (vLLM's engine core and
+workers): on a shared machine other processes stretch the wall clock of a round, but not
+the CPU time the gateway spends on it.
 """
 
 from __future__ import annotations
@@ -50,7 +53,23 @@ async def one(service: Any, prompt: tuple[int, ...], spec: Any, marks: list[floa
     return tokens
 
 
-async def round_of(service: Any, prompts: list[tuple[int, ...]], max_tokens: int, mode: str) -> float:
+def tree_cpu_s() -> float:
+    """User + system CPU seconds of this process and all its children so far."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+async def round_of(service: Any, prompts: list[tuple[int, ...]], max_tokens: int, mode: str) -> tuple[float, float]:
+    """(decoded tokens per second of wall time, per CPU second) of one round."""
     from prismgate.core.actions import GenerateSpec
     from prismgate.core.steering import SteeringEntry
 
@@ -64,8 +83,10 @@ async def round_of(service: Any, prompts: list[tuple[int, ...]], max_tokens: int
             GenerateSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, steering=(entry,) if steered else ())
         )
     marks: list[float] = []
+    cpu = tree_cpu_s()
     counts = await asyncio.gather(*(one(service, p, s, marks) for p, s in zip(prompts, specs, strict=True)))
-    return (sum(counts) - len(prompts)) / (max(marks) - min(marks))
+    cpu = tree_cpu_s() - cpu
+    return (sum(counts) - len(prompts)) / (max(marks) - min(marks)), sum(counts) / max(cpu, 1e-9)
 
 
 async def measure(name: str, server: Server, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -74,12 +95,16 @@ async def measure(name: str, server: Server, args: argparse.Namespace) -> list[d
         tuple(tokenizer.encode(f"Request {i}: the history of the lighthouse begins with the first fires"))
         for i in range(args.batch)
     ]
-    await round_of(server.service, prompts, 8, "all")  # warm-up
+    for mode in MODES:  # warm-up
+        await round_of(server.service, prompts, 8, mode)
     rates: dict[str, list[float]] = {m: [] for m in MODES}
+    per_cpu: dict[str, list[float]] = {m: [] for m in MODES}
     for rep in range(args.reps):
         for mode in MODES[rep % 3 :] + MODES[: rep % 3]:
-            rates[mode].append(await round_of(server.service, prompts, args.max_tokens, mode))
-    base = median(rates["off"])
+            rate, cpu_rate = await round_of(server.service, prompts, args.max_tokens, mode)
+            rates[mode].append(rate)
+            per_cpu[mode].append(cpu_rate)
+    base, cpu_base = median(rates["off"]), median(per_cpu["off"])
     rows = [
         {
             "model": name,
@@ -88,6 +113,8 @@ async def measure(name: str, server: Server, args: argparse.Namespace) -> list[d
             "steering": mode,
             "tokens_per_s": median(rates[mode]),
             "ratio_to_off": median(rates[mode]) / base,
+            "tokens_per_cpu_s": median(per_cpu[mode]),
+            "cpu_ratio_to_off": median(per_cpu[mode]) / cpu_base,
         }
         for mode in MODES
     ]

@@ -20,6 +20,7 @@ from prismgate.core.actions import PositionRange
 from prismgate.core.steering import Positions, SteeringEntry
 from tests.engines.requests import run
 from tests.engines.test_vllm_crosscheck import assert_compiled, compare, pair
+from tests.engines.vllm_factory import require_vllm
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -157,3 +158,38 @@ async def test_session_values_are_not_reused_across_steering(engines: Any) -> No
     fresh, _ = await run(vl, p, None, **ask, steering=(push(8.0, positions=Positions.PROMPT),))
     assert all(np.array_equal(a.readout, b.readout) for a, b in zip(steered, fresh, strict=True))
     assert not np.allclose(steered[3].readout, plain[3].readout)
+
+
+@pytest.mark.slow
+async def test_smollm2_steered_toward_french_agrees_with_transformers() -> None:
+    require_vllm()
+    from prismgate.engines.models import DEFAULT_MODEL_ID, default_model_path
+    from prismgate.engines.readouts.pack import DEFAULT_PACKS
+
+    pack = DEFAULT_PACKS / "smollm2-135m-instruct.safetensors"
+    hf, vl = await pair(default_model_path(), pack, DEFAULT_MODEL_ID)
+    try:
+        chat = [{"role": "user", "content": "Tell me about your favourite food."}]
+        p = tuple(hf.info.tokenizer.render_chat(chat))
+        n = len(p)
+        ask: dict[str, Any] = {
+            "max_tokens": 20,
+            "logprob_ranges": (PositionRange(n - 8, n + 20),),
+            "logprob_top_k": 3,
+            "readout_ranges": (PositionRange(1, n + 20),),
+        }
+        plain, _ = await run(vl, p, **ask)
+        french = (
+            SteeringEntry(layer=12, scale=24.0, concept="french"),
+            SteeringEntry(layer=16, scale=0.1, concept="french", norm_match=True, positions=Positions.GENERATED),
+        )
+        hf_events, _ = await run(hf, p, **ask, steering=french)
+        vl_events, _ = await run(vl, p, **ask, steering=french)
+        assert_compiled(vl)
+        worst = compare(hf_events, vl_events)
+        text = vl.info.tokenizer.decode(ids([e for e in vl_events if not e.is_prefill]))
+        print("SmolLM2 steered worst differences:", worst, "answer:", text)
+        assert ids(vl_events) != ids(plain)
+    finally:
+        await vl.close()
+        await hf.close()
