@@ -15,7 +15,9 @@ ways, interleaved round by round:
   each batched step.
 
 Tokens/s is the batch's decoded tokens over the time from its first decoded token to its
-last; the figure is the median over rounds, and ratios are to ``off`` in the same run.
+last; the figure is the median over rounds. A ratio to ``off`` is taken within each round
+of three (the modes back to back, in rotating order) and its median over rounds reported,
+so that a load that drifts over the run cancels out.
 Beside it, tokens per CPU second of this process and its children (vLLM's engine core and
 workers): on a shared machine other processes stretch the wall clock of a round, but not
 the CPU time the gateway spends on it.
@@ -89,6 +91,11 @@ async def round_of(service: Any, prompts: list[tuple[int, ...]], max_tokens: int
     return (sum(counts) - len(prompts)) / (max(marks) - min(marks)), sum(counts) / max(cpu, 1e-9)
 
 
+def paired(values: dict[str, list[float]], mode: str) -> float:
+    """The median over rounds of ``mode``'s figure over ``off``'s in the same round."""
+    return median([a / b for a, b in zip(values[mode], values["off"], strict=True)])
+
+
 async def measure(name: str, server: Server, args: argparse.Namespace) -> list[dict[str, Any]]:
     tokenizer = server.service.info().tokenizer
     prompts = [
@@ -104,7 +111,6 @@ async def measure(name: str, server: Server, args: argparse.Namespace) -> list[d
             rate, cpu_rate = await round_of(server.service, prompts, args.max_tokens, mode)
             rates[mode].append(rate)
             per_cpu[mode].append(cpu_rate)
-    base, cpu_base = median(rates["off"]), median(per_cpu["off"])
     rows = [
         {
             "model": name,
@@ -112,9 +118,9 @@ async def measure(name: str, server: Server, args: argparse.Namespace) -> list[d
             "batch": args.batch,
             "steering": mode,
             "tokens_per_s": median(rates[mode]),
-            "ratio_to_off": median(rates[mode]) / base,
+            "ratio_to_off": paired(rates, mode),
             "tokens_per_cpu_s": median(per_cpu[mode]),
-            "cpu_ratio_to_off": median(per_cpu[mode]) / cpu_base,
+            "cpu_ratio_to_off": paired(per_cpu, mode),
         }
         for mode in MODES
     ]

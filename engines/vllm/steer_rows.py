@@ -8,7 +8,9 @@ position given the request's prompt length, so a request preempted and recompute
 steered exactly as it was the first time. Entries at one layer take rounds in their order.
 
 A step nobody steers after a step nobody steered writes nothing at all: every round count
-is already 0, and the op returns before touching the stream.
+is already 0, and the op returns before touching the stream. Nor does a step laid out as the
+one before (the same requests on the same rows, as many of their rows in the prompt), which
+is every decode step of a steady batch: the buffers already say what it needs.
 """
 
 from __future__ import annotations
@@ -40,11 +42,16 @@ class SteerWriter:
         self.buffers = buffers
         self._dirty = [0] * len(buffers)  # rows of each layer the last step wrote (to clear)
         self._raw: dict[tuple[int, int], str] = {}  # (layer, table row) -> the request whose vector is there
+        self._layout: tuple[Any, ...] = ()  # what the buffers hold now, as _layout() names it
 
     def plan(self, requests: list[SteeredRows], n_rows: int) -> None:
         """Fill the buffers for a step of ``n_rows`` rows in which ``requests`` steer."""
         if not requests and not any(self._dirty):
             return
+        layout = _layout(requests, n_rows)
+        if layout == self._layout:
+            return
+        self._layout = layout
         n_layers = len(self.buffers)
         index = np.zeros((n_layers, n_rows, MAX_ROUNDS), dtype=np.int64)
         scale = np.zeros((n_layers, n_rows, MAX_ROUNDS), dtype=np.float32)
@@ -87,3 +94,8 @@ class SteerWriter:
                 table = self.buffers[layer].table
                 table[row].copy_(torch.tensor(vector, dtype=torch.float32))
                 self._raw[(layer, row)] = req.key
+
+
+def _layout(requests: list[SteeredRows], n_rows: int) -> tuple[Any, ...]:
+    """What decides the buffers' contents: each request's rows, and how many lie in its prompt."""
+    return (n_rows, *((r.key, r.lo, len(r.positions), int((r.positions < r.steering["n"]).sum())) for r in requests))
