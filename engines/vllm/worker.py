@@ -138,6 +138,7 @@ class _Tap:
         if num_reqs == 0:
             return
         qsl = np.asarray(runner.query_start_loc.np[: num_reqs + 1]).copy()
+        self.n_rows = int(qsl[-1])
         # Absolute positions as the runner computes them (num_computed_tokens + offset in the
         # query), from host memory: reading the device-side positions would sync every step.
         computed = np.asarray(batch.num_computed_tokens_cpu[:num_reqs]).astype(np.int64)
@@ -159,7 +160,6 @@ class _Tap:
                 self.any_readouts = self.any_readouts or plan.readouts
             if want.get("st"):
                 self.steered.append(SteeredRows(plan.key, lo, positions, want["st"]))
-        self.n_rows = int(qsl[-1])
 
     def _after(self, output: Any) -> None:
         if not self.plans:
