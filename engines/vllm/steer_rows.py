@@ -29,12 +29,18 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class SteeredRows:
-    """One request's rows in this step: flat rows ``[lo, lo + len(positions))`` at ``positions``."""
+    """One request's rows in this step: flat rows ``[lo, lo + rows)`` at positions ``start...``."""
 
     key: str
     lo: int
-    positions: np.ndarray
+    rows: int
+    start: int
     steering: dict[str, Any]
+
+    @property
+    def in_prompt(self) -> int:
+        """How many of the rows lie in the request's prompt (the rest are generated positions)."""
+        return min(max(int(self.steering["n"]) - self.start, 0), self.rows)
 
 
 class SteerWriter:
@@ -59,7 +65,7 @@ class SteerWriter:
         rounds = [0] * n_layers
         for req in requests:
             self._fill_raw(req)
-            prompt = req.positions < int(req.steering["n"])
+            prompt = np.arange(req.rows) < req.in_prompt
             covers = (prompt, ~prompt, np.ones_like(prompt))
             used = [0] * n_layers
             for layer, row, value, norm_match, positions in req.steering["e"]:
@@ -98,4 +104,4 @@ class SteerWriter:
 
 def _layout(requests: list[SteeredRows], n_rows: int) -> tuple[Any, ...]:
     """What decides the buffers' contents: each request's rows, and how many lie in its prompt."""
-    return (n_rows, *((r.key, r.lo, len(r.positions), int((r.positions < r.steering["n"]).sum())) for r in requests))
+    return (n_rows, *((r.key, r.lo, r.rows, r.in_prompt) for r in requests))

@@ -68,11 +68,6 @@ class _RequestPlan:
         self.lp_k = int(want.get("k", 0))
         self.prompt = prompt
 
-    @property
-    def ships(self) -> bool:
-        """Whether the gateway waits for rows of this request (a request may only steer)."""
-        return self.readouts or bool(self.lp_ranges)
-
     def logprob_rows(self) -> list[tuple[int, int, int]]:
         """(flat row, target position, target token) for prompt positions to score."""
         if not self.lp_ranges or self.prompt is None:
@@ -152,14 +147,16 @@ class _Tap:
             lo, hi = int(qsl[i]), int(qsl[i + 1])
             if hi <= lo:
                 continue
+            steering = want.get("st")
+            if steering:
+                self.steered.append(SteeredRows(want["key"], lo, hi - lo, int(computed[i]), steering))
+            if not (want.get("ro") or want.get("lp")):
+                continue  # it only steers: nothing to send back
             positions = computed[i] + np.arange(hi - lo, dtype=np.int64)
             prompt = getattr(state, "prompt_token_ids", None)
             plan = _RequestPlan(str(want["key"]), lo, hi, positions, want, prompt)
-            if plan.ships:
-                self.plans.append(plan)
-                self.any_readouts = self.any_readouts or plan.readouts
-            if want.get("st"):
-                self.steered.append(SteeredRows(plan.key, lo, positions, want["st"]))
+            self.plans.append(plan)
+            self.any_readouts = self.any_readouts or plan.readouts
 
     def _after(self, output: Any) -> None:
         if not self.plans:

@@ -189,8 +189,9 @@ def test_in_graph_readouts_fill_their_buffers_under_torch_compile() -> None:
             torch.testing.assert_close(buf[:n], w, rtol=1e-5, atol=1e-5)
 
 
-def _steer_rows(key: str, lo: int, positions: list[int], prompt_len: int, *entries: list[Any]) -> SteeredRows:
-    return SteeredRows(key, lo, np.array(positions), {"n": prompt_len, "e": [list(e) for e in entries], "raw": []})
+def _steer_rows(key: str, lo: int, positions: range, prompt_len: int, *entries: list[Any]) -> SteeredRows:
+    steering = {"n": prompt_len, "e": [list(e) for e in entries], "raw": []}
+    return SteeredRows(key, lo, len(positions), positions.start, steering)
 
 
 def test_in_graph_steering_adds_to_the_rows_the_host_planned_under_torch_compile() -> None:
@@ -209,7 +210,7 @@ def test_in_graph_steering_adds_to_the_rows_the_host_planned_under_torch_compile
         writer.plan([], 7)
         assert torch.equal(compiled(x), plain)  # nobody steers: the op returns before touching anything
         # rows 0-3: positions 0..3 of a request with a 2-token prompt; rows 4-6 nobody's
-        request = _steer_rows("a", 0, [0, 1, 2, 3], 2, [0, 2, 3.0, 0, 2], [0, 3, 0.5, 1, 1], [1, 1, -2.0, 0, 0])
+        request = _steer_rows("a", 0, range(4), 2, [0, 2, 3.0, 0, 2], [0, 3, 0.5, 1, 1], [1, 1, -2.0, 0, 0])
         writer.plan([request], 7)
         out = compiled(x)
         writer.plan([], 7)
