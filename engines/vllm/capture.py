@@ -82,25 +82,32 @@ def steer(
 ) -> None:
     """Add ``scale * table[index]`` (times the stream's norm where ``normed``) to the stream, round by round.
 
-    ``rounds`` (host memory) says how many rounds this step uses, 0 when no row steers: the
-    op then does nothing. While a CUDA graph is captured the host value means nothing at
-    replay, so every round is recorded; unused rounds have index 0 and select nothing.
+    ``rounds`` (host memory) holds how many rounds this step uses, 0 when no row steers (the
+    op then does nothing), and whether any of them is norm-matched. While a CUDA graph is
+    captured the host values mean nothing at replay, so every round is recorded, norms and
+    all; unused rounds have index 0 and select nothing.
     """
     n = min(int(hidden.shape[0]), int(index.shape[0]))
-    capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
-    used = int(index.shape[1]) if capturing else int(rounds.item())
+    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        used, norms = int(index.shape[1]), True
+    else:
+        used, norms = (int(v) for v in rounds.tolist())
     if used == 0 or n == 0:
         return
     h, r = hidden[:n], residual[:n]
     stream = h + r  # what the next layer's fused add (and the final norm) computes
-    steered = torch.zeros(n, 1, dtype=torch.bool, device=hidden.device)
+    steered: torch.Tensor | None = None
     for k in range(used):
         on = (index[:n, k] != 0).unsqueeze(-1)
         f = stream.to(torch.float32)
         add = table.index_select(0, index[:n, k]) * scale[:n, k].unsqueeze(-1)
-        add = torch.where(normed[:n, k].unsqueeze(-1), add * f.norm(dim=-1, keepdim=True), add)
-        stream = torch.where(on, (f + add).to(hidden.dtype), stream)
-        steered |= on
+        if norms:
+            add = torch.where(normed[:n, k].unsqueeze(-1), add * f.norm(dim=-1, keepdim=True), add)
+        added = (f + add).to(hidden.dtype)
+        # one round: rows it skips are put back whole below; more: a round a row skips leaves it as it is
+        stream = added if used == 1 else torch.where(on, added, stream)
+        steered = on if steered is None else steered | on
+    assert steered is not None
     h.copy_(torch.where(steered, stream, h))
     r.copy_(torch.where(steered, torch.zeros_like(r), r))
 
@@ -123,7 +130,8 @@ class SteerBuffers:
 
     ``table`` rows: 0 the zero vector, then the pack's unit directions at this layer (concept
     ``c`` is row ``1 + c``), then :data:`RAW_SLOTS` rows for raw directions. ``index``,
-    ``scale`` and ``normed`` are ``[rows, MAX_ROUNDS]``; ``rounds`` is one int in host memory.
+    ``scale`` and ``normed`` are ``[rows, MAX_ROUNDS]``; ``rounds`` is two ints in host memory:
+    the rounds this step uses, and whether any is norm-matched.
     """
 
     def __init__(self, layer: torch.nn.Module, units: torch.Tensor, rows: int) -> None:
@@ -136,7 +144,7 @@ class SteerBuffers:
             "scale": torch.zeros(rows, MAX_ROUNDS, dtype=torch.float32, device=device),
             "normed": torch.zeros(rows, MAX_ROUNDS, dtype=torch.bool, device=device),
         }
-        parts["rounds"] = torch.zeros(1, dtype=torch.int64)  # host memory: read by the op's host code only
+        parts["rounds"] = torch.zeros(2, dtype=torch.int64)  # host memory, read by the op's host code only
         for name, tensor in parts.items():
             layer.register_buffer(STEER + name, tensor, persistent=False)
         self.table, self.index, self.scale, self.normed = table, parts["index"], parts["scale"], parts["normed"]

@@ -93,6 +93,7 @@ class SteerWriter:
                 buffer.index[:stale].zero_()
                 self._dirty[layer] = 0
             buffer.rounds[0] = rounds[layer]
+            buffer.rounds[1] = int(rounds[layer] > 0 and bool(normed[layer].any()))
 
     def _fill_raw(self, req: SteeredRows) -> None:
         for layer, row, vector in req.steering.get("raw", ()):
