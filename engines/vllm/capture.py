@@ -89,7 +89,7 @@ def steer(
     """
     n = min(int(hidden.shape[0]), int(index.shape[0]))
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
-        used, norms = int(index.shape[1]), True
+        used, norms = int(index.shape[1]), 1
     else:
         used, norms = (int(v) for v in rounds.tolist())
     if used == 0 or n == 0:
