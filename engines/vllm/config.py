@@ -211,4 +211,5 @@ def engine_info(options: Options, tokenizer: Any, vllm_len: int, manifest: Reado
         readouts=manifest,
         vision=vision_tokens(config, tokenizer),
         engine_name="vllm",
+        steering=manifest is not None,
     )

@@ -66,8 +66,9 @@ from prismgate.core.engine import Engine, EngineInfo, EngineRequest
 from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.core.events import Done, Event, FinishReason, TokenEvent
 from prismgate.core.health import LOADING, READY, STOPPING, Health
+from prismgate.core.steering import spans
 from prismgate.engines.readouts.pack import ConceptPack
-from prismgate.engines.vllm import config, events, inputs
+from prismgate.engines.vllm import config, events, inputs, steer
 from prismgate.engines.vllm.plan import Plan, check, make_plan, must_skip_cache, request_wants, wants
 from prismgate.engines.vllm.store import LogprobEntry, ValueStore
 from prismgate.engines.vllm.tracker import Receiver, Tracker
@@ -146,6 +147,7 @@ class VLLMEngine:
         self._drained = asyncio.Event()
         self._closing = False
         self._pack: ConceptPack | None = None
+        self._raw_slots = steer.RawSlots(0)
         self._images: ImageCounter | None = None
         self._cache_block = 16
         self.info: EngineInfo = None  # type: ignore[assignment]  # set by start()
@@ -166,6 +168,7 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the worker reads the V1 runner's batch layout
         if self._pack_path is not None:
             self._pack = ConceptPack.load(self._pack_path)
+            self._raw_slots = steer.RawSlots(len(self._pack.layers))
         from transformers import AutoTokenizer
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -291,17 +294,17 @@ class VLLMEngine:
         if n == 0:  # nothing to run: only a prefill-only call on an empty timeline gets here
             yield Done(0, 0, FinishReason.PREFILL_ONLY)
             return
-        plan = make_plan(
-            request, self.info, self._pack is not None, self._store.lookup(request.session_key, request.tokens)
-        )
+        values = self._store.lookup(request.session_key, request.tokens, spans(spec.steering, n, n))
+        plan = make_plan(request, self.info, self._pack is not None, values)
         key = f"pg{next(self._counter)}"
+        steering = self._worker_steering(key, request)
         tracker = self._receiver.open(key)
         self._active.add(key)
         self._rank_of[key] = rank
         skip = must_skip_cache(plan, spec.logprob_top_k, self._cache_block)
         if skip:
             self.stats["cache_skips"] += 1
-        side = request_wants(key, request, plan, self._pack is not None, self._keep_session_readouts)
+        side = request_wants(key, request, plan, self._pack is not None, self._keep_session_readouts, steering)
         stream = self._submit(key, request, inputs.sampling_params(request, plan, side, skip), rank)
         generated: list[int] = []
         decoded_lp: dict[int, LogprobEntry] = {}
@@ -364,7 +367,10 @@ class VLLMEngine:
             with contextlib.suppress(Exception):
                 await stream.aclose()  # aborts the vLLM request if it is still running
             if request.session_key is not None:  # keep what this turn learnt for later turns
-                self._store.put(request.session_key, plan.values.learnt(request.tokens, generated, tracker, decoded_lp))
+                steered = spans(spec.steering, n, n + len(generated))
+                values = plan.values.learnt(request.tokens, generated, tracker, decoded_lp, steered)
+                self._store.put(request.session_key, values)
+            self._raw_slots.release(key)
             if self._receiver is not None:
                 self._receiver.drop(key)
             self._active.discard(key)
@@ -378,13 +384,25 @@ class VLLMEngine:
     # -- talking to vLLM -------------------------------------------------------------
 
     def _submit(self, key: str, request: EngineRequest, params: Any, rank: int | None) -> AsyncGenerator[Any, None]:
-        """Hand ``request`` to vLLM under ``key``, salted for its session's cache scope, on ``rank``."""
+        """Hand ``request`` to vLLM under ``key`` on ``rank``, salted for its cache scope and its steering."""
         assert self._llm is not None
-        prompt = inputs.prompt(request, self._salt(request.session_key), self.info.vision)
+        salt = steer.cache_salt(self._salt(request.session_key), request.spec.steering, len(request.tokens))
+        prompt = inputs.prompt(request, salt, self.info.vision)
         stream: AsyncGenerator[Any, None] = self._llm.generate(
             prompt, params, request_id=key, priority=request.spec.priority, data_parallel_rank=rank
         )
         return stream
+
+    def _worker_steering(self, key: str, request: EngineRequest) -> dict[str, Any] | None:
+        """The request's steering as the worker reads it (the core has checked it against the pack)."""
+        if not request.spec.steering:
+            return None
+        if self._pack is None:
+            raise invalid(f"model {self.model_id!r} has no concept pack loaded, so it cannot steer")
+        pack = self._pack
+        return steer.worker_steering(
+            key, request.spec.steering, len(request.tokens), list(pack.layers), list(pack.concepts), self._raw_slots
+        )
 
     def _salt(self, session_key: str | None) -> str | None:
         if self._cache_scope == "global":
@@ -435,7 +453,8 @@ class VLLMEngine:
         tracker = self._receiver.open(key)
         images = tuple(i for i in request.images if i.end <= end)
         prefix = EngineRequest(request.request_id, request.tokens[:end], request.spec, images, request.session_key)
-        stream = self._submit(key, prefix, inputs.rescore_params(wants(key, bool(ro), lp, k)), rank)
+        steering = self._worker_steering(key, prefix)  # every position of the prefix is a prompt position of both
+        stream = self._submit(key, prefix, inputs.rescore_params(wants(key, bool(ro), lp, k, steering)), rank)
         try:
             async for _ in stream:
                 break
@@ -443,6 +462,7 @@ class VLLMEngine:
         finally:
             with contextlib.suppress(Exception):
                 await stream.aclose()
+            self._raw_slots.release(key)
             self._receiver.drop(key)
         return (
             {p: tracker.readouts[p] for p in ro},

@@ -94,27 +94,38 @@ def must_skip_cache(plan: Plan, top_k: int, cache_block: int) -> bool:
     return first < cacheable
 
 
-def wants(key: str, readouts: bool, logprob_positions: Sequence[int], top_k: int) -> dict[str, Any]:
-    """The side-channel request the worker reads from ``extra_args`` (see :mod:`.worker`)."""
-    return {"key": key, "ro": int(readouts), "lp": ranges(logprob_positions), "k": top_k}
+def wants(
+    key: str, readouts: bool, logprob_positions: Sequence[int], top_k: int, steering: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """What the worker reads from ``extra_args`` (see :mod:`.worker`): what to send, and what to steer."""
+    out: dict[str, Any] = {"key": key, "ro": int(readouts), "lp": ranges(logprob_positions), "k": top_k}
+    if steering is not None:
+        out["st"] = steering
+    return out
 
 
 def request_wants(
-    key: str, request: EngineRequest, plan: Plan, has_readouts: bool, keep_session_readouts: bool
+    key: str,
+    request: EngineRequest,
+    plan: Plan,
+    has_readouts: bool,
+    keep_session_readouts: bool,
+    steering: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
-    """What the worker sends for this request, or None when it needs nothing.
+    """What the worker does for this request, or None when nothing.
 
     Readouts travel for the positions asked for, for the look-ahead, and (to fill the
     store) for every session request; logprobs only for prompt positions the store lacks.
+    ``steering`` is the request's (:func:`.steer.worker_steering`).
     """
     ship_readouts = has_readouts and (
         bool(plan.ro_prompt) or plan.lookahead or (keep_session_readouts and request.session_key is not None)
     )
     top_k = request.spec.logprob_top_k
     _, missing_lp = plan.missing(top_k)
-    if not ship_readouts and not missing_lp:
+    if not ship_readouts and not missing_lp and steering is None:
         return None
-    return wants(key, ship_readouts, missing_lp, top_k)
+    return wants(key, ship_readouts, missing_lp, top_k, steering)
 
 
 def positions(ranges: Sequence[PositionRange], lo: int, hi: int) -> list[int]:

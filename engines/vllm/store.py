@@ -8,8 +8,9 @@ position is answered from here instead of turning the prefix cache off.
 
 Entries are validated against the request's tokens: a value at position ``p`` depends on
 tokens ``0..p`` only, so it stays valid for as long as the new timeline shares that prefix
-(a rewound or forked session keeps what still applies). The store is an LRU capped by the
-number of positions it holds.
+(a rewound or forked session keeps what still applies), and as long as the new request
+steers that prefix as the turns that computed it did (:func:`prismgate.core.steering.agreed_prefix`).
+The store is an LRU capped by the number of positions it holds.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
+
+from prismgate.core.steering import SteeredSpan, agreed_prefix
 
 if TYPE_CHECKING:
     from prismgate.engines.vllm.tracker import Tracker
@@ -34,23 +37,26 @@ class SessionValues:
     readouts: dict[int, npt.NDArray[np.float32]] = field(default_factory=dict)
     logprobs: dict[int, LogprobEntry] = field(default_factory=dict)
     computed: int = 0  # positions [0, computed) were run through the model for this session (cache may hold them)
+    steered: tuple[SteeredSpan, ...] = ()  # the steering each run of ``tokens`` was computed under
 
     @property
     def size(self) -> int:
         return len(self.readouts) + len(self.logprobs)
 
-    def valid_for(self, tokens: Sequence[int]) -> SessionValues:
-        """The entries that still hold for ``tokens`` (the shared prefix)."""
+    def valid_for(self, tokens: Sequence[int], steered: Sequence[SteeredSpan]) -> SessionValues:
+        """The entries that still hold for ``tokens`` steered as ``steered`` says (the shared prefix)."""
         shared = 0
         for a, b in zip(self.tokens, tokens, strict=False):
             if a != b:
                 break
             shared += 1
+        shared = min(shared, agreed_prefix(self.steered, steered))
         return SessionValues(
             tokens=list(tokens[:shared]),
             readouts={p: v for p, v in self.readouts.items() if p < shared},
             logprobs={p: v for p, v in self.logprobs.items() if p < shared},
             computed=min(self.computed, shared),
+            steered=tuple(steered),
         )
 
     def logprob(self, position: int, top_k: int) -> LogprobEntry | None:
@@ -60,9 +66,17 @@ class SessionValues:
         return (top_k, entry[1], entry[2][:top_k])
 
     def learnt(
-        self, prompt: Sequence[int], generated: Sequence[int], tracker: Tracker, decoded: Mapping[int, LogprobEntry]
+        self,
+        prompt: Sequence[int],
+        generated: Sequence[int],
+        tracker: Tracker,
+        decoded: Mapping[int, LogprobEntry],
+        steered: tuple[SteeredSpan, ...],
     ) -> SessionValues:
-        """These values plus what one turn computed: the worker's rows and the decoded tokens' logprobs."""
+        """These values plus what one turn computed: the worker's rows and the decoded tokens' logprobs.
+
+        ``steered`` is the steering of the turn's timeline, prompt and generated tokens.
+        """
         timeline = [*prompt, *generated]
         limit = len(timeline)
         readouts = dict(self.readouts)
@@ -75,7 +89,7 @@ class SessionValues:
         computed = max([self.computed, *(p + 1 for p in tracker.computed if p < limit)], default=0)
         if generated:  # vLLM computed at least every prompt position and all but the last token
             computed = max(computed, limit - 1)
-        return SessionValues(timeline, readouts, logprobs, computed)
+        return SessionValues(timeline, readouts, logprobs, computed, steered)
 
 
 class ValueStore:
@@ -89,11 +103,11 @@ class ValueStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def lookup(self, key: str | None, tokens: Sequence[int]) -> SessionValues:
+    def lookup(self, key: str | None, tokens: Sequence[int], steered: Sequence[SteeredSpan]) -> SessionValues:
         if key is None or key not in self._sessions:
             return SessionValues()
         self._sessions.move_to_end(key)
-        return self._sessions[key].valid_for(tokens)
+        return self._sessions[key].valid_for(tokens, steered)
 
     def put(self, key: str, values: SessionValues) -> None:
         self.release(key)

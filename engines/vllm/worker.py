@@ -28,6 +28,10 @@ data-parallel engine core. A pipeline stage sends the readouts of the pack's lay
 request asked anything of costs only the in-graph dot products (when a pack is loaded) and
 no copy or message.
 
+Steering rides the same path the other way: before the model call the host writes which
+vector goes to which row into the graph's steering buffers (:mod:`.steer_rows`), from the
+request's ``extra_args`` as well; a request that only steers sends nothing back.
+
 This module imports only torch, numpy and zmq at the top: it is loaded by vLLM's worker
 process, long before any model exists.
 """
@@ -36,13 +40,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from prismgate.engines.readouts.probe import decoder_layers
 from prismgate.engines.vllm.channel import StepPacket, encode_step
+from prismgate.engines.vllm.steer_rows import SteeredRows, SteerWriter
+
+if TYPE_CHECKING:
+    from prismgate.engines.vllm.capture import SteerBuffers
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +110,20 @@ class _Tap:
     final hidden states prompt logprobs are scored from.
     """
 
-    def __init__(self, runner: Any, buffers: list[torch.Tensor], sender: Any, stage: Stage = SOLE_STAGE) -> None:
+    def __init__(
+        self,
+        runner: Any,
+        buffers: list[torch.Tensor],
+        sender: Any,
+        stage: Stage = SOLE_STAGE,
+        steer: list[SteerBuffers] | None = None,
+    ) -> None:
         self.runner = runner
         self.model = runner.get_model()
         self.sender = sender
         self.stage = stage
         self.buffers = buffers
+        self.steer = SteerWriter(steer, stage.slots) if steer else None
         self.plans: list[_RequestPlan] = []
         self.n_rows = 0
         self.any_readouts = False
@@ -123,6 +139,7 @@ class _Tap:
 
     def _before(self) -> None:
         self.plans = []
+        self.steered: list[SteeredRows] = []
         self.n_rows = 0
         self.any_readouts = False
         try:
@@ -130,6 +147,8 @@ class _Tap:
         except Exception:  # never break the engine over a readout
             log.exception("prismgate: could not plan readouts for this step")
             self.plans = []
+        if self.steer is not None:  # steering is the request's answer: a failure here fails the step
+            self.steer.plan(self.steered, self.n_rows)
 
     def _plan(self) -> None:
         runner = self.runner
@@ -138,6 +157,7 @@ class _Tap:
         if num_reqs == 0:
             return
         qsl = np.asarray(runner.query_start_loc.np[: num_reqs + 1]).copy()
+        self.n_rows = int(qsl[-1])
         # Absolute positions as the runner computes them (num_computed_tokens + offset in the
         # query), from host memory: reading the device-side positions would sync every step.
         computed = np.asarray(batch.num_computed_tokens_cpu[:num_reqs]).astype(np.int64)
@@ -151,12 +171,16 @@ class _Tap:
             lo, hi = int(qsl[i]), int(qsl[i + 1])
             if hi <= lo:
                 continue
+            steering = want.get("st")
+            if steering:
+                self.steered.append(SteeredRows(want["key"], lo, hi - lo, int(computed[i]), steering))
+            if not (want.get("ro") or want.get("lp")):
+                continue  # it only steers: nothing to send back
             positions = computed[i] + np.arange(hi - lo, dtype=np.int64)
             prompt = getattr(state, "prompt_token_ids", None)
             plan = _RequestPlan(str(want["key"]), lo, hi, positions, want, prompt)
             self.plans.append(plan)
             self.any_readouts = self.any_readouts or plan.readouts
-        self.n_rows = int(qsl[-1])
 
     def _after(self, output: Any) -> None:
         if not self.plans:
@@ -211,6 +235,7 @@ class PrismgateWorkerExtension:
 
     _prismgate_tap: _Tap | None = None
     _prismgate_buffers: list[torch.Tensor] | None = None
+    _prismgate_steer: list[SteerBuffers] | None = None
     _prismgate_layers: list[int] | None = None
     _prismgate_slots: list[int] | None = None  # the pack's indices of those layers (None: no pack)
 
@@ -233,7 +258,8 @@ class PrismgateWorkerExtension:
         slots = [i for i, layer in enumerate(pack.layers) if is_local(decoder_layers(model)[layer])]
         layers = [pack.layers[i] for i in slots]
         directions = [pack.directions[i] for i in slots]
-        self._prismgate_buffers = capture.install(model, directions, layers, max_rows(self.vllm_config))  # type: ignore[attr-defined]
+        rows = max_rows(self.vllm_config)  # type: ignore[attr-defined]
+        self._prismgate_buffers, self._prismgate_steer = capture.install(model, directions, layers, rows, steering=True)
         self._prismgate_layers = layers
         self._prismgate_slots = slots
 
@@ -248,10 +274,12 @@ class PrismgateWorkerExtension:
         model = runner.get_model()
         # Tensor-parallel ranks of a stage hold the same residual stream: the first one sends. Each
         # pipeline stage sends its own layers' readouts, the last one also the prompt logprobs.
+        # Every rank steers its own copy of the stream.
         stage = Stage(self._prismgate_slots, last=bool(get_pp_group().is_last_rank))
         sends = get_tp_group().rank_in_group == 0 and (stage.last or bool(self._prismgate_layers))
         sender = Sender(address) if sends else _NullSender()
-        self._prismgate_tap = _Tap(runner, self._prismgate_buffers or [], sender, stage)
+        buffers = self._prismgate_buffers or []
+        self._prismgate_tap = _Tap(runner, buffers, sender, stage, self._prismgate_steer or [])
         return {
             "n_layers": len(decoder_layers(model)),
             "hidden_size": int(runner.model_config.get_hidden_size()),

@@ -5,6 +5,7 @@ the engine arguments (compilation, worker classes, memory). These run in every e
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,10 +14,13 @@ import torch
 from prismgate.core.engine import VisionTokens
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.session import ImageSpan
+from prismgate.core.steering import Positions, SteeredSpan, SteeringEntry, spans
 from prismgate.engines.vllm import capture, config
 from prismgate.engines.vllm.channel import StepPacket, decode_step, encode_step
 from prismgate.engines.vllm.events import decode_logprob
 from prismgate.engines.vllm.plan import ranges
+from prismgate.engines.vllm.steer import RAW_SLOTS, RawSlots, cache_salt
+from prismgate.engines.vllm.steer_rows import SteeredRows, SteerWriter
 from prismgate.engines.vllm.store import SessionValues, ValueStore
 from prismgate.engines.vllm.vision import ImageCounter, collapse
 from tests.vision_model import IMAGE_PAD, VISION_END, VISION_START, build_tiny_qwen2_vl, image_bytes, vision_block
@@ -43,25 +47,42 @@ def test_a_truncated_packet_is_refused() -> None:
         decode_step(frames[:-1])
 
 
+def plain(n: int) -> tuple[SteeredSpan, ...]:
+    """The steering record of ``n`` unsteered positions."""
+    return spans((), n, n)
+
+
 def test_store_keeps_only_what_the_new_timeline_still_shares() -> None:
     store = ValueStore(max_positions=100)
     ro = {p: np.full((1, 1), p, np.float32) for p in range(6)}
-    store.put("s", SessionValues([1, 2, 3, 4, 5, 6], ro, {3: (2, -0.5, [(7, -0.1), (8, -0.2)])}, computed=6))
-    same = store.lookup("s", [1, 2, 3, 4, 5, 6, 7])
+    lp = {3: (2, -0.5, [(7, -0.1), (8, -0.2)])}
+    store.put("s", SessionValues([1, 2, 3, 4, 5, 6], ro, lp, computed=6, steered=plain(6)))
+    same = store.lookup("s", [1, 2, 3, 4, 5, 6, 7], plain(7))
     assert sorted(same.readouts) == list(range(6)) and same.computed == 6
     assert same.logprob(3, 1) == (1, -0.5, [(7, -0.1)])
     assert same.logprob(3, 5) is None  # computed with top-2 only
-    rewound = store.lookup("s", [1, 2, 3, 9, 9])
+    rewound = store.lookup("s", [1, 2, 3, 9, 9], plain(5))
     assert sorted(rewound.readouts) == [0, 1, 2] and rewound.logprobs == {} and rewound.computed == 3
     store.release("s")
-    assert store.lookup("s", [1, 2, 3]).readouts == {}
+    assert store.lookup("s", [1, 2, 3], plain(3)).readouts == {}
+
+
+def test_store_keeps_only_values_computed_under_the_steering_the_new_request_applies() -> None:
+    store = ValueStore(max_positions=100)
+    ro = {p: np.full((1, 1), p, np.float32) for p in range(6)}
+    push = (SteeringEntry(layer=0, scale=2.0, concept="c", positions=Positions.GENERATED),)
+    store.put("s", SessionValues([1, 2, 3, 4, 5, 6], ro, {}, computed=6, steered=spans(push, 4, 6)))
+    assert sorted(store.lookup("s", [1, 2, 3, 4, 5, 6, 7], plain(7)).readouts) == [0, 1, 2, 3]
+    assert store.lookup("s", [1, 2, 3, 4, 5, 6, 7], spans(push, 7, 7)).readouts.keys() == set(range(4))
+    both = (SteeringEntry(layer=0, scale=2.0, concept="c"),)
+    assert store.lookup("s", [1, 2, 3, 4, 5, 6, 7], spans(both, 7, 7)).readouts == {}
 
 
 def test_store_evicts_least_recently_used_sessions() -> None:
     store = ValueStore(max_positions=10)
     for key in "abc":
-        store.put(key, SessionValues([1] * 4, {p: np.zeros((1, 1), np.float32) for p in range(4)}))
-    assert len(store) == 2 and store.lookup("a", [1] * 4).readouts == {}
+        store.put(key, SessionValues([1] * 4, {p: np.zeros((1, 1), np.float32) for p in range(4)}, steered=plain(4)))
+    assert len(store) == 2 and store.lookup("a", [1] * 4, plain(4)).readouts == {}
 
 
 def test_ranges_and_vllm_logprob_dicts() -> None:
@@ -157,7 +178,7 @@ def test_in_graph_readouts_fill_their_buffers_under_torch_compile() -> None:
     for x in inputs:
         reference(x)
         wanted.append([expected[0].clone(), expected[2].clone()])
-    buffers = capture.install(model, directions, [0, 2], rows)
+    buffers, _ = capture.install(model, directions, [0, 2], rows)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
     for x, want in zip(inputs, wanted, strict=True):  # several batch sizes through one traced graph
         with torch.no_grad():
@@ -166,6 +187,78 @@ def test_in_graph_readouts_fill_their_buffers_under_torch_compile() -> None:
         for buf, w in zip(buffers, want, strict=True):
             assert buf.shape == (rows, concepts)
             torch.testing.assert_close(buf[:n], w, rtol=1e-5, atol=1e-5)
+
+
+def _steer_rows(key: str, lo: int, positions: range, prompt_len: int, *entries: list[Any]) -> SteeredRows:
+    steering = {"n": prompt_len, "e": [list(e) for e in entries], "raw": []}
+    return SteeredRows(key, lo, len(positions), positions.start, steering)
+
+
+def test_in_graph_steering_adds_to_the_rows_the_host_planned_under_torch_compile() -> None:
+    """The op in a compiled graph: steered rows get the vectors in order, every other row stays bit for bit."""
+    torch.manual_seed(0)
+    hidden, concepts, rows = 16, 3, 64
+    model = _Model(hidden, 3).eval()
+    directions = [np.random.default_rng(i).standard_normal((concepts, hidden)).astype(np.float32) for i in (1, 2)]
+    x = torch.randn(7, hidden)
+    with torch.no_grad():
+        plain = model(x)
+    _, steer = capture.install(model, directions, [0, 2], rows, steering=True)
+    writer = SteerWriter(steer)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        writer.plan([], 7)
+        assert torch.equal(compiled(x), plain)  # nobody steers: the op returns before touching anything
+        # rows 0-3: positions 0..3 of a request with a 2-token prompt; rows 4-6 nobody's
+        request = _steer_rows("a", 0, range(4), 2, [0, 2, 3.0, 0, 2], [0, 3, 0.5, 1, 1], [1, 1, -2.0, 0, 0])
+        writer.plan([request], 7)
+        out = compiled(x)
+        writer.plan([], 7)
+        again = compiled(x)
+    assert torch.equal(out[4:], plain[4:]) and not torch.equal(out[:4], plain[:4])
+    assert torch.equal(again, plain)  # the step after forgets the plan: stale rows are cleared
+    units = [capture.unit_directions(d, "cpu") for d in directions]
+
+    def reference(x: torch.Tensor) -> torch.Tensor:  # the op's arithmetic, written out, on the eager model
+        h, residual = x, torch.zeros_like(x)
+        for i, layer in enumerate(model.model.layers):
+            h, residual = layer.__class__.forward(layer, h, residual)
+            if i == 0:
+                stream = (h + residual)[:4]
+                f = stream.clone()
+                f = f + 3.0 * units[0][1]  # concept 1 everywhere
+                f[2:] = f[2:] + 0.5 * units[0][2] * f[2:].norm(dim=-1, keepdim=True)  # generated rows only
+                h, residual = h.clone(), residual.clone()
+                h[:4], residual[:4] = f, 0.0
+            if i == 2:
+                f = (h + residual)[:2] - 2.0 * units[1][0]  # prompt rows only
+                h, residual = h.clone(), residual.clone()
+                h[:2], residual[:2] = f, 0.0
+        return h + residual
+
+    with torch.no_grad():
+        torch.testing.assert_close(out, reference(x), rtol=0, atol=1e-5)
+
+
+def test_raw_steering_directions_in_flight_are_bounded_per_layer() -> None:
+    slots = RawSlots(2)
+    taken = {slots.take("a", 0) for _ in range(RAW_SLOTS)}
+    assert taken == set(range(RAW_SLOTS))
+    assert slots.take("b", 1) == 0  # another layer's rows are its own
+    with pytest.raises(GatewayError) as caught:
+        slots.take("b", 0)
+    assert caught.value.code is Code.RESOURCE_EXHAUSTED
+    slots.release("a")
+    assert slots.take("c", 0) in taken
+
+
+def test_the_cache_salt_names_the_steering_of_prompt_and_generated_positions() -> None:
+    both = (SteeringEntry(layer=0, scale=2.0, concept="c"),)
+    later = (SteeringEntry(layer=0, scale=2.0, concept="c", positions=Positions.GENERATED),)
+    assert cache_salt("s", (), 10) == "s" and cache_salt(None, (), 10) is None  # unsteered: as ever
+    assert cache_salt("s", both, 10) == cache_salt("s", both, 40) not in {"s", cache_salt("t", both, 10)}
+    assert cache_salt("s", later, 10) != cache_salt("s", later, 11)  # prompt and generated differ: per prompt
+    assert cache_salt("s", later, 10) != cache_salt("s", both, 10)
 
 
 def test_engine_args_run_vllm_compiled_with_prismgate_workers(tiny_model_dir: Path, tiny_pack: Path) -> None:

@@ -74,8 +74,8 @@ async def test_the_model_decides_what_can_be_steered(tiny_service: Any) -> None:
             checks.check_steering(info, (entry,))
     with pytest.raises(GatewayError, match="has no concept pack"):
         checks.check_steering(replace(info, readouts=None), (FRENCH,))
-    with pytest.raises(GatewayError, match="steering is not supported by the vllm engine yet") as caught:
-        checks.check_steering(replace(info, steering=False, engine_name="vllm"), (FRENCH,))
+    with pytest.raises(GatewayError, match="steering is not supported by the echo engine yet") as caught:
+        checks.check_steering(replace(info, steering=False, engine_name="echo"), (FRENCH,))
     assert caught.value.code is Code.INVALID_ARGUMENT
 
 
