@@ -99,12 +99,9 @@ class Outflow(Generic[T]):
         self._items.clear()
         self._buffered = 0
         self._room.set()
-        if self._ended and self._error is not None:
+        if not items and self._ended and self._error is not None:  # what came before an error goes out first
             error, self._error = self._error, None
-            if items:  # what came before the error goes out first; the next take raises it
-                self._error = error
-            else:
-                raise error
+            raise error
         return items, self._ended and self._error is None
 
     def wake(self) -> None:
