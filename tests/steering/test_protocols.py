@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -69,6 +70,18 @@ def test_graphpipe_config_steers_every_row(live_server: Any) -> None:
     assert plain.shape == steered.shape and (plain != steered).any(axis=1).all()
     _, errors = infer('{"steering": [{"concept": "nope", "layer": 0, "scale": 1}]}')
     assert errors and errors[0]["code"] == 3 and b"unknown concept 'nope'" in errors[0]["message"]
+    gate = {"concept": "concept0", "layer": 0, "comparison": "above", "threshold": 1e30}
+    entry = {"concept": "concept1", "layer": 1, "scale": 60, "gate": gate}
+    (never,), _ = infer(json.dumps({"max_tokens": 8, "steering": [entry]}))
+    assert (never == plain).all()
+    _, errors = infer(
+        '{"steering": [{"concept": "concept1", "layer": 1, "scale": 1, "gate": {"concept": "concept0"}}]}'
+    )
+    assert (
+        errors
+        and errors[0]["code"] == 3
+        and b"config.steering[0].gate.layer must be an integer" in errors[0]["message"]
+    )
 
 
 async def evergreen_turn(server: Any, config: dict[str, Any]) -> str:
