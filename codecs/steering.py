@@ -1,9 +1,11 @@
 """The ``steering`` list as JSON, the one spelling OpenAI, GraphPipe and Evergreen's Struct share.
 
 ``[{"concept": "french", "layer": 16, "scale": 8, "norm_match": false, "positions": "both"}, ...]``,
-or ``"direction": [numbers]`` instead of ``"concept"``. The count is checked against the
-request budget before any entry is read; what the entries mean (known concepts and layers,
-the scale's range) the core checks (:mod:`prismgate.core.steering`, :mod:`prismgate.core.checks`).
+or ``"direction": [numbers]`` instead of ``"concept"``, and optionally
+``"gate": {"concept": "french", "layer": 12, "comparison": "above", "threshold": 0.5}``.
+The count is checked against the request budget before any entry is read; what the entries
+mean (known concepts and layers, the scale's range) the core checks
+(:mod:`prismgate.core.steering`, :mod:`prismgate.core.checks`).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from typing import Any
 
 from prismgate.core.budget import RequestBudget
 from prismgate.core.errors import GatewayError, invalid
-from prismgate.core.steering import Positions, Steering, SteeringEntry
+from prismgate.core.steering import Comparison, Gate, Positions, Steering, SteeringEntry
 
-KEYS = ("concept", "direction", "layer", "scale", "norm_match", "positions")
+KEYS = ("concept", "direction", "layer", "scale", "norm_match", "positions", "gate")
+GATE_KEYS = ("concept", "layer", "comparison", "threshold")
 
 
 def read_steering(value: Any, budget: RequestBudget, where: str = "steering") -> Steering:
@@ -58,6 +61,7 @@ def _entry(item: Any, where: str) -> SteeringEntry:
     choices = [p.value for p in Positions]
     if positions not in choices:
         raise invalid(f"{where}.positions must be one of {', '.join(choices)}, got {_kind(positions)}")
+    gate = item.get("gate")
     try:
         return SteeringEntry(
             layer=layer,
@@ -66,7 +70,33 @@ def _entry(item: Any, where: str) -> SteeringEntry:
             direction=direction,
             norm_match=norm_match,
             positions=Positions(positions),
+            gate=_gate(gate, f"{where}.gate") if gate is not None else None,
         )
+    except GatewayError as exc:
+        raise invalid(f"{where}: {exc.message}") from None
+
+
+def _gate(item: Any, where: str) -> Gate:
+    if not isinstance(item, dict):
+        raise invalid(f"{where} must be an object, got {_kind(item)}")
+    unknown = sorted(set(item) - set(GATE_KEYS))
+    if unknown:
+        raise invalid(f"{where} has unknown keys {', '.join(map(repr, unknown))}; it takes {', '.join(GATE_KEYS)}")
+    concept = item.get("concept")
+    if not isinstance(concept, str):
+        raise invalid(f"{where}.concept must be a string (a concept of the pack), got {_kind(concept)}")
+    layer = item.get("layer")
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise invalid(f"{where}.layer must be an integer (a layer of the concept pack), got {_kind(layer)}")
+    threshold = item.get("threshold")
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float):
+        raise invalid(f"{where}.threshold must be a number, got {_kind(threshold)}")
+    comparison = item.get("comparison")
+    choices = [c.value for c in Comparison]
+    if comparison not in choices:
+        raise invalid(f"{where}.comparison must be one of {', '.join(choices)}, got {_kind(comparison)}")
+    try:
+        return Gate(concept=concept, layer=layer, comparison=Comparison(comparison), threshold=_float(threshold))
     except GatewayError as exc:
         raise invalid(f"{where}: {exc.message}") from None
 
@@ -83,12 +113,20 @@ def _kind(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def entry_from_message(message: Any, positions: Positions, where: str) -> SteeringEntry:
+def entry_from_message(message: Any, positions: Positions, comparison: Comparison | None, where: str) -> SteeringEntry:
     """A steering entry from a protobuf message with the core's field names (Evergreen's config, Salience's companion).
 
-    ``positions`` comes decoded: each wire spells it its own way (a string, an enum).
+    ``positions`` and the gate's ``comparison`` come decoded: each wire spells them its own way
+    (a string, an enum); ``comparison`` is None when the message has no gate.
     """
     try:
+        gate = None
+        if comparison is not None:
+            g = message.gate
+            try:
+                gate = Gate(concept=g.concept, layer=g.layer, comparison=comparison, threshold=g.threshold)
+            except GatewayError as exc:
+                raise invalid(f"gate: {exc.message}") from None
         return SteeringEntry(
             layer=message.layer,
             scale=message.scale,
@@ -96,6 +134,7 @@ def entry_from_message(message: Any, positions: Positions, where: str) -> Steeri
             direction=tuple(message.direction) or None,
             norm_match=message.norm_match,
             positions=positions,
+            gate=gate,
         )
     except GatewayError as exc:
         raise invalid(f"{where}: {exc.message}") from None

@@ -35,17 +35,31 @@ class GenerateConfig(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., chat_template: _Optional[bool] = ..., steering: _Optional[_Iterable[_Union[SteeringEntry, _Mapping]]] = ...) -> None: ...
 
 class SteeringEntry(_message.Message):
-    __slots__ = ("concept", "direction", "layer", "scale", "norm_match", "positions")
+    __slots__ = ("concept", "direction", "layer", "scale", "norm_match", "positions", "gate")
     CONCEPT_FIELD_NUMBER: _ClassVar[int]
     DIRECTION_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
     NORM_MATCH_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    GATE_FIELD_NUMBER: _ClassVar[int]
     concept: str
     direction: _containers.RepeatedScalarFieldContainer[float]
     layer: int
     scale: float
     norm_match: bool
     positions: str
-    def __init__(self, concept: _Optional[str] = ..., direction: _Optional[_Iterable[float]] = ..., layer: _Optional[int] = ..., scale: _Optional[float] = ..., norm_match: _Optional[bool] = ..., positions: _Optional[str] = ...) -> None: ...
+    gate: SteeringGate
+    def __init__(self, concept: _Optional[str] = ..., direction: _Optional[_Iterable[float]] = ..., layer: _Optional[int] = ..., scale: _Optional[float] = ..., norm_match: _Optional[bool] = ..., positions: _Optional[str] = ..., gate: _Optional[_Union[SteeringGate, _Mapping]] = ...) -> None: ...
+
+class SteeringGate(_message.Message):
+    __slots__ = ("concept", "layer", "comparison", "threshold")
+    CONCEPT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    COMPARISON_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    concept: str
+    layer: int
+    comparison: str
+    threshold: float
+    def __init__(self, concept: _Optional[str] = ..., layer: _Optional[int] = ..., comparison: _Optional[str] = ..., threshold: _Optional[float] = ...) -> None: ...

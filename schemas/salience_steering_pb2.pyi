@@ -13,26 +13,49 @@ class Positions(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POSITIONS_PROMPT: _ClassVar[Positions]
     POSITIONS_GENERATED: _ClassVar[Positions]
     POSITIONS_BOTH: _ClassVar[Positions]
+
+class Comparison(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMPARISON_UNSPECIFIED: _ClassVar[Comparison]
+    COMPARISON_ABOVE: _ClassVar[Comparison]
+    COMPARISON_BELOW: _ClassVar[Comparison]
 POSITIONS_UNSPECIFIED: Positions
 POSITIONS_PROMPT: Positions
 POSITIONS_GENERATED: Positions
 POSITIONS_BOTH: Positions
+COMPARISON_UNSPECIFIED: Comparison
+COMPARISON_ABOVE: Comparison
+COMPARISON_BELOW: Comparison
 
 class SteeringEntry(_message.Message):
-    __slots__ = ("concept", "direction", "layer", "scale", "norm_match", "positions")
+    __slots__ = ("concept", "direction", "layer", "scale", "norm_match", "positions", "gate")
     CONCEPT_FIELD_NUMBER: _ClassVar[int]
     DIRECTION_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
     NORM_MATCH_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    GATE_FIELD_NUMBER: _ClassVar[int]
     concept: str
     direction: _containers.RepeatedScalarFieldContainer[float]
     layer: int
     scale: float
     norm_match: bool
     positions: Positions
-    def __init__(self, concept: _Optional[str] = ..., direction: _Optional[_Iterable[float]] = ..., layer: _Optional[int] = ..., scale: _Optional[float] = ..., norm_match: _Optional[bool] = ..., positions: _Optional[_Union[Positions, str]] = ...) -> None: ...
+    gate: Gate
+    def __init__(self, concept: _Optional[str] = ..., direction: _Optional[_Iterable[float]] = ..., layer: _Optional[int] = ..., scale: _Optional[float] = ..., norm_match: _Optional[bool] = ..., positions: _Optional[_Union[Positions, str]] = ..., gate: _Optional[_Union[Gate, _Mapping]] = ...) -> None: ...
+
+class Gate(_message.Message):
+    __slots__ = ("concept", "layer", "comparison", "threshold")
+    CONCEPT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    COMPARISON_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    concept: str
+    layer: int
+    comparison: Comparison
+    threshold: float
+    def __init__(self, concept: _Optional[str] = ..., layer: _Optional[int] = ..., comparison: _Optional[_Union[Comparison, str]] = ..., threshold: _Optional[float] = ...) -> None: ...
 
 class SetSteeringRequest(_message.Message):
     __slots__ = ("session_id", "entries")

@@ -14,7 +14,7 @@ from prismgate.codecs.evergreen.outputs import EXTRA_OUTPUTS, TEXT_OUTPUTS
 from prismgate.codecs.steering import entry_from_message
 from prismgate.core.actions import GenerateSpec
 from prismgate.core.errors import invalid
-from prismgate.core.steering import Positions, SteeringEntry
+from prismgate.core.steering import Comparison, Positions, SteeringEntry
 from prismgate.schemas import evergreen_generate_pb2 as gpb
 from prismgate.schemas import evergreen_pb2 as pb
 
@@ -98,4 +98,12 @@ def _steering_entry(entry: gpb.SteeringEntry, index: int) -> SteeringEntry:
     choices = [p.value for p in Positions]
     if entry.positions and entry.positions not in choices:
         raise invalid(f"{where}.positions must be one of {', '.join(choices)}, got {entry.positions!r}")
-    return entry_from_message(entry, Positions(entry.positions or Positions.BOTH.value), where)
+    comparison = None
+    if entry.HasField("gate"):
+        comparisons = [c.value for c in Comparison]
+        if entry.gate.comparison not in comparisons:
+            raise invalid(
+                f"{where}.gate.comparison must be one of {', '.join(comparisons)}, got {entry.gate.comparison!r}"
+            )
+        comparison = Comparison(entry.gate.comparison)
+    return entry_from_message(entry, Positions(entry.positions or Positions.BOTH.value), comparison, where)

@@ -19,7 +19,7 @@ import grpc
 from prismgate.codecs.steering import entry_from_message
 from prismgate.core.errors import invalid
 from prismgate.core.service import SessionService
-from prismgate.core.steering import Positions, Steering, SteeringEntry
+from prismgate.core.steering import Comparison, Gate, Positions, Steering, SteeringEntry
 from prismgate.schemas import salience_steering_pb2 as pb
 from prismgate.schemas import salience_steering_pb2_grpc as pb_grpc
 
@@ -28,6 +28,11 @@ POSITIONS: dict[int, Positions] = {
     pb.POSITIONS_PROMPT: Positions.PROMPT,
     pb.POSITIONS_GENERATED: Positions.GENERATED,
     pb.POSITIONS_BOTH: Positions.BOTH,
+}
+COMPARISONS: dict[int, Comparison] = {pb.COMPARISON_ABOVE: Comparison.ABOVE, pb.COMPARISON_BELOW: Comparison.BELOW}
+WIRE_COMPARISONS: dict[Comparison, pb.Comparison] = {
+    Comparison.ABOVE: pb.COMPARISON_ABOVE,
+    Comparison.BELOW: pb.COMPARISON_BELOW,
 }
 WIRE_POSITIONS: dict[Positions, pb.Positions] = {
     Positions.PROMPT: pb.POSITIONS_PROMPT,
@@ -61,7 +66,12 @@ def _entry(entry: pb.SteeringEntry, where: str) -> SteeringEntry:
     positions = POSITIONS.get(entry.positions)
     if positions is None:
         raise invalid(f"{where}.positions: unknown value {entry.positions}")
-    return entry_from_message(entry, positions, where)
+    comparison = None
+    if entry.HasField("gate"):
+        comparison = COMPARISONS.get(entry.gate.comparison)
+        if comparison is None:
+            raise invalid(f"{where}.gate.comparison must be COMPARISON_ABOVE or COMPARISON_BELOW")
+    return entry_from_message(entry, positions, comparison, where)
 
 
 def _wire(steering: Steering) -> Iterable[pb.SteeringEntry]:
@@ -73,6 +83,13 @@ def _wire(steering: Steering) -> Iterable[pb.SteeringEntry]:
             scale=e.scale,
             norm_match=e.norm_match,
             positions=WIRE_POSITIONS[e.positions],
+            gate=_wire_gate(e.gate) if e.gate is not None else None,
         )
         for e in steering
     ]
+
+
+def _wire_gate(gate: Gate) -> pb.Gate:
+    return pb.Gate(
+        concept=gate.concept, layer=gate.layer, comparison=WIRE_COMPARISONS[gate.comparison], threshold=gate.threshold
+    )

@@ -46,7 +46,8 @@ def decode_batch(stepper: Stepper, jobs: list[Job]) -> None:
     ]
     if probe is not None:
         probe.enabled = any(wants)
-    with stepper.steered([job.steer(row, p, p + 1) for row, (job, p) in enumerate(zip(jobs, positions, strict=True))]):
+    rows = [job.steer(row, p, p + 1) for row, (job, p) in enumerate(zip(jobs, positions, strict=True))]
+    with stepper.steered(rows) as gates:
         logits = stepper.adapter.decode_batch(
             [job.timeline[p] for job, p in zip(jobs, positions, strict=True)], [job.cache for job in jobs], positions
         )
@@ -54,6 +55,7 @@ def decode_batch(stepper: Stepper, jobs: list[Job]) -> None:
     stepper.stats["batched_steps"] += 1
     for row, (job, position) in enumerate(zip(jobs, positions, strict=True)):
         job.cached.append(job.timeline[position])
+        job.record_gates(gates, row, 1)
         if job.held is not None:
             if readouts is not None and wants[row]:
                 job.held.readout = readouts[row, 0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 from prismgate.core.engine import EngineRequest
 from prismgate.core.events import Event, FinishReason, TokenEvent
 from prismgate.engines.hf.bridge import EventChannel
-from prismgate.engines.hf.steering import RowPlan, Vector
+from prismgate.engines.hf.steering import GateKey, RowPlan, Vector
 
 
 @dataclass(eq=False)
@@ -31,6 +32,7 @@ class Job:
     finish: FinishReason | None = None  # decided; Done goes out once the last readout is in
     generator: torch.Generator | None = None
     steering: tuple[Vector, ...] = ()  # the request's steering, resolved on the device
+    gates: dict[GateKey, list[float]] = field(default_factory=dict)  # its gate readouts, one per cached position
     ended: bool = False  # Done or an error went out: the scheduler drops the job
 
     @property
@@ -53,7 +55,13 @@ class Job:
 
     def steer(self, row: int, start: int, end: int) -> RowPlan:
         """What this job's steering adds when positions ``[start, end)`` run as row ``row``."""
-        return RowPlan(row, start, end - start, self.prompt_len, self.steering)
+        before = {key: values[start - 1] for key, values in self.gates.items() if start > 0}
+        return RowPlan(row, start, end - start, self.prompt_len, self.steering, before)
+
+    def record_gates(self, values: Mapping[GateKey, torch.Tensor], row: int, tokens: int) -> None:
+        """Keep the gate readouts of the ``tokens`` positions this job ran as row ``row``."""
+        for key, kept in self.gates.items():
+            kept.extend(values[key][row, :tokens].tolist())
 
     def emit(self, item: Event | BaseException) -> None:
         self.channel.send(item)

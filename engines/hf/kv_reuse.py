@@ -6,7 +6,10 @@ longest prefix its tokens share with the cache and runs the rest through the mod
 positions the client asked logprobs or readouts for: the cache keeps keys and values, not
 logits or hidden states, so those are recomputed rather than missing or stale. A cached
 position is kept only when it was computed under the steering this turn applies there
-(:func:`prismgate.core.steering.agreed_prefix`): the cache remembers its steered spans.
+(:func:`prismgate.core.steering.agreed_prefix`): the cache remembers its steered spans. A
+turn with gated steering needs the gate readout of the position before its first one to run,
+so the cache keeps the gate readouts of its positions too, and serves a turn only as far as
+it holds every readout the turn's gates read.
 
 The caches are touched by the worker thread only; other threads ask for a release through
 the scheduler.
@@ -15,19 +18,21 @@ the scheduler.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 from prismgate.core.actions import GenerateSpec, first_covered
 from prismgate.core.session import ImageSpan
 from prismgate.core.steering import SteeredSpan, agreed_prefix, spans
 from prismgate.engines.hf.adapters import ModelAdapter
+from prismgate.engines.hf.steering import GateKey
 
 
 class Kept(NamedTuple):
     cache: Any  # None: nothing kept
     tokens: list[int]  # the token ids whose keys and values the cache holds
     steered: tuple[SteeredSpan, ...]  # the steering they were computed under, tiling [0, len(tokens))
+    gates: dict[GateKey, list[float]]  # gate readouts of those positions (a prefix of them), by gate
 
 
 class SessionCaches:
@@ -43,11 +48,18 @@ class SessionCaches:
     def take(self, key: str | None) -> Kept:
         """The session's cache, its token ids and their steering, now owned by the caller."""
         if key is None or key not in self._caches:
-            return Kept(None, [], ())
+            return Kept(None, [], (), {})
         return self._caches.pop(key)
 
-    def keep(self, key: str, cache: Any, tokens: list[int], steered: tuple[SteeredSpan, ...]) -> None:
-        self._caches[key] = Kept(cache, tokens, steered)
+    def keep(
+        self,
+        key: str,
+        cache: Any,
+        tokens: list[int],
+        steered: tuple[SteeredSpan, ...],
+        gates: dict[GateKey, list[float]] | None = None,
+    ) -> None:
+        self._caches[key] = Kept(cache, tokens, steered, gates or {})
         self._caches.move_to_end(key)
         total = sum(len(kept.tokens) for kept in self._caches.values())
         while total > self.max_tokens and len(self._caches) > 1:
@@ -64,8 +76,12 @@ def resume(
     tokens: Sequence[int],
     images: Sequence[ImageSpan],
     spec: GenerateSpec,
+    gates: Collection[GateKey] = (),
 ) -> tuple[Any, int]:
     """(the cache to run this turn on, the position to start running from).
+
+    ``gates`` are the gate readouts the turn's steering reads: a position is served from the
+    cache only when the readouts of the one before it are kept.
 
     The cache comes back holding exactly ``tokens[:start]``: cropped when the turn keeps
     less than was cached, new when nothing can be kept.
@@ -78,6 +94,8 @@ def resume(
             break
         start += 1
     start = min(start, agreed_prefix(kept.steered, spans(spec.steering, n, n)))
+    for key in gates:
+        start = min(start, len(kept.gates.get(key, ())))
     if spec.max_tokens > 0:
         start = min(start, n - 1)  # the last prompt token's logits are needed to sample
     first_lp = first_covered(spec.logprob_ranges)

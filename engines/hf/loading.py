@@ -65,6 +65,7 @@ def load(
         vision=adapter.vision_tokens,
         engine_name="transformers",
         steering=steerer is not None,
+        steering_gates=steerer is not None,
     )
     log.info("loaded %s on %s (%s)", model_id, device, model.dtype)
     return LoadedModel(adapter, probe, steerer, info)

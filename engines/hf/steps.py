@@ -9,6 +9,7 @@ the next step has run it through the model (its hidden state appears only then).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ from prismgate.engines.hf.adapters import ModelAdapter
 from prismgate.engines.hf.job import Job
 from prismgate.engines.hf.kv_reuse import SessionCaches, resume
 from prismgate.engines.hf.sampling import logprobs_of, sample
-from prismgate.engines.hf.steering import RowPlan, Steerer
+from prismgate.engines.hf.steering import GateKey, RowPlan, Steerer
 from prismgate.engines.readouts.probe import ReadoutProbe
 
 
@@ -85,7 +86,11 @@ class Stepper:
         key = job.request.session_key
         if key is not None and job.cache is not None:
             self.caches.keep(
-                key, job.cache, job.cached, spans(job.request.spec.steering, job.prompt_len, len(job.cached))
+                key,
+                job.cache,
+                job.cached,
+                spans(job.request.spec.steering, job.prompt_len, len(job.cached)),
+                job.gates,
             )
         prefilled = len(job.timeline) - job.reused - job.generated if job.started else 0
         job.emit(
@@ -117,7 +122,10 @@ class Stepper:
             if self.steerer is None:
                 raise invalid("steering needs a concept pack, and this engine has none loaded")
             job.steering = self.steerer.resolve(spec.steering)
-        cache, start = resume(self.adapter, self.caches.take(request.session_key), tokens, request.images, spec)
+        needed = {v.gate.key for v in job.steering if v.gate is not None}
+        kept = self.caches.take(request.session_key)
+        cache, start = resume(self.adapter, kept, tokens, request.images, spec, needed)
+        job.gates = {key: kept.gates[key][:start] if start else [] for key in needed}
         job.cache = cache
         job.cached = tokens[:start]
         job.reused = start
@@ -142,10 +150,11 @@ class Stepper:
         want_readouts = self.probe is not None and any(covered(spec.readout_ranges, p) for p in range(start, end))
         if self.probe is not None:
             self.probe.enabled = want_readouts
-        with self.steered([job.steer(0, start, end)]):
+        with self.steered([job.steer(0, start, end)]) as gates:
             logits = self.adapter.forward(
                 ids, job.cache, start, job.timeline, job.request.images, rows or [len(ids) - 1]
             )
+        job.record_gates(gates, 0, len(ids))
         readouts = self.probe.take() if want_readouts and self.probe is not None else None
         job.cached.extend(ids)
         if end <= n:
@@ -179,10 +188,10 @@ class Stepper:
         else:
             job.next_logits = None
 
-    def steered(self, rows: list[RowPlan]) -> contextlib.AbstractContextManager[None]:
-        """The next forward pass, steered row by row (a no-op when nothing is steered)."""
+    def steered(self, rows: list[RowPlan]) -> contextlib.AbstractContextManager[Mapping[GateKey, torch.Tensor]]:
+        """The next forward pass, steered row by row (a no-op when nothing is steered); it gives the gate readouts."""
         if self.steerer is None or not any(r.vectors for r in rows):
-            return contextlib.nullcontext()
+            return contextlib.nullcontext({})
         return self.steerer.plan(rows)
 
     def decode_one(self, job: Job) -> None:

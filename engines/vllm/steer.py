@@ -68,6 +68,8 @@ def worker_steering(
     """
     if not steering:
         return None
+    if any(entry.gate is not None for entry in steering):  # the core refuses them first; never ignore one
+        raise invalid("readout-gated steering runs on the transformers engine; the vLLM engine does not support it yet")
     per_layer: dict[int, int] = {}
     entries: list[list[Any]] = []
     raw: list[list[Any]] = []

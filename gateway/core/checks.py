@@ -76,6 +76,22 @@ def check_steering(info: EngineInfo, steering: Steering) -> None:
                 f"{where}: a direction of {len(entry.direction)} numbers; the model's hidden size is "
                 f"{manifest.hidden_size}"
             )
+        gate = entry.gate
+        if gate is not None:
+            if not info.steering_gates:
+                raise invalid(
+                    f"{where}: readout-gated steering runs on the transformers engine; the "
+                    f"{info.engine_name or 'this'} engine does not support it yet"
+                )
+            if gate.layer not in manifest.layers:
+                raise invalid(
+                    f"{where}: gate layer {gate.layer} is not a layer of the concept pack; gate on one of "
+                    f"{', '.join(str(layer) for layer in manifest.layers if layer <= entry.layer)}"
+                )
+            if gate.concept not in manifest.concepts:
+                raise invalid(
+                    f"{where}: unknown gate concept {gate.concept!r}; the pack has {', '.join(manifest.concepts)}"
+                )
 
 
 def check_ranges(prompt_tokens: int, spec: GenerateSpec) -> None:

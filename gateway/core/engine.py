@@ -76,6 +76,7 @@ class EngineInfo:
     vision: VisionTokens | None = None
     engine_name: str = ""
     steering: bool = False  # the engine applies GenerateSpec.steering (with a concept pack loaded)
+    steering_gates: bool = False  # it also applies readout-gated entries (SteeringEntry.gate)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,12 @@ before the first generated token), ``generated`` the positions it generates, ``b
 A request's result depends only on its tokens and its spec, never on what a cache holds: the
 engine reuses the keys and values of a cached position only when that position was computed
 under the same steering (:func:`spans` and :func:`agreed_prefix` say which).
+
+A :class:`Gate` makes an entry conditional: its vector is added at a position only while a
+readout of the same request at the previous position is above (or below) a threshold. The
+gate reads the residual stream after its layer, a pack layer at or before the steered one,
+before the vectors of that layer are added, so within one forward pass it is known before the
+entry needs it; at position 0 (no previous position) the gate is closed.
 """
 
 from __future__ import annotations
@@ -32,6 +38,32 @@ from prismgate.core.errors import invalid
 
 MAX_SCALE = 256.0  # |scale| of an entry without norm matching: the length added, in residual units
 MAX_NORM_MATCHED_SCALE = 4.0  # |scale| with norm matching: a multiple of the hidden state's norm
+
+
+class Comparison(enum.Enum):
+    ABOVE = "above"
+    BELOW = "below"
+
+
+@dataclass(frozen=True, slots=True)
+class Gate:
+    """Open at a position while ``concept``'s readout at ``layer``, one position earlier, is past ``threshold``."""
+
+    concept: str
+    layer: int
+    comparison: Comparison
+    threshold: float
+
+    def __post_init__(self) -> None:
+        if not self.concept:
+            raise invalid("a steering gate names a concept of the pack")
+        if self.layer < 0:
+            raise invalid(f"steering gate layer must be >= 0, got {self.layer}")
+        if not math.isfinite(self.threshold):
+            raise invalid(f"steering gate threshold must be a finite number, got {self.threshold}")
+
+    def canonical(self) -> list[object]:
+        return [self.concept, self.layer, self.comparison.value, self.threshold]
 
 
 class Positions(enum.Enum):
@@ -55,6 +87,7 @@ class SteeringEntry:
     direction: tuple[float, ...] | None = None
     norm_match: bool = False
     positions: Positions = Positions.BOTH
+    gate: Gate | None = None
 
     def __post_init__(self) -> None:
         if (self.concept is None) == (self.direction is None):
@@ -72,6 +105,11 @@ class SteeringEntry:
                 raise invalid("a steering direction must hold finite numbers only")
             if not any(self.direction):
                 raise invalid("a steering direction must not be all zeros")
+        if self.gate is not None and self.gate.layer > self.layer:
+            raise invalid(
+                f"steering gate layer {self.gate.layer} comes after the steered layer {self.layer}; "
+                "a gate reads a layer at or before the one it steers"
+            )
 
     def unit_direction(self) -> tuple[float, ...]:
         """The raw direction at unit length (only for entries that carry one)."""
@@ -92,12 +130,14 @@ def digest(steering: Steering) -> str:
     """A short name for the steering of one position: equal digests, equal keys and values.
 
     The empty steering is ``""``; entry order counts (the vectors are added in order, and
-    floating-point addition is not associative).
+    floating-point addition is not associative). A gated entry differs from the same entry
+    ungated; an ungated entry keeps the digest it had before gates existed.
     """
     if not steering:
         return ""
     canonical = [
         [e.layer, e.scale, e.concept, list(e.direction) if e.direction is not None else None, e.norm_match]
+        + ([e.gate.canonical()] if e.gate is not None else [])
         for e in steering
     ]
     return hashlib.sha256(json.dumps(canonical).encode()).hexdigest()[:16]

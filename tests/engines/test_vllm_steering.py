@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
+from prismgate.core import checks
 from prismgate.core.actions import PositionRange
-from prismgate.core.steering import Positions, SteeringEntry
+from prismgate.core.errors import Code, GatewayError
+from prismgate.core.steering import Comparison, Gate, Positions, SteeringEntry
 from tests.engines.requests import run
 from tests.engines.test_vllm_crosscheck import assert_compiled, compare, pair
 from tests.engines.vllm_factory import require_vllm
@@ -158,6 +160,23 @@ async def test_session_values_are_not_reused_across_steering(engines: Any) -> No
     fresh, _ = await run(vl, p, None, **ask, steering=(push(8.0, positions=Positions.PROMPT),))
     assert all(np.array_equal(a.readout, b.readout) for a, b in zip(steered, fresh, strict=True))
     assert not np.allclose(steered[3].readout, plain[3].readout)
+
+
+async def test_a_gated_entry_is_refused_not_ignored(engines: Any) -> None:
+    hf, vl = engines
+    gated = push(2.0, layer=1, gate=Gate("concept0", 0, Comparison.ABOVE, 0.0))
+    assert hf.info.steering_gates and not vl.info.steering_gates
+    with pytest.raises(GatewayError, match="the vllm engine does not support it yet") as caught:
+        checks.check_steering(vl.info, (push(1.0), gated))
+    assert caught.value.code is Code.INVALID_ARGUMENT
+    # and the engine itself, should a request reach it unchecked
+    p = prompt(vl, "gate me")
+    message = "readout-gated steering runs on the transformers engine; the vLLM engine does not support it yet"
+    with pytest.raises(GatewayError, match=message) as caught:
+        await run(vl, p, **spec(p, push(1.0), gated))
+    assert caught.value.code is Code.INVALID_ARGUMENT
+    plain, _ = await run(vl, p, **spec(p))  # nothing was left half-submitted
+    assert len(plain) == len(p) + MAX
 
 
 @pytest.mark.slow

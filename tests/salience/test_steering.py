@@ -164,3 +164,41 @@ def test_reflection_offers_the_service(live_server: Any) -> None:
     ]
     assert proto.package == "salience.steering.v1"
     assert [m.name for m in proto.service[0].method] == ["SetSteering", "GetSteering"]
+
+
+def test_a_gated_entry_round_trips_and_gates(client: Client, steering: salience_steering_pb2_grpc.SteeringStub) -> None:
+    def gate(threshold: float, comparison: int = steer_pb.COMPARISON_ABOVE) -> steer_pb.Gate:
+        return steer_pb.Gate(concept="concept0", layer=0, comparison=comparison, threshold=threshold)
+
+    session = client.open()
+    never = steer_pb.SteeringEntry(concept="concept1", layer=1, scale=60, gate=gate(1e30))
+    echoed = set_steering(steering, session, never)
+    assert echoed == [steer_pb.SteeringEntry(**{**_fields(never), "positions": steer_pb.POSITIONS_BOTH})]
+    assert list(steering.GetSteering(steer_pb.GetSteeringRequest(session_id=session), timeout=10).entries) == echoed
+    assert greedy(client, session, 0, PROMPT) == unsteered(client)  # a gate that never opens
+    always = steer_pb.SteeringEntry(concept="concept1", layer=1, scale=60, gate=gate(1e30, steer_pb.COMPARISON_BELOW))
+    session = client.open()
+    set_steering(steering, session, always)
+    assert greedy(client, session, 0, PROMPT) != unsteered(client)
+    for bad, message in [
+        (steer_pb.SteeringEntry(concept="concept1", layer=1, scale=1, gate=gate(0.5, 0)), "COMPARISON_ABOVE or"),
+        (
+            steer_pb.SteeringEntry(
+                concept="concept1",
+                layer=0,
+                scale=1,
+                gate=steer_pb.Gate(concept="concept0", layer=1, comparison=steer_pb.COMPARISON_ABOVE),
+            ),
+            "gate layer 1 comes after",
+        ),
+        (
+            steer_pb.SteeringEntry(concept="concept1", layer=1, scale=1, gate=gate(float("nan"))),
+            "must be a finite number",
+        ),
+    ]:
+        error = rpc_error(steering.SetSteering, steer_pb.SetSteeringRequest(session_id=session, entries=[bad]))
+        assert error.code() is grpc.StatusCode.INVALID_ARGUMENT and message in error.details(), error.details()
+
+
+def _fields(entry: steer_pb.SteeringEntry) -> dict[str, Any]:
+    return {f.name: v for f, v in entry.ListFields()}

@@ -10,7 +10,7 @@ import pytest
 
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.session import ImageSpan, Session
-from prismgate.core.steering import Positions, SteeredSpan, SteeringEntry
+from prismgate.core.steering import Comparison, Gate, Positions, SteeredSpan, SteeringEntry
 from prismgate.core.stores import InProcessStore, SessionStore
 from prismgate.core.stores.redis_store import RedisStore
 from tests.scale.conftest import RedisServer, free_port
@@ -128,6 +128,7 @@ async def test_the_standing_steering_is_stored_forked_and_cleared(store: Session
     standing = (
         SteeringEntry(layer=0, scale=-2.5, concept="french", norm_match=True, positions=Positions.GENERATED),
         SteeringEntry(layer=3, scale=60.0, direction=(0.5, -1.25, 3.0)),
+        SteeringEntry(layer=3, scale=4.0, concept="french", gate=Gate("french", 1, Comparison.BELOW, -0.75)),
     )
     parent = await store.create("m")
     assert (await store.get(parent.id)).standing_steering == ()

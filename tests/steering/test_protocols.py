@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -69,6 +70,18 @@ def test_graphpipe_config_steers_every_row(live_server: Any) -> None:
     assert plain.shape == steered.shape and (plain != steered).any(axis=1).all()
     _, errors = infer('{"steering": [{"concept": "nope", "layer": 0, "scale": 1}]}')
     assert errors and errors[0]["code"] == 3 and b"unknown concept 'nope'" in errors[0]["message"]
+    gate = {"concept": "concept0", "layer": 0, "comparison": "above", "threshold": 1e30}
+    entry = {"concept": "concept1", "layer": 1, "scale": 60, "gate": gate}
+    (never,), _ = infer(json.dumps({"max_tokens": 8, "steering": [entry]}))
+    assert (never == plain).all()
+    _, errors = infer(
+        '{"steering": [{"concept": "concept1", "layer": 1, "scale": 1, "gate": {"concept": "concept0"}}]}'
+    )
+    assert (
+        errors
+        and errors[0]["code"] == 3
+        and b"config.steering[0].gate.layer must be an integer" in errors[0]["message"]
+    )
 
 
 async def evergreen_turn(server: Any, config: dict[str, Any]) -> str:
@@ -99,3 +112,50 @@ async def test_evergreen_struct_config_steers(live_server: Any) -> None:
         )
         code, reason = await closed_with(ws)
     assert code == 4400 and "INVALID_ARGUMENT" in reason and "layer 7" in reason, reason
+
+
+def test_openai_takes_a_gated_entry_and_names_the_gate_field_it_refuses(live_server: Any) -> None:
+    gate = {"concept": "concept0", "layer": 0, "comparison": "above", "threshold": 1e30}
+    entry = {"concept": "concept1", "layer": 1, "scale": 60, "gate": gate}
+    text = [
+        r.json()["choices"][0]["message"]["content"]
+        for r in (
+            chat(live_server),
+            chat(live_server, [entry]),
+            chat(live_server, [{**entry, "gate": {**gate, "comparison": "below"}}]),
+        )
+    ]
+    assert text[0] == text[1] != text[2]  # never open; always open after position 0
+    cases = [
+        ({**gate, "threshold": None}, "steering[0].gate.threshold must be a number"),
+        ({**gate, "concept": "nope"}, "unknown gate concept 'nope'"),
+        ({**gate, "layer": 5}, "gate layer 5 comes after the steered layer 1"),
+        ({**gate, "comparison": "equal"}, "gate.comparison must be one of above, below"),
+    ]
+    for bad, message in cases:
+        r = chat(live_server, [{**entry, "gate": bad}])
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "steering" and message in error["message"], (message, r.text)
+
+
+async def test_evergreen_config_takes_a_gated_entry(live_server: Any) -> None:
+    gate = {"concept": "concept0", "layer": 0, "comparison": "above", "threshold": 1e30}
+    plain = await evergreen_turn(live_server, {"maxTokens": 10})
+    never = await evergreen_turn(
+        live_server, {"maxTokens": 10, "steering": [{"concept": "concept1", "layer": 1, "scale": 60, "gate": gate}]}
+    )
+    always = await evergreen_turn(
+        live_server,
+        {
+            "maxTokens": 10,
+            "steering": [{"concept": "concept1", "layer": 1, "scale": 60, "gate": {**gate, "comparison": "below"}}],
+        },
+    )
+    assert plain == never != always
+    async with websockets.connect(live_server.ws_url + "/evergreen", max_size=None) as ws:
+        config = {"steering": [{"concept": "concept1", "layer": 1, "scale": 1, "gate": {**gate, "comparison": "over"}}]}
+        await ws.send(
+            msg(actions=[generate("p", "r", config=config)], fragments=[parent("p", "q"), text_leaf("q", "x")])
+        )
+        code, reason = await closed_with(ws)
+    assert code == 4400 and "gate.comparison must be one of above, below" in reason, reason

@@ -31,7 +31,7 @@ import redis.exceptions
 
 from prismgate.core.errors import Code, GatewayError, exhausted
 from prismgate.core.session import DEFAULT_TTL_S, ImageSpan, Session
-from prismgate.core.steering import Positions, SteeredSpan, Steering, SteeringEntry
+from prismgate.core.steering import Comparison, Gate, Positions, SteeredSpan, Steering, SteeringEntry
 from prismgate.core.stores.base import SessionStore, busy, missing, over_token_cap, too_many
 
 T = TypeVar("T")
@@ -129,6 +129,7 @@ def _spans(session: Session) -> str:
             "steering": [[sp.start, sp.end, sp.digest] for sp in session.steering],
             "standing": [
                 [e.layer, e.scale, e.concept, e.direction, e.norm_match, e.positions.value]
+                + ([e.gate.canonical()] if e.gate is not None else [])
                 for e in session.standing_steering
             ],
         }
@@ -144,8 +145,9 @@ def _standing(rows: list[list[Any]]) -> Steering:
             direction=tuple(direction) if direction is not None else None,
             norm_match=norm_match,
             positions=Positions(positions),
+            gate=Gate(gate[0][0], gate[0][1], Comparison(gate[0][2]), gate[0][3]) if gate else None,
         )
-        for layer, scale, concept, direction, norm_match, positions in rows
+        for layer, scale, concept, direction, norm_match, positions, *gate in rows  # gate: [] or [[concept, ...]]
     )
 
 
