@@ -24,6 +24,14 @@ and ``residual`` bit for bit (a masked select, never an add of zero); a steered 
 whole stream in ``hidden`` and zero in ``residual``, which every vLLM decoder layer and the
 final norm only ever add together.
 
+Readout-gated steering stays in the same op: in a step where a gate reads a layer, that
+layer's op first writes the readouts of the stream, before its own vectors, into a buffer
+every layer shares (:class:`GateReadouts`); a gated round at the same or a later layer then
+compares, per row, the readout of the row's previous position (a row of this pass, or a
+value the host carried from the request's previous step) with the gate's threshold and
+lets the vector in only where it passes. Which row is whose previous position, and the
+carried value, are host-written buffers like the rest.
+
 The layer forwards must be replaced before vLLM runs the model for the first time: that
 first run is when it compiles (see :mod:`prismgate.engines.vllm.workers`).
 
@@ -65,10 +73,11 @@ def _readout_fake(
 
 @torch.library.custom_op(
     "prismgate::steer",
-    mutates_args=("hidden", "residual"),
+    mutates_args=("hidden", "residual", "pre"),
     schema=(
         "(Tensor(a!) hidden, Tensor(b!) residual, Tensor table, Tensor index, Tensor scale, Tensor normed, "
-        "Tensor rounds) -> ()"
+        "Tensor rounds, Tensor directions, Tensor(c!) pre, int slot, Tensor prev, Tensor gate, Tensor threshold, "
+        "Tensor above, Tensor carried) -> ()"
     ),
 )
 def steer(
@@ -79,26 +88,52 @@ def steer(
     scale: torch.Tensor,
     normed: torch.Tensor,
     rounds: torch.Tensor,
+    directions: torch.Tensor,
+    pre: torch.Tensor,
+    slot: int,
+    prev: torch.Tensor,
+    gate: torch.Tensor,
+    threshold: torch.Tensor,
+    above: torch.Tensor,
+    carried: torch.Tensor,
 ) -> None:
     """Add ``scale * table[index]`` (times the stream's norm where ``normed``) to the stream, round by round.
 
-    ``rounds`` (host memory) holds how many rounds this step uses, 0 when no row steers (the
-    op then does nothing), and whether any of them is norm-matched. While a CUDA graph is
-    captured the host values mean nothing at replay, so every round is recorded, norms and
-    all; unused rounds have index 0 and select nothing.
+    ``rounds`` (host memory) holds how many rounds this step uses, 0 when no row steers, whether
+    any of them is norm-matched, whether a gate reads this layer (then the stream's readouts
+    go to ``pre[slot]`` first, before this layer's vectors) and whether any round is gated.
+    While a CUDA graph is captured the host values mean nothing at replay, so everything is
+    recorded, norms, gate readouts and gates all; unused rounds have index 0 and select nothing.
+
+    A gated round (``gate[row, k]`` = (pack slot, concept), slot -1: ungated) lets a row's vector
+    in only while the gate readout of the row's previous position passes ``threshold``: the
+    row ``prev[row]`` of this pass, or (``prev`` -1) the value ``carried`` from the request's
+    step before (NaN where there is none: closed).
     """
     n = min(int(hidden.shape[0]), int(index.shape[0]))
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
-        used, norms = int(index.shape[1]), 1
+        used, norms, reads, gates = int(index.shape[1]), 1, 1, 1
     else:
-        used, norms = (int(v) for v in rounds.tolist())
-    if used == 0 or n == 0:
+        used, norms, reads, gates = (int(v) for v in rounds.tolist())
+    if n == 0 or (used == 0 and reads == 0):
         return
     h, r = hidden[:n], residual[:n]
     stream = h + r  # what the next layer's fused add (and the final norm) computes
+    if reads:
+        torch.mm(stream.to(torch.float32), directions, out=pre[slot, :n])
+    if used == 0:
+        return
     steered: torch.Tensor | None = None
     for k in range(used):
-        on = (index[:n, k] != 0).unsqueeze(-1)
+        on = index[:n, k] != 0
+        if gates:
+            source = gate[:n, k]
+            before = prev[:n]
+            value = pre[source[:, 0].clamp(min=0), before.clamp(min=0), source[:, 1].clamp(min=0)]
+            value = torch.where(before >= 0, value, carried[:n, k])
+            passes = torch.where(above[:n, k], value > threshold[:n, k], value < threshold[:n, k])
+            on = on & ((source[:, 0] < 0) | passes)
+        on = on.unsqueeze(-1)
         f = stream.to(torch.float32)
         add = table.index_select(0, index[:n, k]) * scale[:n, k].unsqueeze(-1)
         if norms:
@@ -121,8 +156,30 @@ def _steer_fake(
     scale: torch.Tensor,
     normed: torch.Tensor,
     rounds: torch.Tensor,
+    directions: torch.Tensor,
+    pre: torch.Tensor,
+    slot: int,
+    prev: torch.Tensor,
+    gate: torch.Tensor,
+    threshold: torch.Tensor,
+    above: torch.Tensor,
+    carried: torch.Tensor,
 ) -> None:
     return None
+
+
+class GateReadouts:
+    """What every steered layer's gates read: the readouts before steering, and each row's previous row.
+
+    ``pre`` is ``[layers, rows, n_concepts]`` float32: the readouts of the stream after each
+    of this worker's pack layers, taken before that layer's own vectors are added (a layer
+    writes its slice in the steps a gate reads it). ``prev`` is ``[rows]``: the flat row of
+    each row's previous position in this pass, -1 for a request's first row.
+    """
+
+    def __init__(self, n_layers: int, n_concepts: int, rows: int, device: Any) -> None:
+        self.pre = torch.zeros(n_layers, rows, n_concepts, dtype=torch.float32, device=device)
+        self.prev = torch.full((rows,), -1, dtype=torch.int64, device=device)
 
 
 class SteerBuffers:
@@ -130,11 +187,14 @@ class SteerBuffers:
 
     ``table`` rows: 0 the zero vector, then the pack's unit directions at this layer (concept
     ``c`` is row ``1 + c``), then :data:`RAW_SLOTS` rows for raw directions. ``index``,
-    ``scale`` and ``normed`` are ``[rows, MAX_ROUNDS]``; ``rounds`` is two ints in host memory:
-    the rounds this step uses, and whether any is norm-matched.
+    ``scale`` and ``normed`` are ``[rows, MAX_ROUNDS]``; so are the gates' ``threshold``,
+    ``above`` and ``carried``, and ``gate`` ``[rows, MAX_ROUNDS, 2]`` (the gate readout's
+    pack slot and concept; slot -1: ungated). ``rounds`` is four ints in host memory: the
+    rounds this step uses, whether any is norm-matched, whether a gate reads this layer, and
+    whether any round is gated. ``reads`` are the buffers shared by every layer.
     """
 
-    def __init__(self, layer: torch.nn.Module, units: torch.Tensor, rows: int) -> None:
+    def __init__(self, layer: torch.nn.Module, units: torch.Tensor, rows: int, reads: GateReadouts) -> None:
         device = units.device
         table = torch.zeros(1 + units.shape[0] + RAW_SLOTS, units.shape[1], dtype=torch.float32, device=device)
         table[1 : 1 + units.shape[0]] = units
@@ -143,12 +203,21 @@ class SteerBuffers:
             "index": torch.zeros(rows, MAX_ROUNDS, dtype=torch.int64, device=device),
             "scale": torch.zeros(rows, MAX_ROUNDS, dtype=torch.float32, device=device),
             "normed": torch.zeros(rows, MAX_ROUNDS, dtype=torch.bool, device=device),
+            "gate": torch.full((rows, MAX_ROUNDS, 2), -1, dtype=torch.int64, device=device),
+            "threshold": torch.zeros(rows, MAX_ROUNDS, dtype=torch.float32, device=device),
+            "above": torch.zeros(rows, MAX_ROUNDS, dtype=torch.bool, device=device),
+            "carried": torch.full((rows, MAX_ROUNDS), float("nan"), dtype=torch.float32, device=device),
+            "pre": reads.pre,
+            "prev": reads.prev,
         }
-        parts["rounds"] = torch.zeros(2, dtype=torch.int64)  # host memory, read by the op's host code only
+        parts["rounds"] = torch.zeros(4, dtype=torch.int64)  # host memory, read by the op's host code only
         for name, tensor in parts.items():
             layer.register_buffer(STEER + name, tensor, persistent=False)
         self.table, self.index, self.scale, self.normed = table, parts["index"], parts["scale"], parts["normed"]
+        self.gate, self.threshold, self.above = parts["gate"], parts["threshold"], parts["above"]
+        self.carried = parts["carried"]
         self.rounds = parts["rounds"]
+        self.reads = reads
         self.raw_base = 1 + int(units.shape[0])
 
 
@@ -170,22 +239,31 @@ def install(
     device = next(model.parameters()).device
     buffers: list[torch.Tensor] = []
     steer_buffers: list[SteerBuffers] = []
-    for index, direction in zip(layers, directions, strict=True):
+    n_concepts = int(torch.as_tensor(directions[0]).shape[0]) if directions else 0
+    reads = GateReadouts(len(layers), n_concepts, rows, device)
+    for slot, (index, direction) in enumerate(zip(layers, directions, strict=True)):
         layer = decoder[index]
         d = torch.as_tensor(direction, dtype=torch.float32).to(device).T.contiguous()  # [hidden, n_concepts]
         out = torch.zeros(rows, d.shape[1], dtype=torch.float32, device=device)
         # Buffers, not plain attributes: compilers treat module buffers as static inputs.
         layer.register_buffer(DIRECTIONS, d, persistent=False)
         layer.register_buffer(READOUTS, out, persistent=False)
-        steer_at = SteerBuffers(layer, unit_directions(direction, device), rows) if steering else None
-        layer.forward = _with_readout(layer, layer.forward, steer_at is not None)
+        steer_at = SteerBuffers(layer, unit_directions(direction, device), rows, reads) if steering else None
+        layer.forward = _with_readout(layer, layer.forward, slot if steer_at is not None else None)
         buffers.append(out)
         if steer_at is not None:
             steer_buffers.append(steer_at)
     return buffers, steer_buffers
 
 
-def _with_readout(layer: torch.nn.Module, forward: Any, steers: bool) -> Any:
+_STEER_INPUTS = (
+    "table", "index", "scale", "normed", "rounds", "pre", "prev", "gate", "threshold", "above", "carried",
+)  # fmt: skip
+
+
+def _with_readout(layer: torch.nn.Module, forward: Any, slot: int | None) -> Any:
+    """``slot``: the layer's index among this worker's pack layers, None when it does not steer."""
+
     def forward_with_readout(*args: Any, **kwargs: Any) -> Any:
         output = forward(*args, **kwargs)
         if isinstance(output, tuple):  # vLLM's decoder layers return (hidden_states, residual)
@@ -193,11 +271,12 @@ def _with_readout(layer: torch.nn.Module, forward: Any, steers: bool) -> Any:
             hidden = output[0]
         else:
             hidden, residual = output, None
-        if steers:
+        if slot is not None:
             if residual is None:
                 raise TypeError(f"prismgate steers layers that return (hidden, residual), not {type(layer).__name__}")
-            buffer = {name: getattr(layer, STEER + name) for name in ("table", "index", "scale", "normed", "rounds")}
-            torch.ops.prismgate.steer(hidden, residual, **buffer)
+            buffer = {name: getattr(layer, STEER + name) for name in _STEER_INPUTS}
+            directions = getattr(layer, DIRECTIONS)
+            torch.ops.prismgate.steer(hidden, residual, directions=directions, slot=slot, **buffer)
         torch.ops.prismgate.readout(hidden, residual, getattr(layer, DIRECTIONS), getattr(layer, READOUTS))
         return output
 

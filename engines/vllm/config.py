@@ -212,4 +212,5 @@ def engine_info(options: Options, tokenizer: Any, vllm_len: int, manifest: Reado
         vision=vision_tokens(config, tokenizer),
         engine_name="vllm",
         steering=manifest is not None,
+        steering_gates=manifest is not None,  # the engine refuses them itself under pipeline parallelism
     )

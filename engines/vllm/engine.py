@@ -301,7 +301,8 @@ class VLLMEngine:
         tracker = self._receiver.open(key)
         self._active.add(key)
         self._rank_of[key] = rank
-        skip = must_skip_cache(plan, spec.logprob_top_k, self._cache_block)
+        # a gated request needs the gate readout before its first computed position: it computes them all
+        skip = must_skip_cache(plan, spec.logprob_top_k, self._cache_block) or steer.gated(spec.steering)
         if skip:
             self.stats["cache_skips"] += 1
         side = request_wants(key, request, plan, self._pack is not None, self._keep_session_readouts, steering)
@@ -399,6 +400,9 @@ class VLLMEngine:
             return None
         if self._pack is None:
             raise invalid(f"model {self.model_id!r} has no concept pack loaded, so it cannot steer")
+        if self._options.pipeline_parallel_size > 1 and steer.gated(request.spec.steering):
+            # a gate and the layer it steers may lie on different stages, which never see each other's stream
+            raise invalid("readout-gated steering is not supported with pipeline_parallel_size > 1 on the vllm engine")
         pack = self._pack
         return steer.worker_steering(
             key, request.spec.steering, len(request.tokens), list(pack.layers), list(pack.concepts), self._raw_slots

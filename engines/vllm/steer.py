@@ -26,7 +26,7 @@ import json
 from typing import Any
 
 from prismgate.core.errors import Code, GatewayError, invalid
-from prismgate.core.steering import Positions, Steering, active, digest
+from prismgate.core.steering import Comparison, Positions, Steering, active, digest
 
 MAX_ROUNDS = 8  # vectors one request may add at one layer: the worker's buffers have this many rounds
 RAW_SLOTS = 32  # table rows per steered layer for raw directions of requests in flight
@@ -64,12 +64,11 @@ def worker_steering(
     """What the worker reads for ``steering`` (None: none); raw directions take slots under ``key``.
 
     ``e`` lists the entries in order as ``[layer index, table row, scale, norm matched,
-    positions]``; ``raw`` the rows to fill as ``[layer index, table row, unit vector]``.
+    positions, gate]``, ``gate`` None or ``[layer index, concept index, above, threshold]``;
+    ``raw`` the rows to fill as ``[layer index, table row, unit vector]``.
     """
     if not steering:
         return None
-    if any(entry.gate is not None for entry in steering):  # the core refuses them first; never ignore one
-        raise invalid("readout-gated steering runs on the transformers engine; the vLLM engine does not support it yet")
     per_layer: dict[int, int] = {}
     entries: list[list[Any]] = []
     raw: list[list[Any]] = []
@@ -87,8 +86,24 @@ def worker_steering(
         else:
             row = 1 + len(concepts) + slots.take(key, index)
             raw.append([index, row, list(entry.unit_direction())])
-        entries.append([index, row, float(entry.scale), int(entry.norm_match), _POSITIONS[entry.positions]])
+        gate: list[Any] | None = None
+        if entry.gate is not None:
+            g = entry.gate
+            if g.layer not in layers or g.concept not in concepts:
+                raise invalid(f"steering gate {g.concept!r} at layer {g.layer} is not a readout of the pack")
+            above = int(g.comparison is Comparison.ABOVE)
+            gate = [layers.index(g.layer), concepts.index(g.concept), above, g.threshold]
+        entries.append([index, row, float(entry.scale), int(entry.norm_match), _POSITIONS[entry.positions], gate])
     return {"n": prompt_len, "e": entries, "raw": raw}
+
+
+def gated(steering: Steering) -> bool:
+    """Whether an entry of ``steering`` is readout-gated.
+
+    Such a request never reads vLLM's prefix cache: the gate of its first computed position
+    needs the gate readout of the position before it, which a cached block does not keep.
+    """
+    return any(entry.gate is not None for entry in steering)
 
 
 def cache_salt(base: str | None, steering: Steering, prompt_len: int) -> str | None:

@@ -11,6 +11,13 @@ A step nobody steers after a step nobody steered writes nothing at all: every ro
 is already 0, and the op returns before touching the stream. Nor does a step laid out as the
 one before (the same requests on the same rows, as many of their rows in the prompt), which
 is every decode step of a steady batch: the buffers already say what it needs.
+
+A gated entry (:func:`.steer.worker_steering`) also writes its gate into its rounds, and
+each step's rows their previous row; the first row of a request in a step takes the gate
+readout its request carried from the step before (:meth:`SteerWriter.carry` keeps it after
+each step), or NaN, a closed gate, at position 0 or when the carried value is not the
+previous position's. A step with a gated request is always written in full: its carried
+values change from step to step.
 """
 
 from __future__ import annotations
@@ -53,35 +60,49 @@ class SteerWriter:
 
     def __init__(self, buffers: list[SteerBuffers], slots: list[int] | None = None) -> None:
         self.buffers = buffers
+        self.step = 0
+        # request -> (the step it last ran in, the position of its last row, [layers, concepts] there)
+        self._carried: dict[str, tuple[int, int, np.ndarray]] = {}
         self._local = {slot: i for i, slot in enumerate(slots if slots is not None else range(len(buffers)))}
         self._dirty = [0] * len(buffers)  # rows of each layer the last step wrote (to clear)
         self._raw: dict[tuple[int, int], str] = {}  # (layer, table row) -> the request whose vector is there
         self._layout: tuple[Any, ...] = ()  # what the buffers hold now, as _layout() names it
+        self._gates_last = False  # whether the last step written had gates (their flags to clear)
 
     def plan(self, requests: list[SteeredRows], n_rows: int) -> None:
         """Fill the buffers for a step of ``n_rows`` rows in which ``requests`` steer."""
+        self.step += 1
+        if self._gates_last:
+            for buffer in self.buffers:
+                buffer.rounds[2:] = 0
+            self._gates_last = False
         if not requests and not any(self._dirty):
             return
         layout = _layout(requests, n_rows)
-        if layout == self._layout:
+        gates_now = any(_gated(req) for req in requests)
+        if layout == self._layout and not gates_now:
             return
-        self._layout = layout
+        self._layout = () if gates_now else layout
         n_layers = len(self.buffers)
         index = np.zeros((n_layers, n_rows, MAX_ROUNDS), dtype=np.int64)
         scale = np.zeros((n_layers, n_rows, MAX_ROUNDS), dtype=np.float32)
         normed = np.zeros((n_layers, n_rows, MAX_ROUNDS), dtype=np.bool_)
+        gates = _Gates(n_layers, n_rows) if gates_now else None
         rounds = [0] * n_layers
         for req in requests:
             self._fill_raw(req)
             prompt = np.arange(req.rows) < req.in_prompt
             covers = (prompt, ~prompt, np.ones_like(prompt))
             used = [0] * n_layers
-            for slot, row, value, norm_match, positions in req.steering["e"]:
+            for slot, row, value, norm_match, positions, gate in req.steering["e"]:
                 layer = self._local.get(slot)
                 if layer is None:  # another pipeline stage's layer
                     continue
                 k = used[layer]
                 used[layer] += 1
+                if gate is not None:  # read even where it steers no row: the request's next step needs it
+                    assert gates is not None
+                    gates.read(gate[0], self._local)
                 rows = req.lo + np.flatnonzero(covers[positions])
                 if rows.size == 0:
                     continue
@@ -89,8 +110,13 @@ class SteerWriter:
                 scale[layer, rows, k] = value
                 normed[layer, rows, k] = bool(norm_match)
                 rounds[layer] = max(rounds[layer], k + 1)
+                if gate is not None:
+                    assert gates is not None
+                    gates.add(layer, k, rows, req, gate, self._carried_before(req))
         for layer, buffer in enumerate(self.buffers):
             stale = self._dirty[layer]
+            if gates is not None:
+                gates.write(layer, buffer)
             if rounds[layer] == 0 and stale == 0:
                 continue
             if rounds[layer]:
@@ -105,6 +131,29 @@ class SteerWriter:
                 self._dirty[layer] = 0
             buffer.rounds[0] = rounds[layer]
             buffer.rounds[1] = int(rounds[layer] > 0 and bool(normed[layer].any()))
+        if gates is not None:
+            self.buffers[0].reads.prev[:n_rows].copy_(torch.from_numpy(gates.prev_rows(requests, n_rows)))
+        self._gates_last = gates is not None
+
+    def carry(self, requests: list[SteeredRows]) -> None:
+        """After a step: keep each gated request's gate readouts at its last row, for its next step."""
+        gated = [req for req in requests if _gated(req)]
+        if gated:
+            last = torch.tensor([req.lo + req.rows - 1 for req in gated], dtype=torch.int64)
+            pre = self.buffers[0].reads.pre
+            values = pre.index_select(1, last.to(pre.device)).to("cpu").numpy()  # [layers, requests, concepts]
+            for j, req in enumerate(gated):
+                self._carried[req.key] = (self.step, req.start + req.rows - 1, values[:, j].copy())
+        # a request that has not run for a while has finished (or restarts from position 0)
+        for key in [k for k, (step, _, _) in self._carried.items() if step < self.step - CARRY_STEPS]:
+            del self._carried[key]
+
+    def _carried_before(self, req: SteeredRows) -> np.ndarray | None:
+        """The gate readouts of the position before ``req``'s first row in this step, if known."""
+        held = self._carried.get(req.key)
+        if held is None or held[1] != req.start - 1:
+            return None
+        return held[2]
 
     def _fill_raw(self, req: SteeredRows) -> None:
         for slot, row, vector in req.steering.get("raw", ()):
@@ -113,6 +162,64 @@ class SteerWriter:
                 table = self.buffers[layer].table
                 table[row].copy_(torch.tensor(vector, dtype=torch.float32))
                 self._raw[(layer, row)] = req.key
+
+
+CARRY_STEPS = 256  # steps a request's carried gate readouts outlive its last step
+
+
+class _Gates:
+    """One step's gate inputs, built on the host and written to every layer's buffers at once."""
+
+    def __init__(self, n_layers: int, n_rows: int) -> None:
+        self.gate = np.full((n_layers, n_rows, MAX_ROUNDS, 2), -1, dtype=np.int64)
+        self.threshold = np.zeros((n_layers, n_rows, MAX_ROUNDS), dtype=np.float32)
+        self.above = np.zeros((n_layers, n_rows, MAX_ROUNDS), dtype=np.bool_)
+        self.carried = np.full((n_layers, n_rows, MAX_ROUNDS), np.nan, dtype=np.float32)
+        self.reads = np.zeros(n_layers, dtype=np.bool_)  # layers a gate reads
+        self.gated = np.zeros(n_layers, dtype=np.bool_)  # layers with a gated round
+        self.local: dict[int, int] = {}  # pack slot -> this worker's layer, for the slots gates read
+
+    def read(self, slot: int, local: dict[int, int]) -> None:
+        """Have the layer of pack slot ``slot`` write its readouts before its vectors (a gate reads them)."""
+        source = local.get(slot)
+        if source is None:  # the engine refuses gates under pipeline parallelism
+            raise ValueError(f"the gate of a steering entry reads pack layer {slot}, which this stage lacks")
+        self.reads[source] = True
+        self.local[slot] = source
+
+    def add(
+        self, layer: int, k: int, rows: np.ndarray, req: SteeredRows, gate: list[Any], carried: np.ndarray | None
+    ) -> None:
+        """Gate round ``k`` of ``layer`` at ``rows`` of ``req`` (the gate's slot already :meth:`read`)."""
+        slot, concept, above, threshold = gate
+        source = self.local[slot]
+        self.gate[layer, rows, k] = (source, concept)
+        self.threshold[layer, rows, k] = threshold
+        self.above[layer, rows, k] = bool(above)
+        if carried is not None:
+            self.carried[layer, req.lo, k] = carried[source, concept]
+        self.gated[layer] = True
+
+    def write(self, layer: int, buffer: SteerBuffers) -> None:
+        n_rows = self.gate.shape[1]
+        buffer.gate[:n_rows].copy_(torch.from_numpy(self.gate[layer]))
+        buffer.threshold[:n_rows].copy_(torch.from_numpy(self.threshold[layer]))
+        buffer.above[:n_rows].copy_(torch.from_numpy(self.above[layer]))
+        buffer.carried[:n_rows].copy_(torch.from_numpy(self.carried[layer]))
+        buffer.rounds[2] = int(self.reads[layer])
+        buffer.rounds[3] = int(self.gated[layer])
+
+    @staticmethod
+    def prev_rows(requests: list[SteeredRows], n_rows: int) -> np.ndarray:
+        """Each row's previous position's row in this pass: the row before it, -1 for a request's first."""
+        prev = np.arange(-1, n_rows - 1, dtype=np.int64)
+        for req in requests:
+            prev[req.lo] = -1
+        return prev
+
+
+def _gated(req: SteeredRows) -> bool:
+    return any(entry[5] is not None for entry in req.steering["e"])
 
 
 def _layout(requests: list[SteeredRows], n_rows: int) -> tuple[Any, ...]:

@@ -30,7 +30,9 @@ no copy or message.
 
 Steering rides the same path the other way: before the model call the host writes which
 vector goes to which row into the graph's steering buffers (:mod:`.steer_rows`), from the
-request's ``extra_args`` as well; a request that only steers sends nothing back.
+request's ``extra_args`` as well; a request that only steers sends nothing back. After a step,
+the gate readouts of a request with readout-gated steering at its last row stay in the worker
+for its next step (:meth:`.steer_rows.SteerWriter.carry`).
 
 This module imports only torch, numpy and zmq at the top: it is loaded by vLLM's worker
 process, long before any model exists.
@@ -183,6 +185,8 @@ class _Tap:
             self.any_readouts = self.any_readouts or plan.readouts
 
     def _after(self, output: Any) -> None:
+        if self.steer is not None and self.steered:
+            self.steer.carry(self.steered)
         if not self.plans:
             return
         try:

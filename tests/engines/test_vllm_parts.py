@@ -190,7 +190,7 @@ def test_in_graph_readouts_fill_their_buffers_under_torch_compile() -> None:
 
 
 def _steer_rows(key: str, lo: int, positions: range, prompt_len: int, *entries: list[Any]) -> SteeredRows:
-    steering = {"n": prompt_len, "e": [list(e) for e in entries], "raw": []}
+    steering = {"n": prompt_len, "e": [[*e, None] for e in entries], "raw": []}  # ungated
     return SteeredRows(key, lo, len(positions), positions.start, steering)
 
 

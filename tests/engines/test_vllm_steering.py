@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import pytest_asyncio
+import torch
 
-from prismgate.core import checks
 from prismgate.core.actions import PositionRange
-from prismgate.core.errors import Code, GatewayError
 from prismgate.core.steering import Comparison, Gate, Positions, SteeringEntry
+from prismgate.engines.vllm import capture, steer
+from prismgate.engines.vllm.steer_rows import SteeredRows, SteerWriter
 from tests.engines.requests import run
 from tests.engines.test_vllm_crosscheck import assert_compiled, compare, pair
+from tests.engines.test_vllm_parts import _Model
 from tests.engines.vllm_factory import require_vllm
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -162,21 +165,148 @@ async def test_session_values_are_not_reused_across_steering(engines: Any) -> No
     assert not np.allclose(steered[3].readout, plain[3].readout)
 
 
-async def test_a_gated_entry_is_refused_not_ignored(engines: Any) -> None:
+def gated(threshold: float, comparison: Comparison = Comparison.ABOVE, *, layer: int = 0, **kw: Any) -> SteeringEntry:
+    return push(GATE_SCALE, layer=1, gate=Gate("concept0", layer, comparison, threshold), **kw)
+
+
+GATE_SCALE = 8.0
+GATE_TEXT = "a prompt long enough that the gate opens at some of its positions and stays shut at others"
+
+
+def moved(plain: list[Any], steered: list[Any], upto: int) -> list[int]:
+    """Positions below ``upto`` whose layer-1 ``concept1`` readout moved (by about the gate's scale)."""
+    out = []
+    for a, s in zip(plain[:upto], steered[:upto], strict=True):
+        delta = float(s.readout[1, 1] - a.readout[1, 1])
+        assert delta == 0.0 or abs(delta - GATE_SCALE) < 1e-2, (a.position, delta)
+        if delta:
+            out.append(a.position)
+    return out
+
+
+def between(values: list[float]) -> float:
+    """A threshold about the median, far from every value: the two engines' readouts differ by float noise."""
+    v = np.sort(np.asarray(values))
+    middle = range(len(v) // 3, 2 * len(v) // 3)
+    k = max(middle, key=lambda i: v[i + 1] - v[i])
+    return float(v[k] + v[k + 1]) / 2
+
+
+async def test_vllm_gates_as_the_transformers_engine_does(engines: Any) -> None:
     hf, vl = engines
-    gated = push(2.0, layer=1, gate=Gate("concept0", 0, Comparison.ABOVE, 0.0))
-    assert hf.info.steering_gates and not vl.info.steering_gates
-    with pytest.raises(GatewayError, match="the vllm engine does not support it yet") as caught:
-        checks.check_steering(vl.info, (push(1.0), gated))
-    assert caught.value.code is Code.INVALID_ARGUMENT
-    # and the engine itself, should a request reach it unchecked
-    p = prompt(vl, "gate me")
-    message = "readout-gated steering runs on the transformers engine; the vLLM engine does not support it yet"
-    with pytest.raises(GatewayError, match=message) as caught:
-        await run(vl, p, **spec(p, push(1.0), gated))
-    assert caught.value.code is Code.INVALID_ARGUMENT
-    plain, _ = await run(vl, p, **spec(p))  # nothing was left half-submitted
-    assert len(plain) == len(p) + MAX
+    p = prompt(vl, GATE_TEXT)
+    n = len(p)
+    plain, _ = await run(vl, p, **spec(p))
+    for layer in (0, 1):
+        values = [float(e.readout[layer, 0]) for e in plain]
+        threshold = between(values[:n])
+        for comparison in Comparison:
+            entry = gated(threshold, comparison, layer=layer)
+            hf_events, _ = await run(hf, p, **spec(p, entry))
+            vl_events, _ = await run(vl, p, **spec(p, entry))
+            assert_compiled(vl)
+            worst = compare(hf_events, vl_events)  # same greedy tokens; logprobs and readouts within tolerance
+            print(f"gated at layer {layer} {comparison.value}: worst differences {worst}")
+            # over the prompt the gate readouts are the unsteered ones (a vector after layer 1 changes
+            # neither layer 0 nor 1 at any prompt position): steered exactly where the previous one passes
+            above = comparison is Comparison.ABOVE
+            expected = [q for q in range(1, n) if (values[q - 1] > threshold if above else values[q - 1] < threshold)]
+            assert 0 < len(expected) < n - 1
+            assert moved(plain, vl_events, n) == expected
+
+
+async def test_a_gate_that_never_opens_is_exactly_unsteered(engines: Any) -> None:
+    _, vl = engines
+    p = prompt(vl, GATE_TEXT)
+    plain, _ = await run(vl, p, **spec(p))
+    for entry in (gated(1e30), gated(-1e30, Comparison.BELOW), gated(1e30, layer=1)):
+        events, _ = await run(vl, p, **spec(p, entry))
+        assert same(plain, events)
+
+
+async def test_a_gate_that_always_opens_is_exactly_the_ungated_entry(engines: Any) -> None:
+    _, vl = engines
+    p = prompt(vl, GATE_TEXT)
+    entry = gated(-1e30, positions=Positions.GENERATED)  # every generated position has a previous one
+    ungated, _ = await run(vl, p, **spec(p, replace(entry, gate=None)))
+    plain, _ = await run(vl, p, **spec(p))
+    events, _ = await run(vl, p, **spec(p, entry))
+    assert same(ungated, events) and not same(plain, events)
+    # over the prompt too: everything but position 0, which has no previous position
+    both, _ = await run(vl, p, **spec(p, gated(1e30, Comparison.BELOW)))
+    assert moved(plain, both, len(p)) == list(range(1, len(p)))
+
+
+async def test_gated_requests_batched_are_what_they_are_alone(engines: Any) -> None:
+    _, vl = engines
+    ps = [prompt(vl, t) for t in ("a", "a longer question about prisms", "mid length", GATE_TEXT)]
+    steerings: list[tuple[SteeringEntry, ...]] = [
+        (gated(0.0),),
+        (),
+        (gated(0.0, Comparison.BELOW, layer=1), gated(0.0)),
+        (gated(0.0, positions=Positions.GENERATED), push(2.0, concept="concept2")),
+    ]
+    alone = [await run(vl, p, **spec(p, *s)) for p, s in zip(ps, steerings, strict=True)]
+    mixed = await asyncio.gather(*(run(vl, p, **spec(p, *s)) for p, s in zip(ps, steerings, strict=True)))
+    for (a, _), (m, _) in zip(alone, mixed, strict=True):
+        assert ids(a) == ids(m)
+        for x, y in zip(a, m, strict=True):
+            assert np.allclose(x.readout, y.readout, atol=1e-4)
+    assert same(alone[1][0], mixed[1][0])  # the unsteered neighbour: bit for bit
+
+
+async def test_a_gated_request_never_reads_the_prefix_cache(engines: Any) -> None:
+    _, vl = engines
+    key = uuid.uuid4().hex
+    p = prompt(vl, "a long first turn about caches and gates", 3 * vl.cache_block_size)
+    entry = gated(0.0)
+    short = {"max_tokens": 4, "ignore_eos": True}
+    events, done = await run(vl, p, key, **short, steering=(entry,))
+    second = p + tuple(ids(events)) + prompt(vl, "and a second")
+    fresh, _ = await run(vl, second, None, **short, steering=(entry,))
+    events, done = await run(vl, second, key, **short, steering=(entry,))
+    assert done.cached_tokens == 0 and done.prefilled_tokens == len(second)
+    assert ids(events) == ids(fresh)
+    assert steer.cache_salt(None, (entry,), len(p)) != steer.cache_salt(None, (replace(entry, gate=None),), len(p))
+
+
+def test_the_compiled_op_gates_on_the_previous_row_and_on_the_value_carried_between_steps() -> None:
+    """One request's prompt in two steps under torch.compile: the second step's first row takes the carried value."""
+    torch.manual_seed(0)
+    hidden, concepts, rows = 16, 3, 64
+    model = _Model(hidden, 3).eval()
+    directions = [np.random.default_rng(i).standard_normal((concepts, hidden)).astype(np.float32) for i in (1, 2)]
+    chunks = [torch.randn(5, hidden), torch.randn(5, hidden)]
+    readouts, buffers = capture.install(model, directions, [0, 2], rows, steering=True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    writer = SteerWriter(buffers)
+
+    def steps(gate: list[Any] | None) -> list[torch.Tensor]:
+        entry = [1, 1 + 2, 4.0, 0, 2, gate]  # concept 2 at pack layer 2, over every position
+        out = []
+        for i, x in enumerate(chunks):
+            request = SteeredRows("a", 0, 5, 5 * i, {"n": 10, "e": [entry], "raw": []})
+            writer.plan([request], 5)
+            out.append(compiled(x))
+            writer.carry([request])
+        return out
+
+    with torch.no_grad():
+        plain, values = [], []
+        for x in chunks:
+            writer.plan([], 5)
+            plain.append(compiled(x))
+            values.append(readouts[0][:5, 1].clone())  # layer 0's concept 1: nothing steers there
+        v = torch.cat(values)
+        threshold = float(v.median())
+        ungated = torch.cat(steps(None))
+        gated = torch.cat(steps([0, 1, 1, threshold]))  # open where layer 0's concept 1 was above it
+    whole = torch.cat(plain)
+    opened = [q for q in range(10) if q > 0 and float(v[q - 1]) > threshold]
+    assert 5 in opened or float(v[4]) <= threshold  # position 5 is decided by the value carried from step 1
+    assert 0 < len(opened) < 9
+    for q in range(10):
+        assert torch.equal(gated[q], ungated[q] if q in opened else whole[q]), q
 
 
 @pytest.mark.slow
