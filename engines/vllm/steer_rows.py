@@ -72,9 +72,10 @@ class SteerWriter:
     def plan(self, requests: list[SteeredRows], n_rows: int) -> None:
         """Fill the buffers for a step of ``n_rows`` rows in which ``requests`` steer."""
         self.step += 1
-        if self._gates_last:
+        if self._gates_last:  # a replayed CUDA graph reads the gates whatever the flags say: clear them
             for buffer in self.buffers:
                 buffer.rounds[2:] = 0
+                buffer.gate.fill_(-1)
             self._gates_last = False
         if not requests and not any(self._dirty):
             return

@@ -301,6 +301,8 @@ def test_the_compiled_op_gates_on_the_previous_row_and_on_the_value_carried_betw
         threshold = float(v.median())
         ungated = torch.cat(steps(None))
         gated = torch.cat(steps([0, 1, 1, threshold]))  # open where layer 0's concept 1 was above it
+        after = torch.cat(steps(None))  # the steps after forget the gates (a CUDA graph would read them)
+    assert torch.equal(after, ungated) and all(bool((b.gate == -1).all()) for b in buffers)
     whole = torch.cat(plain)
     opened = [q for q in range(10) if q > 0 and float(v[q - 1]) > threshold]
     assert 5 in opened or float(v[4]) <= threshold  # position 5 is decided by the value carried from step 1
