@@ -196,8 +196,6 @@ class VLLMEngine:
             vllm_len = int(self._llm.vllm_config.model_config.max_model_len)
             manifest = self._pack.manifest if self._pack is not None else None
             self.info = config.engine_info(self._options, tokenizer, vllm_len, manifest)
-            for view in self._ranks:
-                view.info = self.info
             if self.info.vision is not None:
                 self._images = ImageCounter(self.model_path)
             self._cache_block = int(self._llm.vllm_config.cache_config.block_size)
@@ -485,7 +483,11 @@ class DataParallelRank:
         self.engine = engine
         self.rank = rank
         self.model_id = engine.model_id
-        self.info: EngineInfo = None  # type: ignore[assignment]  # the engine's, set by its start()
+
+    @property
+    def info(self) -> EngineInfo:
+        """The engine's (one ``AsyncLLM`` serves every rank)."""
+        return self.engine.info
 
     @property
     def cache_block_size(self) -> int:

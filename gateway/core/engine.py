@@ -96,7 +96,11 @@ class EngineRequest:
 
 class Engine(Protocol):
     model_id: str  # known before start(): the name clients use for this model
-    info: EngineInfo  # complete once start() has returned
+
+    @property
+    def info(self) -> EngineInfo:
+        """What the engine serves; complete once start() has returned."""
+        ...
 
     async def start(self) -> None:
         """Load the model; after this returns the engine serves requests."""
