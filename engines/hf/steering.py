@@ -203,7 +203,7 @@ def _waves(rows: Sequence[RowPlan]) -> list[Wave]:
     for r in rows:
         seen: dict[int, int] = {}
         for vector in r.vectors:
-            lo, hi = _covered(vector.positions, r.start, r.tokens, r.prompt_len)
+            lo, hi = vector.positions.span(r.start, r.tokens, r.prompt_len)
             if hi <= lo:
                 continue
             wave = seen[vector.index] = seen.get(vector.index, -1) + 1
@@ -226,11 +226,3 @@ def _groups(waves: list[Wave]) -> dict[int, list[Group]]:
         plan.setdefault(index, []).append(group)
     return plan
 
-
-def _covered(positions: Positions, start: int, tokens: int, prompt_len: int) -> tuple[int, int]:
-    """The tokens ``[lo, hi)`` of a row (positions ``start...``) that ``positions`` steers."""
-    end = start + tokens
-    if positions is Positions.BOTH:
-        return 0, tokens
-    split = min(max(prompt_len, start), end) - start  # tokens before the first generated position
-    return (0, split) if positions is Positions.PROMPT else (split, tokens)

@@ -26,12 +26,10 @@ import json
 from typing import Any
 
 from prismgate.core.errors import Code, GatewayError, invalid
-from prismgate.core.steering import Comparison, Positions, Steering, active, digest
+from prismgate.core.steering import Comparison, Steering, active, digest
 
 MAX_ROUNDS = 8  # vectors one request may add at one layer: the worker's buffers have this many rounds
 RAW_SLOTS = 32  # table rows per steered layer for raw directions of requests in flight
-
-_POSITIONS = {Positions.PROMPT: 0, Positions.GENERATED: 1, Positions.BOTH: 2}
 
 
 class RawSlots:
@@ -64,7 +62,7 @@ def worker_steering(
     """What the worker reads for ``steering`` (None: none); raw directions take slots under ``key``.
 
     ``e`` lists the entries in order as ``[layer index, table row, scale, norm matched,
-    positions, gate]``, ``gate`` None or ``[layer index, concept index, above, threshold]``;
+    positions value, gate]``, ``gate`` None or ``[layer index, concept index, above, threshold]``;
     ``raw`` the rows to fill as ``[layer index, table row, unit vector]``.
     """
     if not steering:
@@ -93,7 +91,7 @@ def worker_steering(
                 raise invalid(f"steering gate {g.concept!r} at layer {g.layer} is not a readout of the pack")
             above = int(g.comparison is Comparison.ABOVE)
             gate = [layers.index(g.layer), concepts.index(g.concept), above, g.threshold]
-        entries.append([index, row, float(entry.scale), int(entry.norm_match), _POSITIONS[entry.positions], gate])
+        entries.append([index, row, float(entry.scale), int(entry.norm_match), entry.positions.value, gate])
     return {"n": prompt_len, "e": entries, "raw": raw}
 
 

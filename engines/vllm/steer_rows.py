@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from prismgate.core.steering import Positions
 from prismgate.engines.vllm.steer import MAX_ROUNDS
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class SteeredRows:
     @property
     def in_prompt(self) -> int:
         """How many of the rows lie in the request's prompt (the rest are generated positions)."""
-        return min(max(int(self.steering["n"]) - self.start, 0), self.rows)
+        return Positions.PROMPT.span(self.start, self.rows, int(self.steering["n"]))[1]
 
 
 class SteerWriter:
@@ -92,8 +93,6 @@ class SteerWriter:
         rounds = [0] * n_layers
         for req in requests:
             self._fill_raw(req)
-            prompt = np.arange(req.rows) < req.in_prompt
-            covers = (prompt, ~prompt, np.ones_like(prompt))
             used = [0] * n_layers
             for slot, row, value, norm_match, positions, gate in req.steering["e"]:
                 layer = self._local.get(slot)
@@ -104,9 +103,10 @@ class SteerWriter:
                 if gate is not None:  # read even where it steers no row: the request's next step needs it
                     assert gates is not None
                     gates.read(gate[0], self._local)
-                rows = req.lo + np.flatnonzero(covers[positions])
-                if rows.size == 0:
+                lo, hi = Positions(positions).span(req.start, req.rows, int(req.steering["n"]))
+                if hi <= lo:
                     continue
+                rows = np.arange(req.lo + lo, req.lo + hi)
                 index[layer, rows, k] = row
                 scale[layer, rows, k] = value
                 normed[layer, rows, k] = bool(norm_match)

@@ -71,10 +71,21 @@ class Positions(enum.Enum):
     GENERATED = "generated"
     BOTH = "both"
 
-    def covers(self, position: int, prompt_len: int) -> bool:
+    def span(self, start: int, tokens: int, prompt_len: int) -> tuple[int, int]:
+        """Which of ``tokens`` positions from ``start`` these cover, as offsets ``[lo, hi)``.
+
+        The one statement of the rule: every engine asks it for the rows of a forward pass
+        (a prompt chunk, a decode step). A request's prompt positions come before its
+        generated ones, so the covered positions of any run are one contiguous span.
+        """
         if self is Positions.BOTH:
-            return True
-        return (position < prompt_len) == (self is Positions.PROMPT)
+            return 0, tokens
+        split = min(max(prompt_len - start, 0), tokens)  # how many of the run lie in the prompt
+        return (0, split) if self is Positions.PROMPT else (split, tokens)
+
+    def covers(self, position: int, prompt_len: int) -> bool:
+        lo, hi = self.span(position, 1, prompt_len)
+        return hi > lo
 
 
 @dataclass(frozen=True, slots=True)

@@ -282,7 +282,7 @@ def test_the_compiled_op_gates_on_the_previous_row_and_on_the_value_carried_betw
     writer = SteerWriter(buffers)
 
     def steps(gate: list[Any] | None) -> list[torch.Tensor]:
-        entry = [1, 1 + 2, 4.0, 0, 2, gate]  # concept 2 at pack layer 2, over every position
+        entry = [1, 1 + 2, 4.0, 0, "both", gate]  # concept 2 at pack layer 2, over every position
         out = []
         for i, x in enumerate(chunks):
             request = SteeredRows("a", 0, 5, 5 * i, {"n": 10, "e": [entry], "raw": []})

@@ -42,6 +42,24 @@ def test_an_entry_checks_what_it_can_alone() -> None:
     assert SteeringEntry(layer=0, scale=2.0, direction=(3.0, 4.0)).unit_direction() == (0.6, 0.8)
 
 
+def test_the_span_of_a_run_is_exactly_the_positions_the_entry_steers() -> None:
+    """The one rule every engine asks, against the rule spelled out position by position."""
+    wanted = {
+        Positions.PROMPT: lambda p, n: p < n,
+        Positions.GENERATED: lambda p, n: p >= n,
+        Positions.BOTH: lambda p, n: True,
+    }
+    for positions, steers in wanted.items():
+        for prompt_len in range(6):
+            for start in range(7):
+                for tokens in range(5):
+                    lo, hi = positions.span(start, tokens, prompt_len)
+                    assert 0 <= lo <= hi <= tokens
+                    got = set(range(lo, hi))
+                    assert got == {i for i in range(tokens) if steers(start + i, prompt_len)}
+                    assert all(positions.covers(start + i, prompt_len) == (i in got) for i in range(tokens))
+
+
 def test_spans_tile_the_timeline_by_the_steering_each_position_gets() -> None:
     prompt, generated, both = (replace(FRENCH, positions=p) for p in Positions)
     assert spans((), 5, 8) == (SteeredSpan(0, 8, ""),)
