@@ -18,9 +18,10 @@ and concurrency: TTFT and decode tokens/s per stream (medians) and their ratios 
 serve``, and the front-end process's CPU seconds per streamed token: the API-server process
 only (vLLM's engine core and workers are its children and are not counted), read from
 ``/proc`` (each thread's nanosecond ``schedstat``) around each of the target's own rounds.
-The CPU figure is the median over rounds, and its ratio the median of each round's ratio to
-``vllm serve``'s round of the same rep: on a shared machine the load drifts between rounds,
-and a ratio of neighbours carries less of it than a ratio of totals.
+Each figure is the median over rounds, and each ratio the median of every round's ratio to
+``vllm serve``'s round of the same rep (a round's TTFT and decode rate: the medians of its
+streams): on a shared machine the load drifts between reps, and a ratio of neighbours
+carries less of it than a ratio of totals.
 
 ``--frontend-only`` runs just ``vllm serve`` and prismgate's two OpenAI SSE targets, for the
 CPU comparison (more rounds in the same time: ``--reps 8 --max-tokens 128``, say).
@@ -245,6 +246,7 @@ async def measure(
     for streams in args.concurrency:
         results: dict[str, list[clients.StreamResult]] = {t.name: [] for t in ts}
         cpu: dict[str, list[float]] = {t.name: [] for t in ts}  # per round: front-end CPU ms per token
+        rounds: dict[str, list[tuple[float, float]]] = {t.name: [] for t in ts}  # per round: (TTFT, decode rate)
         for rep in range(args.reps):
             for t in ts[rep % len(ts) :] + ts[: rep % len(ts)]:
                 before = cpu_seconds(t.pid)
@@ -252,13 +254,17 @@ async def measure(
                 spent = cpu_seconds(t.pid) - before
                 results[t.name] += got
                 cpu[t.name].append(spent / max(sum(r.tokens for r in got), 1) * 1e3)
+                rates = [x for r in got if (x := rate(r)) is not None]
+                rounds[t.name].append((median([r.ttft_s for r in got]), median(rates) if rates else float("nan")))
         block = [summarize(t.name, streams, results[t.name], cpu[t.name]) for t in ts]
         base = block[0]
         for row in block:
-            row["ttft_ratio"] = row["ttft_ms"] / base["ttft_ms"]
-            row["decode_rate_ratio"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-            # per round against the base's round of the same rep: the machine's drift cancels out
-            row["frontend_cpu_ratio"] = median([a / b for a, b in zip(cpu[row["server"]], cpu[BASE], strict=True) if b])
+            # Every ratio is the median of per-round ratios against the base's round of the same
+            # rep: rounds of one rep run back to back, so the machine's drift between reps cancels.
+            mine, theirs = rounds[row["server"]], rounds[BASE]
+            row["ttft_ratio"] = paired([a[0] for a in mine], [b[0] for b in theirs])
+            row["decode_rate_ratio"] = paired([a[1] for a in mine], [b[1] for b in theirs])
+            row["frontend_cpu_ratio"] = paired(cpu[row["server"]], cpu[BASE])
         print(table(block, list(block[0])), flush=True)
         rows += block
     for t in ts:
@@ -266,6 +272,12 @@ async def measure(
         if close is not None:
             await close()
     return rows
+
+
+def paired(mine: list[float], base: list[float]) -> float:
+    """The median of round-by-round ratios ``mine[i] / base[i]`` (rounds without a value skipped)."""
+    ratios = [a / b for a, b in zip(mine, base, strict=True) if b and a == a and b == b]
+    return median(ratios) if ratios else float("nan")
 
 
 def summarize(name: str, streams: int, results: list[clients.StreamResult], cpu_ms: list[float]) -> dict[str, Any]:
