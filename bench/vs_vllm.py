@@ -257,7 +257,6 @@ async def measure(
                 rates = [x for r in got if (x := rate(r)) is not None]
                 rounds[t.name].append((median([r.ttft_s for r in got]), median(rates) if rates else float("nan")))
         block = [summarize(t.name, streams, results[t.name], cpu[t.name]) for t in ts]
-        base = block[0]
         for row in block:
             # Every ratio is the median of per-round ratios against the base's round of the same
             # rep: rounds of one rep run back to back, so the machine's drift between reps cancels.

@@ -225,4 +225,3 @@ def _groups(waves: list[Wave]) -> dict[int, list[Group]]:
         group = Group(torch.tensor(row_ids, device=device), lo, hi, add, norm_matched, row_ids, gates)
         plan.setdefault(index, []).append(group)
     return plan
-

@@ -210,7 +210,8 @@ def test_in_graph_steering_adds_to_the_rows_the_host_planned_under_torch_compile
         writer.plan([], 7)
         assert torch.equal(compiled(x), plain)  # nobody steers: the op returns before touching anything
         # rows 0-3: positions 0..3 of a request with a 2-token prompt; rows 4-6 nobody's
-        request = _steer_rows("a", 0, range(4), 2, [0, 2, 3.0, 0, "both"], [0, 3, 0.5, 1, "generated"], [1, 1, -2.0, 0, "prompt"])
+        entries = [0, 2, 3.0, 0, "both"], [0, 3, 0.5, 1, "generated"], [1, 1, -2.0, 0, "prompt"]
+        request = _steer_rows("a", 0, range(4), 2, *entries)
         writer.plan([request], 7)
         out = compiled(x)
         writer.plan([], 7)
