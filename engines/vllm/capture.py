@@ -11,7 +11,10 @@ that asked, after the step (:mod:`prismgate.engines.vllm.worker`).
 Why a custom op with ``mutates_args``: Dynamo keeps it in the graph as one opaque node
 (it never traces into it, so no shape specialisation leaks out), Inductor re-inplaces the
 write, and CUDA graphs capture it like any other kernel. Rows past the step's real tokens
-(CUDA-graph padding) are written too and never read.
+(CUDA-graph padding) are written too and never read. In a step where no request reads
+readouts, a flag in host memory that the host sets before the step makes the op return at
+once, so readouts cost nothing when nobody asks (under CUDA graphs, whose replays run no
+host code, the op always writes; that is one small matrix product per pack layer).
 
 Steering is the same idea the other way round: the custom op ``prismgate::steer``, called
 after the layer's own forward and before its readout, adds vectors to the residual stream
@@ -49,16 +52,30 @@ from prismgate.engines.vllm.steer import MAX_ROUNDS, RAW_SLOTS
 
 DIRECTIONS = "prismgate_directions"
 READOUTS = "prismgate_readouts"
+WANTED = "prismgate_readouts_wanted"
 STEER = "prismgate_steer_"  # prefix of the steering buffers' names
 
 
 @torch.library.custom_op(
     "prismgate::readout",
     mutates_args=("out",),
-    schema="(Tensor hidden, Tensor? residual, Tensor directions, Tensor(a!) out) -> ()",
+    schema="(Tensor hidden, Tensor? residual, Tensor directions, Tensor(a!) out, Tensor wanted) -> ()",
 )
-def readout(hidden: torch.Tensor, residual: torch.Tensor | None, directions: torch.Tensor, out: torch.Tensor) -> None:
-    """Write the readouts of the residual stream ``hidden + residual`` into ``out``'s first rows."""
+def readout(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    directions: torch.Tensor,
+    out: torch.Tensor,
+    wanted: torch.Tensor,
+) -> None:
+    """Write the readouts of the residual stream ``hidden + residual`` into ``out``'s first rows.
+
+    ``wanted`` (host memory) is 0 in a step where no request reads readouts: the op returns
+    at once (the buffer keeps the last step's values, which nobody reads). While a CUDA graph
+    is captured it always writes, since its replays skip this host code.
+    """
+    if not wanted.item() and not (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
     n = min(int(hidden.shape[0]), int(out.shape[0]))
     stream = hidden[:n] if residual is None else hidden[:n] + residual[:n]
     torch.mm(stream.to(torch.float32), directions, out=out[:n])
@@ -66,7 +83,11 @@ def readout(hidden: torch.Tensor, residual: torch.Tensor | None, directions: tor
 
 @readout.register_fake
 def _readout_fake(
-    hidden: torch.Tensor, residual: torch.Tensor | None, directions: torch.Tensor, out: torch.Tensor
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    directions: torch.Tensor,
+    out: torch.Tensor,
+    wanted: torch.Tensor,
 ) -> None:
     return None
 
@@ -228,13 +249,23 @@ def unit_directions(directions: Any, device: Any) -> torch.Tensor:
 
 
 def install(
-    model: Any, directions: list[Any], layers: list[int], rows: int, *, steering: bool = False
+    model: Any,
+    directions: list[Any],
+    layers: list[int],
+    rows: int,
+    *,
+    steering: bool = False,
+    wanted: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor], list[SteerBuffers]]:
     """Give each named layer an in-graph readout (and steering); returns their buffers in pack order.
 
     ``directions[i]`` is the pack's ``[n_concepts, hidden]`` for ``layers[i]``; ``rows`` is
     the most tokens one forward pass can hold (vLLM's batched-token budget or CUDA-graph size).
+    ``wanted`` is one int64 in host memory that the host sets before each step: 0 when no
+    request reads readouts in it (the readout ops skip their work); None: always read.
     """
+    if wanted is None:
+        wanted = torch.ones(1, dtype=torch.int64)
     decoder = decoder_layers(model)
     device = next(model.parameters()).device
     buffers: list[torch.Tensor] = []
@@ -248,6 +279,7 @@ def install(
         # Buffers, not plain attributes: compilers treat module buffers as static inputs.
         layer.register_buffer(DIRECTIONS, d, persistent=False)
         layer.register_buffer(READOUTS, out, persistent=False)
+        layer.register_buffer(WANTED, wanted, persistent=False)  # the one host flag, shared by every layer
         steer_at = SteerBuffers(layer, unit_directions(direction, device), rows, reads) if steering else None
         layer.forward = _with_readout(layer, layer.forward, slot if steer_at is not None else None)
         buffers.append(out)
@@ -277,7 +309,9 @@ def _with_readout(layer: torch.nn.Module, forward: Any, slot: int | None) -> Any
             buffer = {name: getattr(layer, STEER + name) for name in _STEER_INPUTS}
             directions = getattr(layer, DIRECTIONS)
             torch.ops.prismgate.steer(hidden, residual, directions=directions, slot=slot, **buffer)
-        torch.ops.prismgate.readout(hidden, residual, getattr(layer, DIRECTIONS), getattr(layer, READOUTS))
+        torch.ops.prismgate.readout(
+            hidden, residual, getattr(layer, DIRECTIONS), getattr(layer, READOUTS), getattr(layer, WANTED)
+        )
         return output
 
     return forward_with_readout

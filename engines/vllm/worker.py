@@ -119,12 +119,14 @@ class _Tap:
         sender: Any,
         stage: Stage = SOLE_STAGE,
         steer: list[SteerBuffers] | None = None,
+        wanted: torch.Tensor | None = None,
     ) -> None:
         self.runner = runner
         self.model = runner.get_model()
         self.sender = sender
         self.stage = stage
         self.buffers = buffers
+        self.wanted = wanted  # the graph's readout ops run only in steps where this is 1
         self.steer = SteerWriter(steer, stage.slots) if steer else None
         self.plans: list[_RequestPlan] = []
         self.n_rows = 0
@@ -149,6 +151,8 @@ class _Tap:
         except Exception:  # never break the engine over a readout
             log.exception("prismgate: could not plan readouts for this step")
             self.plans = []
+        if self.wanted is not None:
+            self.wanted[0] = int(self.any_readouts)
         if self.steer is not None:  # steering is the request's answer: a failure here fails the step
             self.steer.plan(self.steered, self.n_rows)
 
@@ -240,6 +244,7 @@ class PrismgateWorkerExtension:
     _prismgate_tap: _Tap | None = None
     _prismgate_buffers: list[torch.Tensor] | None = None
     _prismgate_steer: list[SteerBuffers] | None = None
+    _prismgate_wanted: torch.Tensor | None = None  # host flag: does this step read readouts
     _prismgate_layers: list[int] | None = None
     _prismgate_slots: list[int] | None = None  # the pack's indices of those layers (None: no pack)
 
@@ -263,7 +268,11 @@ class PrismgateWorkerExtension:
         layers = [pack.layers[i] for i in slots]
         directions = [pack.directions[i] for i in slots]
         rows = max_rows(self.vllm_config)  # type: ignore[attr-defined]
-        self._prismgate_buffers, self._prismgate_steer = capture.install(model, directions, layers, rows, steering=True)
+        wanted = torch.ones(1, dtype=torch.int64)
+        self._prismgate_buffers, self._prismgate_steer = capture.install(
+            model, directions, layers, rows, steering=True, wanted=wanted
+        )
+        self._prismgate_wanted = wanted
         self._prismgate_layers = layers
         self._prismgate_slots = slots
 
@@ -283,7 +292,7 @@ class PrismgateWorkerExtension:
         sends = get_tp_group().rank_in_group == 0 and (stage.last or bool(self._prismgate_layers))
         sender = Sender(address) if sends else _NullSender()
         buffers = self._prismgate_buffers or []
-        self._prismgate_tap = _Tap(runner, buffers, sender, stage, self._prismgate_steer or [])
+        self._prismgate_tap = _Tap(runner, buffers, sender, stage, self._prismgate_steer or [], self._prismgate_wanted)
         return {
             "n_layers": len(decoder_layers(model)),
             "hidden_size": int(runner.model_config.get_hidden_size()),

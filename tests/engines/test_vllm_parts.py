@@ -189,6 +189,27 @@ def test_in_graph_readouts_fill_their_buffers_under_torch_compile() -> None:
             torch.testing.assert_close(buf[:n], w, rtol=1e-5, atol=1e-5)
 
 
+def test_the_readout_op_skips_its_work_in_steps_nobody_reads() -> None:
+    """The host flag under torch.compile: 0 leaves the buffers as they were, 1 writes this step's readouts."""
+    torch.manual_seed(0)
+    hidden, concepts, rows = 16, 4, 32
+    model = _Model(hidden, 3).eval()
+    directions = [np.random.default_rng(i).standard_normal((concepts, hidden)).astype(np.float32) for i in (1, 2)]
+    wanted = torch.ones(1, dtype=torch.int64)
+    buffers, _ = capture.install(model, directions, [0, 2], rows, wanted=wanted)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    first, second = torch.randn(6, hidden), torch.randn(6, hidden)
+    with torch.no_grad():
+        compiled(first)
+        read = [b.clone() for b in buffers]
+        wanted[0] = 0
+        compiled(second)
+        assert all(torch.equal(b, r) for b, r in zip(buffers, read, strict=True))  # nothing written
+        wanted[0] = 1
+        compiled(second)
+    assert not any(torch.equal(b[:6], r[:6]) for b, r in zip(buffers, read, strict=True))  # the second input's
+
+
 def _steer_rows(key: str, lo: int, positions: range, prompt_len: int, *entries: list[Any]) -> SteeredRows:
     steering = {"n": prompt_len, "e": [[*e, None] for e in entries], "raw": []}  # ungated
     return SteeredRows(key, lo, len(positions), positions.start, steering)
