@@ -2,8 +2,8 @@
 
     .venv/bin/python -m bench.report
 
-Reads bench/results/{overhead,vs_vllm,vs_vllm_frontend,sessions,readouts}.json (whichever exist), draws one
-PNG per benchmark with matplotlib, and writes docs/benchmarks.md: ratios first, since only
+Reads bench/results/{overhead,vs_vllm,vs_vllm_frontend,sessions,readouts,steering,steering_vllm}.json
+(whichever exist), draws one PNG per benchmark with matplotlib, and writes docs/benchmarks.md: ratios first, since only
 ratios measured side by side in one run compare across these noisy machines.
 """
 
@@ -208,6 +208,23 @@ def frontend_section(after: dict[str, Any], before: dict[str, Any] | None) -> li
     ]
 
 
+def steering_section(data: dict[str, Any], engine: str) -> list[str]:
+    compiled = " (its default compiled path, steering inside the graph)" if engine == "vLLM" else ""
+    return [
+        f"### Steering, {engine} engine",
+        "",
+        f"`bench/steering.py`: the {engine} engine{compiled} in-process, a batch of {data['batch']} greedy",
+        f"requests decoding together, {data['max_tokens']} tokens each, {data['reps']} rounds per mode, modes",
+        "interleaved: no request steered (`off`), every request steered with one concept vector at a middle",
+        "pack layer (`all`), every other request steered (`mixed`). Ratios are medians of each round's ratio",
+        "to the `off` round beside it; `tokens_per_cpu_s` counts the CPU of the process and its children.",
+        *([machine_load(data["load_average"])] if "load_average" in data else []),
+        "",
+        table(data["rows"], list(data["rows"][0])),
+        "",
+    ]
+
+
 def machine_load(load: list[float]) -> str:
     return f"Machine load (1-minute average): {load[0]:.1f} at the start of the measurements, {load[1]:.1f} at the end."
 
@@ -310,6 +327,10 @@ def main() -> int:
             table(readouts["rows"], list(readouts["rows"][0])),
             "",
         ]
+    for name, engine in (("steering", "transformers"), ("steering_vllm", "vLLM")):
+        steering = load(name)
+        if steering:
+            parts += steering_section(steering, engine)
     DOC.write_text("\n".join(parts).rstrip() + "\n")
     print(f"wrote {DOC}")
     return 0

