@@ -76,6 +76,7 @@ def _serving_engine(settings: Settings, folder: Path, model_id: str, pack: Path 
             readout_address=settings.vllm_readout_address,
             block_size=settings.vllm_block_size,
             cache_scope=settings.vllm_cache_scope,
+            steering_rounds=settings.vllm_steering_rounds,
         )
     from prismgate.engines.hf import TransformersEngine
 

@@ -33,7 +33,7 @@ ENGINE_OPTIONS = (
     "device", "dtype", "threads", "max_model_len", "prefill_chunk", "max_cached_tokens", "max_batch", "replicas",
     "gpu_memory_utilization", "vllm_kv_cache_gb", "vllm_enforce_eager", "tensor_parallel_size",
     "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend", "vllm_readout_address",
-    "vllm_block_size", "vllm_cache_scope",
+    "vllm_block_size", "vllm_cache_scope", "vllm_steering_rounds",
 )  # fmt: skip
 
 
@@ -192,6 +192,12 @@ class Settings:
         "session",
         "vLLM engine: prefix-cache reuse within each session only, or across sessions too.",
         choices=("session", "global"),
+    )
+    vllm_steering_rounds: int = setting(
+        8,
+        "vLLM engine: steering vectors one request may add at one layer (0-8); 0 turns steering off and "
+        "leaves it out of the compiled graph. Under CUDA graphs every round is replayed at every step, "
+        "steered or not (docs/vllm.md).",
     )
 
     # -- sessions and admission ---------------------------------------------------------
@@ -381,6 +387,8 @@ class Settings:
                 f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                 f"got {self.distributed_executor_backend!r}"
             )
+        if self.vllm_steering_rounds < 0:  # the vLLM engine checks its own maximum
+            raise invalid(f"vllm_steering_rounds must be >= 0, got {self.vllm_steering_rounds}")
         address = self.vllm_readout_address
         if address is not None and not re.fullmatch(r"tcp://[^\s:/]+:\d{1,5}", address):
             raise invalid(f"vllm_readout_address must be tcp://HOST:PORT, got {address!r}")

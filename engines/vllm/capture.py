@@ -56,6 +56,11 @@ WANTED = "prismgate_readouts_wanted"
 STEER = "prismgate_steer_"  # prefix of the steering buffers' names
 
 
+def recording(hidden: torch.Tensor) -> bool:
+    """Whether this call is being recorded into a CUDA graph, whose replays skip the ops' host code."""
+    return bool(hidden.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 @torch.library.custom_op(
     "prismgate::readout",
     mutates_args=("out",),
@@ -74,7 +79,7 @@ def readout(
     at once (the buffer keeps the last step's values, which nobody reads). While a CUDA graph
     is captured it always writes, since its replays skip this host code.
     """
-    if not wanted.item() and not (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not wanted.item() and not recording(hidden):
         return
     n = min(int(hidden.shape[0]), int(out.shape[0]))
     stream = hidden[:n] if residual is None else hidden[:n] + residual[:n]
@@ -132,7 +137,7 @@ def steer(
     step before (NaN where there is none: closed).
     """
     n = min(int(hidden.shape[0]), int(index.shape[0]))
-    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+    if recording(hidden):
         used, norms, reads, gates = int(index.shape[1]), 1, 1, 1
     else:
         used, norms, reads, gates = (int(v) for v in rounds.tolist())
@@ -208,26 +213,28 @@ class SteerBuffers:
 
     ``table`` rows: 0 the zero vector, then the pack's unit directions at this layer (concept
     ``c`` is row ``1 + c``), then :data:`RAW_SLOTS` rows for raw directions. ``index``,
-    ``scale`` and ``normed`` are ``[rows, MAX_ROUNDS]``; so are the gates' ``threshold``,
-    ``above`` and ``carried``, and ``gate`` ``[rows, MAX_ROUNDS, 2]`` (the gate readout's
+    ``scale`` and ``normed`` are ``[rows, width]`` (``width``: the most rounds of a step); so are the
+    gates' ``threshold``, ``above`` and ``carried``, and ``gate`` ``[rows, width, 2]`` (the gate readout's
     pack slot and concept; slot -1: ungated). ``rounds`` is four ints in host memory: the
     rounds this step uses, whether any is norm-matched, whether a gate reads this layer, and
     whether any round is gated. ``reads`` are the buffers shared by every layer.
     """
 
-    def __init__(self, layer: torch.nn.Module, units: torch.Tensor, rows: int, reads: GateReadouts) -> None:
+    def __init__(
+        self, layer: torch.nn.Module, units: torch.Tensor, rows: int, reads: GateReadouts, width: int = MAX_ROUNDS
+    ) -> None:
         device = units.device
         table = torch.zeros(1 + units.shape[0] + RAW_SLOTS, units.shape[1], dtype=torch.float32, device=device)
         table[1 : 1 + units.shape[0]] = units
         parts = {
             "table": table,
-            "index": torch.zeros(rows, MAX_ROUNDS, dtype=torch.int64, device=device),
-            "scale": torch.zeros(rows, MAX_ROUNDS, dtype=torch.float32, device=device),
-            "normed": torch.zeros(rows, MAX_ROUNDS, dtype=torch.bool, device=device),
-            "gate": torch.full((rows, MAX_ROUNDS, 2), -1, dtype=torch.int64, device=device),
-            "threshold": torch.zeros(rows, MAX_ROUNDS, dtype=torch.float32, device=device),
-            "above": torch.zeros(rows, MAX_ROUNDS, dtype=torch.bool, device=device),
-            "carried": torch.full((rows, MAX_ROUNDS), float("nan"), dtype=torch.float32, device=device),
+            "index": torch.zeros(rows, width, dtype=torch.int64, device=device),
+            "scale": torch.zeros(rows, width, dtype=torch.float32, device=device),
+            "normed": torch.zeros(rows, width, dtype=torch.bool, device=device),
+            "gate": torch.full((rows, width, 2), -1, dtype=torch.int64, device=device),
+            "threshold": torch.zeros(rows, width, dtype=torch.float32, device=device),
+            "above": torch.zeros(rows, width, dtype=torch.bool, device=device),
+            "carried": torch.full((rows, width), float("nan"), dtype=torch.float32, device=device),
             "pre": reads.pre,
             "prev": reads.prev,
         }
@@ -254,13 +261,14 @@ def install(
     layers: list[int],
     rows: int,
     *,
-    steering: bool = False,
+    steering_rounds: int = 0,
     wanted: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor], list[SteerBuffers]]:
     """Give each named layer an in-graph readout (and steering); returns their buffers in pack order.
 
     ``directions[i]`` is the pack's ``[n_concepts, hidden]`` for ``layers[i]``; ``rows`` is
     the most tokens one forward pass can hold (vLLM's batched-token budget or CUDA-graph size).
+    ``steering_rounds`` is how many vectors a row may get at one layer (0: the layers do not steer).
     ``wanted`` is one int64 in host memory that the host sets before each step: 0 when no
     request reads readouts in it (the readout ops skip their work); None: always read.
     """
@@ -280,7 +288,8 @@ def install(
         layer.register_buffer(DIRECTIONS, d, persistent=False)
         layer.register_buffer(READOUTS, out, persistent=False)
         layer.register_buffer(WANTED, wanted, persistent=False)  # the one host flag, shared by every layer
-        steer_at = SteerBuffers(layer, unit_directions(direction, device), rows, reads) if steering else None
+        units = unit_directions(direction, device)
+        steer_at = SteerBuffers(layer, units, rows, reads, steering_rounds) if steering_rounds > 0 else None
         layer.forward = _with_readout(layer, layer.forward, slot if steer_at is not None else None)
         buffers.append(out)
         if steer_at is not None:

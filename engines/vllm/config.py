@@ -32,6 +32,7 @@ from typing import Any
 from prismgate.core.engine import EngineInfo, ReadoutManifest
 from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.engines.tokenizer import HFTokenizer
+from prismgate.engines.vllm.steer import MAX_ROUNDS
 from prismgate.engines.vllm.vision import VISION_MODEL_TYPES, vision_tokens
 from prismgate.engines.vllm.worker import EXTRA_KEY
 
@@ -62,6 +63,7 @@ class Options:
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     max_num_seqs: int | None = None
+    steering_rounds: int = MAX_ROUNDS  # vectors a request may add at one layer; 0: no steering in the graph
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -98,7 +100,9 @@ def engine_args(options: Options, *, on_cpu: bool) -> dict[str, Any]:
         # Read by the worker at load time. Also part of the key of vLLM's compile cache: a graph
         # compiled for one pack's shapes must never be loaded for another's, hence the digest.
         digest = hashlib.sha256(options.concept_pack.read_bytes()).hexdigest()[:16]
-        kwargs["additional_config"] = {EXTRA_KEY: {"pack": str(options.concept_pack), "digest": digest}}
+        kwargs["additional_config"] = {
+            EXTRA_KEY: {"pack": str(options.concept_pack), "digest": digest, "steering_rounds": options.steering_rounds}
+        }
     kwargs.update(memory_args(options, on_cpu=on_cpu))
     if options.max_num_seqs is not None:
         kwargs["max_num_seqs"] = options.max_num_seqs
@@ -211,6 +215,7 @@ def engine_info(options: Options, tokenizer: Any, vllm_len: int, manifest: Reado
         readouts=manifest,
         vision=vision_tokens(config, tokenizer),
         engine_name="vllm",
-        steering=manifest is not None,
-        steering_gates=manifest is not None,  # the engine refuses them itself under pipeline parallelism
+        steering=manifest is not None and options.steering_rounds > 0,
+        steering_gates=manifest is not None and options.steering_rounds > 0,  # refused under pipeline parallelism
+        steering_off="vllm_steering_rounds = 0" if options.steering_rounds == 0 else None,
     )

@@ -107,6 +107,7 @@ class VLLMEngine:
         max_num_seqs: int | None = None,
         keep_session_readouts: bool = True,
         cache_scope: str = "session",
+        steering_rounds: int = steer.MAX_ROUNDS,
         max_stored_positions: int = 1 << 18,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
@@ -128,10 +129,13 @@ class VLLMEngine:
             data_parallel_size=data_parallel_size,
             distributed_executor_backend=distributed_executor_backend,
             max_num_seqs=max_num_seqs,
+            steering_rounds=steering_rounds,
             engine_kwargs=dict(engine_kwargs or {}),
         )
         self._readout_address = readout_address
         self._keep_session_readouts = keep_session_readouts
+        if not 0 <= steering_rounds <= steer.MAX_ROUNDS:
+            raise invalid(f"vllm_steering_rounds must be in [0, {steer.MAX_ROUNDS}], got {steering_rounds}")
         if cache_scope not in {"session", "global"}:
             raise invalid(f"cache_scope must be 'session' or 'global', got {cache_scope!r}")
         self._cache_scope = cache_scope
@@ -403,7 +407,13 @@ class VLLMEngine:
             raise invalid("readout-gated steering is not supported with pipeline_parallel_size > 1 on the vllm engine")
         pack = self._pack
         return steer.worker_steering(
-            key, request.spec.steering, len(request.tokens), list(pack.layers), list(pack.concepts), self._raw_slots
+            key,
+            request.spec.steering,
+            len(request.tokens),
+            list(pack.layers),
+            list(pack.concepts),
+            self._raw_slots,
+            self._options.steering_rounds,
         )
 
     def _salt(self, session_key: str | None) -> str | None:

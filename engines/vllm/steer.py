@@ -28,7 +28,7 @@ from typing import Any
 from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.core.steering import Comparison, Steering, active, digest
 
-MAX_ROUNDS = 8  # vectors one request may add at one layer: the worker's buffers have this many rounds
+MAX_ROUNDS = 8  # the most vectors one request may add at one layer (``vllm_steering_rounds`` picks up to this)
 RAW_SLOTS = 32  # table rows per steered layer for raw directions of requests in flight
 
 
@@ -57,9 +57,17 @@ class RawSlots:
 
 
 def worker_steering(
-    key: str, steering: Steering, prompt_len: int, layers: list[int], concepts: list[str], slots: RawSlots
+    key: str,
+    steering: Steering,
+    prompt_len: int,
+    layers: list[int],
+    concepts: list[str],
+    slots: RawSlots,
+    rounds: int = MAX_ROUNDS,
 ) -> dict[str, Any] | None:
     """What the worker reads for ``steering`` (None: none); raw directions take slots under ``key``.
+
+    ``rounds`` is how many vectors the worker's graph adds at one layer (``vllm_steering_rounds``).
 
     ``e`` lists the entries in order as ``[layer index, table row, scale, norm matched,
     positions value, gate]``, ``gate`` None or ``[layer index, concept index, above, threshold]``;
@@ -75,8 +83,11 @@ def worker_steering(
             raise invalid(f"steering layer {entry.layer} is not a layer of the concept pack")
         index = layers.index(entry.layer)
         per_layer[index] = per_layer.get(index, 0) + 1
-        if per_layer[index] > MAX_ROUNDS:
-            raise invalid(f"the vLLM engine adds at most {MAX_ROUNDS} steering vectors at one layer")
+        if per_layer[index] > rounds:
+            raise invalid(
+                f"this server's vLLM engine adds at most {rounds} steering vectors at one layer "
+                f"(vllm_steering_rounds); layer {entry.layer} has more"
+            )
         if entry.concept is not None:
             if entry.concept not in concepts:
                 raise invalid(f"unknown steering concept {entry.concept!r}")

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from prismgate.core.steering import Positions
-from prismgate.engines.vllm.steer import MAX_ROUNDS
 
 if TYPE_CHECKING:
     from prismgate.engines.vllm.capture import SteerBuffers
@@ -61,6 +60,7 @@ class SteerWriter:
 
     def __init__(self, buffers: list[SteerBuffers], slots: list[int] | None = None) -> None:
         self.buffers = buffers
+        self.width = int(buffers[0].index.shape[1])  # rounds per layer the graph makes room for
         self.step = 0
         # request -> (the step it last ran in, the position of its last row, [layers, concepts] there)
         self._carried: dict[str, tuple[int, int, np.ndarray]] = {}
@@ -86,10 +86,11 @@ class SteerWriter:
             return
         self._layout = () if gates_now else layout
         n_layers = len(self.buffers)
-        index = np.zeros((n_layers, n_rows, MAX_ROUNDS), dtype=np.int64)
-        scale = np.zeros((n_layers, n_rows, MAX_ROUNDS), dtype=np.float32)
-        normed = np.zeros((n_layers, n_rows, MAX_ROUNDS), dtype=np.bool_)
-        gates = _Gates(n_layers, n_rows) if gates_now else None
+        width = self.width
+        index = np.zeros((n_layers, n_rows, width), dtype=np.int64)
+        scale = np.zeros((n_layers, n_rows, width), dtype=np.float32)
+        normed = np.zeros((n_layers, n_rows, width), dtype=np.bool_)
+        gates = _Gates(n_layers, n_rows, width) if gates_now else None
         rounds = [0] * n_layers
         for req in requests:
             self._fill_raw(req)
@@ -171,11 +172,11 @@ CARRY_STEPS = 256  # steps a request's carried gate readouts outlive its last st
 class _Gates:
     """One step's gate inputs, built on the host and written to every layer's buffers at once."""
 
-    def __init__(self, n_layers: int, n_rows: int) -> None:
-        self.gate = np.full((n_layers, n_rows, MAX_ROUNDS, 2), -1, dtype=np.int64)
-        self.threshold = np.zeros((n_layers, n_rows, MAX_ROUNDS), dtype=np.float32)
-        self.above = np.zeros((n_layers, n_rows, MAX_ROUNDS), dtype=np.bool_)
-        self.carried = np.full((n_layers, n_rows, MAX_ROUNDS), np.nan, dtype=np.float32)
+    def __init__(self, n_layers: int, n_rows: int, width: int) -> None:
+        self.gate = np.full((n_layers, n_rows, width, 2), -1, dtype=np.int64)
+        self.threshold = np.zeros((n_layers, n_rows, width), dtype=np.float32)
+        self.above = np.zeros((n_layers, n_rows, width), dtype=np.bool_)
+        self.carried = np.full((n_layers, n_rows, width), np.nan, dtype=np.float32)
         self.reads = np.zeros(n_layers, dtype=np.bool_)  # layers a gate reads
         self.gated = np.zeros(n_layers, dtype=np.bool_)  # layers with a gated round
         self.local: dict[int, int] = {}  # pack slot -> this worker's layer, for the slots gates read

@@ -49,6 +49,7 @@ import torch
 
 from prismgate.engines.readouts.probe import decoder_layers
 from prismgate.engines.vllm.channel import StepPacket, encode_step
+from prismgate.engines.vllm.steer import MAX_ROUNDS
 from prismgate.engines.vllm.steer_rows import SteeredRows, SteerWriter
 
 if TYPE_CHECKING:
@@ -269,8 +270,9 @@ class PrismgateWorkerExtension:
         directions = [pack.directions[i] for i in slots]
         rows = max_rows(self.vllm_config)  # type: ignore[attr-defined]
         wanted = torch.ones(1, dtype=torch.int64)
+        rounds = int(settings.get("steering_rounds", MAX_ROUNDS))
         self._prismgate_buffers, self._prismgate_steer = capture.install(
-            model, directions, layers, rows, steering=True, wanted=wanted
+            model, directions, layers, rows, steering_rounds=rounds, wanted=wanted
         )
         self._prismgate_wanted = wanted
         self._prismgate_layers = layers

@@ -58,6 +58,8 @@ def check_steering(info: EngineInfo, steering: Steering) -> None:
         return
     if not info.steering:
         name = info.engine_name or "this"
+        if info.steering_off is not None:
+            raise invalid(f"steering is turned off on the {name} engine of this server ({info.steering_off})")
         raise invalid(f"steering is not supported by the {name} engine yet")
     manifest = info.readouts
     if manifest is None:

@@ -77,6 +77,7 @@ class EngineInfo:
     engine_name: str = ""
     steering: bool = False  # the engine applies GenerateSpec.steering (with a concept pack loaded)
     steering_gates: bool = False  # it also applies readout-gated entries (SteeringEntry.gate)
+    steering_off: str | None = None  # the setting that turned steering off on an engine that has it
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from prismgate.engines.vllm import capture, config
 from prismgate.engines.vllm.channel import StepPacket, decode_step, encode_step
 from prismgate.engines.vllm.events import decode_logprob
 from prismgate.engines.vllm.plan import ranges
-from prismgate.engines.vllm.steer import RAW_SLOTS, RawSlots, cache_salt
+from prismgate.engines.vllm.steer import MAX_ROUNDS, RAW_SLOTS, RawSlots, cache_salt
 from prismgate.engines.vllm.steer_rows import SteeredRows, SteerWriter
 from prismgate.engines.vllm.store import SessionValues, ValueStore
 from prismgate.engines.vllm.vision import ImageCounter, collapse
@@ -224,7 +224,7 @@ def test_in_graph_steering_adds_to_the_rows_the_host_planned_under_torch_compile
     x = torch.randn(7, hidden)
     with torch.no_grad():
         plain = model(x)
-    _, steer = capture.install(model, directions, [0, 2], rows, steering=True)
+    _, steer = capture.install(model, directions, [0, 2], rows, steering_rounds=MAX_ROUNDS)
     writer = SteerWriter(steer)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
     with torch.no_grad():

@@ -19,13 +19,14 @@ import pytest_asyncio
 import torch
 
 from prismgate.core.actions import PositionRange
+from prismgate.core.errors import Code, GatewayError
 from prismgate.core.steering import Comparison, Gate, Positions, SteeringEntry
 from prismgate.engines.vllm import capture, steer
 from prismgate.engines.vllm.steer_rows import SteeredRows, SteerWriter
 from tests.engines.requests import run
 from tests.engines.test_vllm_crosscheck import assert_compiled, compare, pair
 from tests.engines.test_vllm_parts import _Model
-from tests.engines.vllm_factory import require_vllm
+from tests.engines.vllm_factory import make_vllm_engine, require_vllm
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -277,7 +278,7 @@ def test_the_compiled_op_gates_on_the_previous_row_and_on_the_value_carried_betw
     model = _Model(hidden, 3).eval()
     directions = [np.random.default_rng(i).standard_normal((concepts, hidden)).astype(np.float32) for i in (1, 2)]
     chunks = [torch.randn(5, hidden), torch.randn(5, hidden)]
-    readouts, buffers = capture.install(model, directions, [0, 2], rows, steering=True)
+    readouts, buffers = capture.install(model, directions, [0, 2], rows, steering_rounds=steer.MAX_ROUNDS)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
     writer = SteerWriter(buffers)
 
@@ -309,6 +310,94 @@ def test_the_compiled_op_gates_on_the_previous_row_and_on_the_value_carried_betw
     assert 0 < len(opened) < 9
     for q in range(10):
         assert torch.equal(gated[q], ungated[q] if q in opened else whole[q]), q
+
+
+async def test_steering_rounds_bound_the_vectors_at_one_layer(
+    engines: Any, tiny_model_dir: Path, tiny_pack: Path
+) -> None:
+    """``vllm_steering_rounds = 1``: one vector per layer steers as the full engine does; two are refused."""
+    _, full = engines
+    one = make_vllm_engine(tiny_model_dir, concept_pack=tiny_pack, steering_rounds=1)
+    await one.start()
+    try:
+        p = prompt(one, "Tell me about the sea.")
+        per_layer = (push(6.0), push(0.5, layer=1, concept="concept2", norm_match=True))
+        mine, _ = await run(one, p, **spec(p, *per_layer))
+        theirs, _ = await run(full, p, **spec(p, *per_layer))
+        plain, _ = await run(one, p, **spec(p))
+        assert_compiled(one)
+        assert same(mine, theirs) and ids(mine) != ids(plain)
+        with pytest.raises(GatewayError) as caught:
+            await run(one, p, **spec(p, push(6.0), push(2.0)))
+        assert caught.value.code is Code.INVALID_ARGUMENT and "vllm_steering_rounds" in caught.value.message
+        again, _ = await run(one, p, **spec(p, *per_layer))  # the refusal left nothing behind
+        assert same(again, mine)
+    finally:
+        await one.close()
+
+
+def test_steering_rounds_zero_leaves_steering_out(tiny_model_dir: Path, tiny_pack: Path) -> None:
+    """0: no steering buffers in the graph, and a steering request is refused naming the setting."""
+    from transformers import AutoTokenizer
+
+    from prismgate.core.checks import check_steering
+    from prismgate.engines.readouts.pack import ConceptPack
+    from prismgate.engines.vllm import config
+
+    model = _Model(16, 3).eval()
+    directions = [np.zeros((3, 16), dtype=np.float32)] * 2
+    assert capture.install(model, directions, [0, 2], 8, steering_rounds=0)[1] == []
+    pack = ConceptPack.load(tiny_pack)
+    options = config.Options(tiny_model_dir, "tiny-llama", concept_pack=tiny_pack, steering_rounds=0)
+    info = config.engine_info(options, AutoTokenizer.from_pretrained(str(tiny_model_dir)), 513, pack.manifest)
+    assert info.readouts is not None and not info.steering
+    with pytest.raises(GatewayError) as caught:
+        check_steering(info, (push(1.0),))
+    assert caught.value.code is Code.INVALID_ARGUMENT
+    assert "turned off" in caught.value.message and "vllm_steering_rounds = 0" in caught.value.message
+    with pytest.raises(GatewayError, match="vllm_steering_rounds must be in"):
+        make_vllm_engine(tiny_model_dir, concept_pack=tiny_pack, steering_rounds=9)
+
+
+def test_what_a_cuda_graph_records_computes_what_the_host_path_computes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op's recorded form (every round, gate and norm, whatever the host says) against its lean form.
+
+    Under CUDA-graph capture the op ignores the host's round counts and records everything;
+    unused rounds must select nothing. Forcing that form here, on the CPU, checks its
+    arithmetic bit for bit on a batch with stacked, norm-matched, gated and unsteered rows.
+    """
+    torch.manual_seed(0)
+    hidden, concepts, rows = 16, 3, 64
+    model = _Model(hidden, 3).eval()
+    directions = [np.random.default_rng(i).standard_normal((concepts, hidden)).astype(np.float32) for i in (1, 2)]
+    x = torch.randn(12, hidden)
+    _, buffers = capture.install(model, directions, [0, 2], rows, steering_rounds=3)
+    writer = SteerWriter(buffers)
+    stacked = [[0, 2, 3.0, 0, "both", None], [0, 3, 0.5, 1, "generated", None], [1, 1, -2.0, 0, "prompt", None]]
+    gated = [[1, 1 + 2, 4.0, 0, "both", [0, 1, 1, 0.0]]]
+    requests = [
+        SteeredRows("a", 0, 4, 0, {"n": 2, "e": stacked, "raw": []}),  # rows 4-7: nobody's
+        SteeredRows("g", 8, 4, 0, {"n": 4, "e": gated, "raw": []}),
+    ]
+
+    def run_once() -> torch.Tensor:
+        writer.plan(requests, 12)
+        with torch.no_grad():
+            out = model(x)
+        writer.plan([], 12)
+        return out
+
+    lean = run_once()
+    monkeypatch.setattr(capture, "recording", lambda hidden: True)
+    recorded = run_once()
+    with torch.no_grad():
+        idle = model(x)  # recorded with nobody steering: every round selects nothing
+    monkeypatch.undo()
+    with torch.no_grad():
+        plain = model(x)
+    assert torch.equal(recorded, lean)
+    assert torch.equal(idle, plain)
+    assert not torch.equal(lean[:4], plain[:4]) and torch.equal(lean[4:8], plain[4:8])
 
 
 @pytest.mark.slow
