@@ -33,17 +33,9 @@ def read_steering(value: Any, budget: RequestBudget, where: str = "steering") ->
 
 
 def _entry(item: Any, where: str) -> SteeringEntry:
-    if not isinstance(item, dict):
-        raise invalid(f"{where} must be an object, got {_kind(item)}")
-    unknown = sorted(set(item) - set(KEYS))
-    if unknown:
-        raise invalid(f"{where} has unknown keys {', '.join(map(repr, unknown))}; it takes {', '.join(KEYS)}")
-    layer = item.get("layer")
-    if isinstance(layer, bool) or not isinstance(layer, int):
-        raise invalid(f"{where}.layer must be an integer (a layer of the concept pack), got {_kind(layer)}")
-    scale = item.get("scale")
-    if isinstance(scale, bool) or not isinstance(scale, int | float):
-        raise invalid(f"{where}.scale must be a number, got {_kind(scale)}")
+    item = _object(item, where, KEYS)
+    layer = _layer(item, where)
+    scale = _number(item, where, "scale")
     concept = item.get("concept")
     if concept is not None and not isinstance(concept, str):
         raise invalid(f"{where}.concept must be a string, got {_kind(concept)}")
@@ -77,20 +69,12 @@ def _entry(item: Any, where: str) -> SteeringEntry:
 
 
 def _gate(item: Any, where: str) -> Gate:
-    if not isinstance(item, dict):
-        raise invalid(f"{where} must be an object, got {_kind(item)}")
-    unknown = sorted(set(item) - set(GATE_KEYS))
-    if unknown:
-        raise invalid(f"{where} has unknown keys {', '.join(map(repr, unknown))}; it takes {', '.join(GATE_KEYS)}")
+    item = _object(item, where, GATE_KEYS)
     concept = item.get("concept")
     if not isinstance(concept, str):
         raise invalid(f"{where}.concept must be a string (a concept of the pack), got {_kind(concept)}")
-    layer = item.get("layer")
-    if isinstance(layer, bool) or not isinstance(layer, int):
-        raise invalid(f"{where}.layer must be an integer (a layer of the concept pack), got {_kind(layer)}")
-    threshold = item.get("threshold")
-    if isinstance(threshold, bool) or not isinstance(threshold, int | float):
-        raise invalid(f"{where}.threshold must be a number, got {_kind(threshold)}")
+    layer = _layer(item, where)
+    threshold = _number(item, where, "threshold")
     comparison = item.get("comparison")
     choices = [c.value for c in Comparison]
     if comparison not in choices:
@@ -99,6 +83,30 @@ def _gate(item: Any, where: str) -> Gate:
         return Gate(concept=concept, layer=layer, comparison=Comparison(comparison), threshold=_float(threshold))
     except GatewayError as exc:
         raise invalid(f"{where}: {exc.message}") from None
+
+
+def _object(item: Any, where: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    """``item`` as a JSON object holding no key but ``keys``."""
+    if not isinstance(item, dict):
+        raise invalid(f"{where} must be an object, got {_kind(item)}")
+    unknown = sorted(set(item) - set(keys))
+    if unknown:
+        raise invalid(f"{where} has unknown keys {', '.join(map(repr, unknown))}; it takes {', '.join(keys)}")
+    return item
+
+
+def _layer(item: dict[str, Any], where: str) -> int:
+    layer = item.get("layer")
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise invalid(f"{where}.layer must be an integer (a layer of the concept pack), got {_kind(layer)}")
+    return layer
+
+
+def _number(item: dict[str, Any], where: str, key: str) -> int | float:
+    value = item.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise invalid(f"{where}.{key} must be a number, got {_kind(value)}")
+    return value
 
 
 def _float(value: int | float) -> float:
