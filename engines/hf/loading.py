@@ -46,7 +46,7 @@ def load(
     if concept_pack is not None:
         pack = ConceptPack.load(concept_pack)
         probe = ReadoutProbe(model, pack)
-        steerer = Steerer(model, pack)
+        steerer = Steerer(model, pack, probe.project)
         manifest = pack.manifest
     tokenizer = adapter.tokenizer
     config = model.config.get_text_config()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,14 +70,15 @@ class RowPlan:
 
 
 class Steerer:
-    def __init__(self, model: Any, pack: ConceptPack) -> None:
+    def __init__(self, model: Any, pack: ConceptPack, project: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
+        """``project(index, hidden)``: the readouts of ``hidden`` at the pack's ``index``-th layer (the probe's)."""
         layers = decoder_layers(model)
         param = next(model.parameters())
         self.pack = pack
         self._device = param.device
         directions = torch.from_numpy(pack.directions).to(device=param.device, dtype=torch.float32)
         self._directions = directions / directions.norm(dim=-1, keepdim=True)  # packs hold unit vectors; be sure
-        self._readout = directions.transpose(1, 2).contiguous()  # [layers, hidden, concepts]: the probe's projection
+        self._project = project  # the readout probe's: what a gate compares is exactly a readout
         self._plan: dict[int, list[Group]] = {}
         self._reads: dict[int, list[int]] = {}  # layer index -> the concepts gates read there in this pass
         self._before: dict[int, Mapping[GateKey, float]] = {}  # row -> its gate readouts one position back
@@ -142,7 +143,7 @@ class Steerer:
             hidden = output[0] if isinstance(output, tuple) else output
             concepts = self._reads.get(index)
             if concepts:  # before this layer's vectors: a gate here serves vectors here too
-                readouts = hidden.to(torch.float32) @ self._readout[index]  # [batch, tokens, concepts]
+                readouts = self._project(index, hidden)  # [batch, tokens, concepts]
                 for c in concepts:
                     self._values[(index, c)] = readouts[..., c]
             for group in self._plan.get(index, ()):

@@ -54,9 +54,16 @@ class ReadoutProbe:
             if not self.enabled:
                 return
             hidden = output[0] if isinstance(output, tuple) else output
-            self._captured[index] = hidden.to(torch.float32) @ self._directions[index]  # [batch, tokens, concepts]
+            self._captured[index] = self.project(index, hidden)
 
         return hook
+
+    def project(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        """The readouts of ``hidden`` at the pack's ``index``-th layer: ``[batch, tokens, concepts]``, float32.
+
+        The one projection of this engine: steering gates read the stream through it too.
+        """
+        return hidden.to(torch.float32) @ self._directions[index]
 
     def take(self) -> npt.NDArray[np.float32]:
         """Readouts of the last forward (of one sequence): ``[tokens, n_layers, n_concepts]``."""
