@@ -25,8 +25,8 @@ sends it to the gateway process over a ZMQ PUSH socket (:mod:`prismgate.engines.
 defines the frames): the first tensor-parallel rank of every pipeline stage of every
 data-parallel engine core. A pipeline stage sends the readouts of the pack's layers it holds
 (the gateway merges the stages' rows) and the last stage the prompt logprobs. A step no
-request asked anything of costs only the in-graph dot products (when a pack is loaded) and
-no copy or message.
+request asked readouts of sends no message, and its in-graph readout ops return at once (a
+host flag set here before the step; under CUDA graphs they still compute, unread).
 
 Steering rides the same path the other way: before the model call the host writes which
 vector goes to which row into the graph's steering buffers (:mod:`.steer_rows`), from the
