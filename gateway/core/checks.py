@@ -82,8 +82,8 @@ def check_steering(info: EngineInfo, steering: Steering) -> None:
         if gate is not None:
             if not info.steering_gates:
                 raise invalid(
-                    f"{where}: readout-gated steering runs on the transformers engine; the "
-                    f"{info.engine_name or 'this'} engine does not support it yet"
+                    f"{where}: readout-gated steering is not supported by the {info.engine_name or 'this'} engine; "
+                    "steer without a gate"
                 )
             if gate.layer not in manifest.layers:
                 raise invalid(
