@@ -206,6 +206,7 @@ def engine_info(options: Options, tokenizer: Any, vllm_len: int, manifest: Reado
     """What the engine serves; ``vllm_len`` is vLLM's context, one longer than the one served."""
     config = model_config(options.model_path)
     text = config.get("text_config") or config
+    steers = manifest is not None and options.steering_rounds > 0
     return EngineInfo(
         model_id=options.model_id,
         max_model_len=vllm_len - 1,
@@ -215,7 +216,7 @@ def engine_info(options: Options, tokenizer: Any, vllm_len: int, manifest: Reado
         readouts=manifest,
         vision=vision_tokens(config, tokenizer),
         engine_name="vllm",
-        steering=manifest is not None and options.steering_rounds > 0,
-        steering_gates=manifest is not None and options.steering_rounds > 0,  # refused under pipeline parallelism
+        steering=steers,
+        steering_gates=steers,  # the engine refuses gates itself under pipeline parallelism
         steering_off="vllm_steering_rounds = 0" if options.steering_rounds == 0 else None,
     )
