@@ -104,7 +104,7 @@ def build_service(settings: Settings, engine: Engine | None = None) -> SessionSe
     else:
         engines = [build_engine(served) for served in settings.served() for _ in range(served.replicas)]
     pool = EnginePool(engines, max_active=settings.max_active, max_queued=settings.max_queued)
-    return SessionService(pool, build_store(settings), build_budget(settings))
+    return SessionService(pool, build_store(settings), build_budget(settings), deterministic=settings.deterministic)
 
 
 def build_budget(settings: Settings) -> RequestBudget:

@@ -1,0 +1,158 @@
+"""Batch-invariant kernels for the transformers engine: a row's bits never depend on its neighbours.
+
+A deterministic request (``GenerateSpec.deterministic``) must give the same token ids,
+logprobs and readouts whatever else shares its forward passes, however its prompt was
+chunked, and whether its keys and values were decoded one by one or prefilled at once. Every
+operation of the forward pass is computed row by row already except two, and this module
+makes those two invariant while the switch is on (docs/determinism.md tells the whole story):
+
+- **Matrix products** (every linear layer, the LM head, the readout projection): a GEMM's
+  kernel depends on its number of rows, so while the switch is on every product runs on at
+  least ``MIN_ROWS`` rows (:mod:`prismgate.engines.invariant_rows` says why that suffices);
+  :func:`install` hooks every linear layer to pad its input.
+- **Attention**: the sum over keys is where batching, padding and chunking change the order
+  of additions. :func:`invariant_attention` computes it in one canonical order that depends
+  only on the query's absolute position: keys re-based so that key ``j`` of the sequence
+  is column ``j`` (left padding of a batched decode removed), scores in float32, the softmax
+  max (exact in any order), then sums in fixed blocks of :data:`BLOCK` keys (a fixed-length
+  reduction) combined block after block by a sequential ``cumsum``. Keys a query may not see,
+  padding included, are exact zeros in those sums, and adding zero changes no bits. A query
+  decoded alone, one inside a batch of eight, and the same position inside a prefill chunk
+  of any size therefore add the same numbers in the same order.
+
+The switch costs nothing while off: attention goes to PyTorch's SDPA exactly as before and
+the linear layers run unpadded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from prismgate.engines.invariant_rows import MIN_ROWS, SWITCH, padded_rows
+
+ATTENTION = "prismgate_invariant"  # the name this module registers with transformers' attention interface
+BLOCK = 64  # keys per fixed-length partial sum
+
+
+def _linear_pre_hook(module: torch.nn.Linear, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    if not SWITCH.active:
+        return None
+    x = args[0]
+    flat, n = padded_rows(x)
+    if flat.shape[0] == n:
+        return None
+    module._prismgate_rows = (n, x.shape[:-1])  # type: ignore[assignment]
+    return (flat, *args[1:])
+
+
+def _linear_hook(module: torch.nn.Linear, _args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor | None:
+    kept = module.__dict__.pop("_prismgate_rows", None)
+    if kept is None:
+        return None
+    n, shape = kept
+    return output[:n].reshape(*shape, output.shape[-1])
+
+
+def _key_offsets(mask: torch.Tensor | None, batch: int, queries: int, keys: int, device: Any) -> tuple[Any, Any]:
+    """(per row, the column of its first visible key; per row and query, how many keys it sees).
+
+    The visible keys of a query are one run of columns: the row's left padding before it,
+    the query's future after it (transformers' causal masks with left padding).
+    """
+    if mask is None:  # causal with nothing padded: query i sees keys [0, keys - queries + i]
+        counts = torch.arange(keys - queries + 1, keys + 1, device=device).expand(batch, queries)
+        return torch.zeros(batch, dtype=torch.long, device=device), counts
+    visible = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
+    visible = visible.expand(batch, queries, keys)
+    first = torch.argmax(visible[:, -1].to(torch.int8), dim=-1)
+    return first, visible.sum(dim=-1)
+
+
+def invariant_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **_kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention in one canonical order (see the module docstring); transformers' interface.
+
+    ``query`` is ``[batch, heads, q, d]``, ``key``/``value`` ``[batch, kv_heads, L, d]``;
+    returns ``[batch, q, heads, d]`` in the query's dtype.
+    """
+    batch, heads, queries, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    scale = dim**-0.5 if scaling is None else scaling
+    first, counts = _key_offsets(attention_mask, batch, queries, keys, query.device)
+
+    # keys and values re-based so that column j holds the sequence's key j, padded to whole blocks
+    span = keys - int(first.min())
+    width = -(-span // BLOCK) * BLOCK
+    k32 = F.pad(key.to(torch.float32), (0, 0, 0, width))
+    v32 = F.pad(value.to(torch.float32), (0, 0, 0, width))
+    if bool((first != 0).any()):
+        index = (first[:, None] + torch.arange(width, device=query.device)[None, :])[:, None, :, None]
+        k32 = torch.gather(k32, 2, index.expand(batch, kv_heads, width, dim))
+        v32 = torch.gather(v32, 2, index.expand(batch, kv_heads, width, dim))
+    else:
+        k32, v32 = k32[:, :, :width], v32[:, :, :width]
+
+    # every query row of a key head in one product of at least MIN_ROWS rows
+    padded = max(queries, -(-MIN_ROWS // group))
+    q32 = query.to(torch.float32).reshape(batch, kv_heads, group, queries, dim)
+    if padded > queries:
+        q32 = F.pad(q32, (0, 0, 0, padded - queries))
+        counts = F.pad(counts, (0, padded - queries), value=1)
+    q32 = q32.reshape(batch, kv_heads, group * padded, dim)
+    scores = torch.matmul(q32, k32.transpose(-1, -2)) * scale  # [batch, kv_heads, group*padded, width]
+
+    visible = torch.arange(width, device=query.device)[None, None, :] < counts[:, :, None]  # [batch, padded, width]
+    visible = visible[:, None, None].expand(batch, kv_heads, group, padded, width).reshape(scores.shape)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(scores - top)  # invisible keys: exactly 0
+
+    blocks = width // BLOCK
+    w = weights.reshape(batch, kv_heads, group * padded, blocks, BLOCK)
+    total = torch.cumsum(w.sum(dim=-1), dim=-1)[..., -1:]  # [batch, kv_heads, rows, 1]
+    parts = torch.matmul(w.transpose(2, 3), v32.reshape(batch, kv_heads, blocks, BLOCK, dim))
+    summed = torch.cumsum(parts, dim=2)[:, :, -1]  # [batch, kv_heads, rows, dim], blocks added in order
+    out = (summed / total).reshape(batch, kv_heads, group, padded, dim)[:, :, :, :queries]
+    return out.reshape(batch, heads, queries, dim).transpose(1, 2).to(query.dtype).contiguous(), None
+
+
+def _dispatch(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kw: Any
+) -> tuple[torch.Tensor, Any]:
+    """The attention transformers calls: the canonical order while the switch is on, else SDPA as before."""
+    if SWITCH.active:
+        return invariant_attention(module, query, key, value, attention_mask, **kw)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+
+
+def install(model: Any) -> bool:
+    """Give ``model`` the switchable kernels; False when its attention does not go through
+    transformers' attention interface as SDPA (then the engine refuses deterministic requests)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    config = model.config.get_text_config()
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", ATTENTION):
+        return False
+    AttentionInterface.register(ATTENTION, _dispatch)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+    model.set_attn_implementation(ATTENTION)
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.Linear):
+            layer.register_forward_pre_hook(_linear_pre_hook)
+            layer.register_forward_hook(_linear_hook)
+    return True

@@ -1,0 +1,54 @@
+"""The switch for batch-invariant forward passes, and matrix products whose rows never mix.
+
+CPU GEMM kernels pick their blocking by the number of rows ``M``: measured with torch 2.13's
+MKL and oneDNN, float32 products of one row and of two or three rows each take a kernel of their
+own, while every ``M >= 8`` gives each row the same bits in any slot (bf16 gave the same bits for
+every ``M``). While the switch is on, a product of fewer than :data:`MIN_ROWS` rows is padded
+with zero rows to that many, so a row meets one kernel whatever runs beside it. The transformers
+engine's kernels (:mod:`prismgate.engines.hf.invariant`) and the readout probe read the switch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+MIN_ROWS = 8  # matrix products run on at least this many rows while the switch is on
+
+
+class InvariantSwitch:
+    """Whether the next forward passes run batch-invariant; flipped by the worker thread only."""
+
+    def __init__(self) -> None:
+        self.active = False
+
+    @contextlib.contextmanager
+    def on(self, active: bool = True) -> Iterator[None]:
+        before, self.active = self.active, active
+        try:
+            yield
+        finally:
+            self.active = before
+
+
+SWITCH = InvariantSwitch()  # one model thread per process; every engine's model reads this switch
+
+
+def padded_rows(x: torch.Tensor, rows: int = MIN_ROWS) -> tuple[torch.Tensor, int]:
+    """``x`` as a 2-D ``[max(n, rows), features]`` matrix (zero rows added) and its own row count ``n``."""
+    flat = x.reshape(-1, x.shape[-1])
+    n = flat.shape[0]
+    if n >= rows:
+        return flat, n
+    return F.pad(flat, (0, 0, 0, rows - n)), n
+
+
+def matmul_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight`` over the last dimension, each row with the kernel it gets in any batch."""
+    if not SWITCH.active:
+        return x @ weight
+    flat, n = padded_rows(x)
+    return (flat @ weight)[:n].reshape(*x.shape[:-1], weight.shape[-1])
