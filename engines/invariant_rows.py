@@ -2,8 +2,10 @@
 
 CPU GEMM kernels pick their blocking by the number of rows ``M``: measured with torch 2.13's
 MKL and oneDNN, float32 products of one row and of two or three rows each take a kernel of their
-own, while every ``M >= 8`` gives each row the same bits in any slot (bf16 gave the same bits for
-every ``M``). While the switch is on, a product of fewer than :data:`MIN_ROWS` rows is padded
+own, while every ``M >= 8`` gives each row the same bits in any slot. bf16 products look invariant
+on random data, but only because rounding to bf16 hides a different order of additions most of the
+time: on real activations a one-row product differs (seen in SmolLM2's ``down_proj``), so every
+dtype is padded. While the switch is on, a product of fewer than :data:`MIN_ROWS` rows is padded
 with zero rows to that many, so a row meets one kernel whatever runs beside it. The transformers
 engine's kernels (:mod:`prismgate.engines.hf.invariant`) and the readout probe read the switch.
 """

@@ -26,7 +26,7 @@ the linear layers run unpadded.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -56,19 +56,44 @@ def _linear_hook(module: torch.nn.Linear, _args: tuple[Any, ...], output: torch.
     return output[:n].reshape(*shape, output.shape[-1])
 
 
-def _key_offsets(mask: torch.Tensor | None, batch: int, queries: int, keys: int, device: Any) -> tuple[Any, Any]:
-    """(per row, the column of its first visible key; per row and query, how many keys it sees).
+class _Geometry(NamedTuple):
+    """Where each query's keys are: the same for every layer of one forward pass, so computed once."""
 
-    The visible keys of a query are one run of columns: the row's left padding before it,
-    the query's future after it (transformers' causal masks with left padding).
-    """
+    width: int  # key columns after re-basing, a whole number of blocks
+    index: torch.Tensor | None  # [batch, 1, width, 1]: the column each re-based key comes from; None: no shift
+    padded: int  # query rows per head after padding the product to MIN_ROWS rows
+    hidden: torch.Tensor  # [batch, 1, 1, padded, width] bool: keys a query may not see
+
+
+# the last pass's mask (held, so that its identity cannot pass to a new tensor), shapes and geometry
+_last: tuple[torch.Tensor | None, tuple[Any, ...], _Geometry] | None = None
+
+
+def _geometry(mask: torch.Tensor | None, batch: int, group: int, queries: int, keys: int, device: Any) -> _Geometry:
+    """The visible keys of a query are one run of columns: the row's left padding before it, the
+    query's future after it (transformers' causal masks with left padding); re-based, key ``j`` of
+    the sequence is column ``j`` and a query at absolute position ``p`` sees columns ``[0, p]``."""
+    global _last
+    key = (batch, group, queries, keys, device)
+    if _last is not None and _last[0] is mask and _last[1] == key:
+        return _last[2]
     if mask is None:  # causal with nothing padded: query i sees keys [0, keys - queries + i]
+        first = torch.zeros(batch, dtype=torch.long, device=device)
         counts = torch.arange(keys - queries + 1, keys + 1, device=device).expand(batch, queries)
-        return torch.zeros(batch, dtype=torch.long, device=device), counts
-    visible = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
-    visible = visible.expand(batch, queries, keys)
-    first = torch.argmax(visible[:, -1].to(torch.int8), dim=-1)
-    return first, visible.sum(dim=-1)
+    else:
+        visible = (mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0).expand(batch, queries, keys)
+        first = torch.argmax(visible[:, -1].to(torch.int8), dim=-1)
+        counts = visible.sum(dim=-1)
+    width = -(-(keys - int(first.min())) // BLOCK) * BLOCK
+    columns = torch.arange(width, device=device)
+    index = (first[:, None] + columns[None, :])[:, None, :, None] if bool((first != 0).any()) else None
+    padded = max(queries, -(-MIN_ROWS // group))
+    if padded > queries:
+        counts = F.pad(counts, (0, padded - queries), value=1)
+    hidden = (columns[None, None, :] >= counts[:, :, None])[:, None, None]
+    geometry = _Geometry(width, index, padded, hidden)
+    _last = (mask, key, geometry)
+    return geometry
 
 
 def invariant_attention(
@@ -90,41 +115,32 @@ def invariant_attention(
     kv_heads, keys = key.shape[1], key.shape[2]
     group = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
-    first, counts = _key_offsets(attention_mask, batch, queries, keys, query.device)
+    width, index, padded, hidden = _geometry(attention_mask, batch, group, queries, keys, query.device)
 
     # keys and values re-based so that column j holds the sequence's key j, padded to whole blocks
-    span = keys - int(first.min())
-    width = -(-span // BLOCK) * BLOCK
     k32 = F.pad(key.to(torch.float32), (0, 0, 0, width))
     v32 = F.pad(value.to(torch.float32), (0, 0, 0, width))
-    if bool((first != 0).any()):
-        index = (first[:, None] + torch.arange(width, device=query.device)[None, :])[:, None, :, None]
+    if index is not None:
         k32 = torch.gather(k32, 2, index.expand(batch, kv_heads, width, dim))
         v32 = torch.gather(v32, 2, index.expand(batch, kv_heads, width, dim))
     else:
         k32, v32 = k32[:, :, :width], v32[:, :, :width]
 
     # every query row of a key head in one product of at least MIN_ROWS rows
-    padded = max(queries, -(-MIN_ROWS // group))
     q32 = query.to(torch.float32).reshape(batch, kv_heads, group, queries, dim)
     if padded > queries:
         q32 = F.pad(q32, (0, 0, 0, padded - queries))
-        counts = F.pad(counts, (0, padded - queries), value=1)
-    q32 = q32.reshape(batch, kv_heads, group * padded, dim)
-    scores = torch.matmul(q32, k32.transpose(-1, -2)) * scale  # [batch, kv_heads, group*padded, width]
-
-    visible = torch.arange(width, device=query.device)[None, None, :] < counts[:, :, None]  # [batch, padded, width]
-    visible = visible[:, None, None].expand(batch, kv_heads, group, padded, width).reshape(scores.shape)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    top = scores.amax(dim=-1, keepdim=True)
-    weights = torch.exp(scores - top)  # invisible keys: exactly 0
+    rows = group * padded
+    scores = torch.matmul(q32.reshape(batch, kv_heads, rows, dim), k32.transpose(-1, -2)) * scale
+    scores = scores.view(batch, kv_heads, group, padded, width).masked_fill(hidden, float("-inf"))
+    weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # keys it may not see: exactly 0
 
     blocks = width // BLOCK
-    w = weights.reshape(batch, kv_heads, group * padded, blocks, BLOCK)
-    total = torch.cumsum(w.sum(dim=-1), dim=-1)[..., -1:]  # [batch, kv_heads, rows, 1]
-    parts = torch.matmul(w.transpose(2, 3), v32.reshape(batch, kv_heads, blocks, BLOCK, dim))
+    w = weights.view(batch, kv_heads, rows, blocks, BLOCK)
+    total = torch.cumsum(w.sum(dim=-1), dim=-1)[..., -1:]  # [batch, kv_heads, rows, 1], blocks added in order
+    parts = torch.matmul(w.transpose(2, 3), v32.view(batch, kv_heads, blocks, BLOCK, dim))
     summed = torch.cumsum(parts, dim=2)[:, :, -1]  # [batch, kv_heads, rows, dim], blocks added in order
-    out = (summed / total).reshape(batch, kv_heads, group, padded, dim)[:, :, :, :queries]
+    out = (summed / total).view(batch, kv_heads, group, padded, dim)[:, :, :, :queries]
     return out.reshape(batch, heads, queries, dim).transpose(1, 2).to(query.dtype).contiguous(), None
 
 
