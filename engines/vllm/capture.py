@@ -25,7 +25,8 @@ engine's (:mod:`prismgate.engines.hf.steering`): the stream in the model's dtype
 added in float32, cast back once per round. A row no vector touches keeps its ``hidden``
 and ``residual`` bit for bit (a masked select, never an add of zero); a steered row gets the
 whole stream in ``hidden`` and zero in ``residual``, which every vLLM decoder layer and the
-final norm only ever add together.
+final norm only ever add together. That sum is rounded once more than vLLM's fused add rounds
+it, so a vector of scale 0 is no vector: its row stays unwritten too.
 
 Readout-gated steering stays in the same op: in a step where a gate reads a layer, that
 layer's op first writes the readouts of the stream, before its own vectors, into a buffer
@@ -151,7 +152,7 @@ def steer(
         return
     steered: torch.Tensor | None = None
     for k in range(used):
-        on = index[:n, k] != 0
+        on = (index[:n, k] != 0) & (scale[:n, k] != 0)  # a vector of scale 0 adds nothing: the row stays unwritten
         if gates:
             source = gate[:n, k]
             before = prev[:n]

@@ -95,6 +95,8 @@ def test_ranges_and_vllm_logprob_dicts() -> None:
     entry = {9: Lp(-3.0, 4), 1: Lp(-0.5, 1), 2: Lp(-1.0, 2)}
     assert decode_logprob(entry, 9, 2) == (-3.0, [(1, -0.5), (2, -1.0)])
     assert decode_logprob(entry, 9, 0) == (-3.0, None)
+    tied = {7: Lp(-0.5, 1), 3: Lp(-0.5, 1), 5: Lp(-2.0, 3)}  # vLLM ranks equals alike: the lowest id goes first
+    assert decode_logprob(tied, 7, 3) == (-0.5, [(3, -0.5), (7, -0.5), (5, -2.0)])
 
 
 VISION = VisionTokens(vision_start=VISION_START, image_pad=IMAGE_PAD, vision_end=VISION_END)
