@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", default="1,4,8", help="requests decoding at once, comma-separated (1,4,8)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (64; quick 24)")
     parser.add_argument("--reps", type=int, default=None, help="rounds per mode (9; quick 3)")
+    parser.add_argument("--results", default="determinism", help="name of the results file under bench/results/")
     args = parser.parse_args(argv)
     args.max_tokens = args.max_tokens or (24 if args.quick else 64)
     args.reps = args.reps or (3 if args.quick else 9)
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows += asyncio.run_coroutine_threadsafe(measure(name, server, streams, args), server.loop).result()
     load.append(os.getloadavg()[0])
     path = write_results(
-        "determinism",
+        args.results,
         {"quick": args.quick, "max_tokens": args.max_tokens, "reps": args.reps, "load_average": load, "rows": rows},
     )
     print(f"results: {path}")
