@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from prismgate.engines.invariant_rows import padded_rows
 from prismgate.engines.readouts.probe import decoder_layers
 from prismgate.engines.vllm.steer import MAX_ROUNDS, RAW_SLOTS
 
@@ -84,7 +85,20 @@ def readout(
         return
     n = min(int(hidden.shape[0]), int(out.shape[0]))
     stream = hidden[:n] if residual is None else hidden[:n] + residual[:n]
-    torch.mm(stream.to(torch.float32), directions, out=out[:n])
+    project(stream, directions, out[:n])
+
+
+def project(stream: torch.Tensor, directions: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = stream @ directions`` in float32, each row's bits the same in a batch of any size.
+
+    A product of fewer than ``MIN_ROWS`` rows takes another kernel (another order of additions),
+    so a short one runs padded with zero rows (:mod:`prismgate.engines.invariant_rows`).
+    """
+    flat, n = padded_rows(stream.to(torch.float32))
+    if flat.shape[0] == n:
+        torch.mm(flat, directions, out=out)
+    else:
+        out.copy_((flat @ directions)[:n])
 
 
 @readout.register_fake
@@ -147,7 +161,7 @@ def steer(
     h, r = hidden[:n], residual[:n]
     stream = h + r  # what the next layer's fused add (and the final norm) computes
     if reads:
-        torch.mm(stream.to(torch.float32), directions, out=pre[slot, :n])
+        project(stream, directions, pre[slot, :n])
     if used == 0:
         return
     steered: torch.Tensor | None = None
