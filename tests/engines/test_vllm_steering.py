@@ -327,7 +327,7 @@ def test_a_vector_of_scale_zero_leaves_the_bf16_stream_unwritten() -> None:
         writer.plan([], 5)
         model(x)
         for scale in (0.0, 4.0):
-            request = SteeredRows("a", 0, 5, 0, {"n": 5, "e": [[0, 1, scale, 0, "both", None]], "raw": []})
+            request = SteeredRows(f"scale {scale}", 0, 5, 0, {"n": 5, "e": [[0, 1, scale, 0, "both", None]], "raw": []})
             writer.plan([request], 5)
             model(x)
     (plain_h, plain_r), (zero_h, zero_r), (steered_h, steered_r) = seen
