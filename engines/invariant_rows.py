@@ -13,6 +13,7 @@ engine's kernels (:mod:`prismgate.engines.hf.invariant`) and the readout probe r
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -21,11 +22,14 @@ import torch.nn.functional as F
 MIN_ROWS = 8  # matrix products run on at least this many rows while the switch is on
 
 
-class InvariantSwitch:
-    """Whether the next forward passes run batch-invariant; flipped by the worker thread only."""
+class InvariantSwitch(threading.local):
+    """Whether this thread's next forward passes run batch-invariant.
 
-    def __init__(self) -> None:
-        self.active = False
+    Per thread: replicas of a model in one process each run their passes on a thread of their
+    own, and one replica's deterministic pass must not turn another's kernels on or off.
+    """
+
+    active = False
 
     @contextlib.contextmanager
     def on(self, active: bool = True) -> Iterator[None]:
@@ -36,7 +40,7 @@ class InvariantSwitch:
             self.active = before
 
 
-SWITCH = InvariantSwitch()  # one model thread per process; every engine's model reads this switch
+SWITCH = InvariantSwitch()  # every model thread of the process reads its own value
 
 
 def padded_rows(x: torch.Tensor, rows: int = MIN_ROWS) -> tuple[torch.Tensor, int]:

@@ -9,7 +9,7 @@ makes those two invariant while the switch is on (docs/determinism.md tells the 
 - **Matrix products** (every linear layer, the LM head, the readout projection): a GEMM's
   kernel depends on its number of rows, so while the switch is on every product runs on at
   least ``MIN_ROWS`` rows (:mod:`prismgate.engines.invariant_rows` says why that suffices);
-  :func:`install` hooks every linear layer to pad its input.
+  :func:`install` gives every linear layer a forward that pads its input.
 - **Attention**: the sum over keys is where batching, padding and chunking change the order
   of additions. :func:`invariant_attention` computes it in one canonical order that depends
   only on the query's absolute position: keys re-based so that key ``j`` of the sequence
@@ -26,6 +26,7 @@ the linear layers run unpadded.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, NamedTuple
 
 import torch
@@ -37,46 +38,49 @@ ATTENTION = "prismgate_invariant"  # the name this module registers with transfo
 BLOCK = 64  # keys per fixed-length partial sum
 
 
-def _linear_pre_hook(module: torch.nn.Linear, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    if not SWITCH.active:
-        return None
-    x = args[0]
-    flat, n = padded_rows(x)
-    if flat.shape[0] == n:
-        return None
-    module._prismgate_rows = (n, x.shape[:-1])  # type: ignore[assignment]
-    return (flat, *args[1:])
+def _padding_forward(layer: torch.nn.Linear) -> Any:
+    """``layer``'s forward, on at least ``MIN_ROWS`` rows while this thread's switch is on.
 
+    An instance attribute rather than hooks: while the switch is off it costs one attribute
+    read, and a module without hooks keeps PyTorch's fast call path.
+    """
 
-def _linear_hook(module: torch.nn.Linear, _args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor | None:
-    kept = module.__dict__.pop("_prismgate_rows", None)
-    if kept is None:
-        return None
-    n, shape = kept
-    return output[:n].reshape(*shape, output.shape[-1])
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if SWITCH.active:
+            flat, n = padded_rows(x)
+            if flat.shape[0] != n:
+                return F.linear(flat, layer.weight, layer.bias)[:n].reshape(*x.shape[:-1], layer.out_features)
+        return F.linear(x, layer.weight, layer.bias)
+
+    return forward
 
 
 class _Geometry(NamedTuple):
     """Where each query's keys are: the same for every layer of one forward pass, so computed once."""
 
     width: int  # key columns after re-basing, a whole number of blocks
-    index: torch.Tensor | None  # [batch, 1, width, 1]: the column each re-based key comes from; None: no shift
+    source: torch.Tensor | None  # [batch, 1, width, 1]: the column each re-based key comes from; None: no shift
     padded: int  # query rows per head after padding the product to MIN_ROWS rows
     hidden: torch.Tensor  # [batch, 1, 1, padded, width] bool: keys a query may not see
 
 
-# the last pass's mask (held, so that its identity cannot pass to a new tensor), shapes and geometry
-_last: tuple[torch.Tensor | None, tuple[Any, ...], _Geometry] | None = None
+class _Memo(threading.local):
+    # this thread's last pass: its mask (held, so that its identity cannot pass to a new tensor),
+    # its shapes, and their geometry
+    last: tuple[torch.Tensor | None, tuple[Any, ...], _Geometry] | None = None
+
+
+_MEMO = _Memo()
 
 
 def _geometry(mask: torch.Tensor | None, batch: int, group: int, queries: int, keys: int, device: Any) -> _Geometry:
     """The visible keys of a query are one run of columns: the row's left padding before it, the
     query's future after it (transformers' causal masks with left padding); re-based, key ``j`` of
     the sequence is column ``j`` and a query at absolute position ``p`` sees columns ``[0, p]``."""
-    global _last
     key = (batch, group, queries, keys, device)
-    if _last is not None and _last[0] is mask and _last[1] == key:
-        return _last[2]
+    last = _MEMO.last
+    if last is not None and last[0] is mask and last[1] == key:
+        return last[2]
     if mask is None:  # causal with nothing padded: query i sees keys [0, keys - queries + i]
         first = torch.zeros(batch, dtype=torch.long, device=device)
         counts = torch.arange(keys - queries + 1, keys + 1, device=device).expand(batch, queries)
@@ -92,7 +96,7 @@ def _geometry(mask: torch.Tensor | None, batch: int, group: int, queries: int, k
         counts = F.pad(counts, (0, padded - queries), value=1)
     hidden = (columns[None, None, :] >= counts[:, :, None])[:, None, None]
     geometry = _Geometry(width, index, padded, hidden)
-    _last = (mask, key, geometry)
+    _MEMO.last = (mask, key, geometry)
     return geometry
 
 
@@ -115,14 +119,14 @@ def invariant_attention(
     kv_heads, keys = key.shape[1], key.shape[2]
     group = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
-    width, index, padded, hidden = _geometry(attention_mask, batch, group, queries, keys, query.device)
+    width, source, padded, hidden = _geometry(attention_mask, batch, group, queries, keys, query.device)
 
     # keys and values re-based so that column j holds the sequence's key j, padded to whole blocks
     k32 = F.pad(key.to(torch.float32), (0, 0, 0, width))
     v32 = F.pad(value.to(torch.float32), (0, 0, 0, width))
-    if index is not None:
-        k32 = torch.gather(k32, 2, index.expand(batch, kv_heads, width, dim))
-        v32 = torch.gather(v32, 2, index.expand(batch, kv_heads, width, dim))
+    if source is not None:
+        k32 = torch.gather(k32, 2, source.expand(batch, kv_heads, width, dim))
+        v32 = torch.gather(v32, 2, source.expand(batch, kv_heads, width, dim))
     else:
         k32, v32 = k32[:, :, :width], v32[:, :, :width]
 
@@ -168,7 +172,6 @@ def install(model: Any) -> bool:
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
     model.set_attn_implementation(ATTENTION)
     for layer in model.modules():
-        if isinstance(layer, torch.nn.Linear):
-            layer.register_forward_pre_hook(_linear_pre_hook)
-            layer.register_forward_hook(_linear_hook)
+        if type(layer) is torch.nn.Linear:  # subclasses (quantized layers) have forwards of their own
+            layer.forward = _padding_forward(layer)  # type: ignore[method-assign]
     return True
