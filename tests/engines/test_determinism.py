@@ -122,6 +122,7 @@ async def neighbour(engine: Any, rng: random.Random) -> None:
     await run(engine, prompt, session=uuid.uuid4().hex if rng.random() < 0.5 else None, **spec)
 
 
+@pytest.mark.timeout(1800)  # 50 mixes of up to 8 requests on the real model: minutes on a loaded 2-core machine
 async def test_deterministic_requests_give_the_same_bits_under_100_random_mixes(smol: Any) -> None:
     scheduler = smol._scheduler
     question = "What is the capital of France? Answer in one sentence."
@@ -179,6 +180,9 @@ async def test_deterministic_requests_give_the_same_bits_under_100_random_mixes(
 
 
 async def test_a_gate_that_never_opens_is_bit_for_bit_unsteered(smol: Any) -> None:
+    """In default mode too (alone on the engine: in default mode a neighbour changes the bits)."""
+    while smol.in_flight():
+        await asyncio.sleep(0.05)
     prompt = chat(smol, "Tell me about the sea.")
     spec = target_spec(prompt, deterministic=False)
     never = SteeringEntry(
