@@ -39,7 +39,7 @@ class ClientGone(Exception):
 
 def error_response(exc: BaseException) -> Response:
     err = to_openai(exc)
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else err.headers()
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 

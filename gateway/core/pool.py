@@ -8,20 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
-import itertools
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Protocol, runtime_checkable
 
 from prismgate.core import health
 from prismgate.core.engine import Engine, EngineRequest
 from prismgate.core.errors import Code, GatewayError
-from prismgate.core.events import Event
+from prismgate.core.events import Event, TokenEvent
+from prismgate.core.fairness import ANY, FairQueue, Share
 from prismgate.core.health import Health
 
 
 class Admission:
-    """At most ``max_active`` requests run; the rest wait, lowest priority value first."""
+    """At most ``max_active`` requests run; the rest wait: the next free slot goes to the key
+    with the least tokens served per weight, and within a key to the lowest priority value
+    (:mod:`prismgate.core.fairness`)."""
 
     def __init__(self, max_active: int, max_queued: int) -> None:
         if max_active < 1:
@@ -29,16 +30,15 @@ class Admission:
         self.max_active = max_active
         self.max_queued = max_queued
         self.active = 0
-        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
-        self._order = itertools.count()
+        self.fair = FairQueue()
 
     @property
     def queued(self) -> int:
-        return sum(1 for _, _, f in self._waiters if not f.done())
+        return self.fair.waiting
 
     @contextlib.asynccontextmanager
-    async def slot(self, priority: int) -> AsyncIterator[None]:
-        if self.active >= self.max_active or self._waiters:
+    async def slot(self, priority: int, share: Share = ANY) -> AsyncIterator[None]:
+        if self.active >= self.max_active or len(self.fair):
             if self.queued >= self.max_queued:
                 raise GatewayError(
                     Code.UNAVAILABLE,
@@ -46,7 +46,7 @@ class Admission:
                     f"{self.queued} waiting (limit {self.max_queued}); retry later",
                 )
             future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            heapq.heappush(self._waiters, (priority, next(self._order), future))
+            self.fair.push(share, priority, future)
             try:
                 await future
             except BaseException:
@@ -61,8 +61,7 @@ class Admission:
             self._release()
 
     def _release(self) -> None:
-        while self._waiters:
-            _, _, future = heapq.heappop(self._waiters)
+        while (future := self.fair.pop()) is not None:
             if not future.done():
                 future.set_result(None)  # the slot passes straight to the waiter
                 return
@@ -203,12 +202,18 @@ class EnginePool:
         for replicas in self._models.values():
             replicas.release(session_key)
 
-    async def generate(self, model: str | None, request: EngineRequest) -> AsyncGenerator[Event, None]:
+    async def generate(
+        self, model: str | None, request: EngineRequest, share: Share = ANY
+    ) -> AsyncGenerator[Event, None]:
+        """Run ``request`` once admitted; ``share``: whose it is, for the fair share of a saturated pool."""
         replicas = self.replicas(model)
-        async with self.admission.slot(request.spec.priority):
+        async with self.admission.slot(request.spec.priority, share):
+            self.admission.fair.charge(share, len(request.tokens))
             stream = replicas.pick(request).generate(request)  # picked once a slot is held: loads are current
             try:
                 async for event in stream:
+                    if isinstance(event, TokenEvent) and not event.is_prefill:
+                        self.admission.fair.charge(share, 1)
                     yield event
             finally:
                 await stream.aclose()
