@@ -219,7 +219,17 @@ class Settings:
     max_queued: int = setting(1024, "Generations allowed to wait; beyond this requests fail UNAVAILABLE.")
 
     # -- security and limits ------------------------------------------------------------
-    auth_token: str | None = setting(None, "Shared bearer token required on every protocol (unset: no auth).")
+    auth_token: str | None = setting(
+        None,
+        "Shared bearer token required on every protocol (unset: no auth); the one-key shortcut for keys_file: "
+        "the key named 'default', with the admin scope.",
+    )
+    keys_file: str | None = setting(
+        None,
+        "TOML file of named API keys, stored as SHA-256 hashes, each with its models, permissions, limits and "
+        "fair-share weight (docs/keys.md; 'prismgate keys add' writes it); read again on SIGHUP and when it "
+        "changes, no restart.",
+    )
     grpc_max_message_bytes: int = setting(64 * 1024 * 1024, "Largest gRPC message accepted or sent.")
 
     # -- logging --------------------------------------------------------------------

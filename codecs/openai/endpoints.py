@@ -215,6 +215,15 @@ class OpenAIEndpoints:
         except Exception as exc:
             return error_response(exc)
 
+    async def list_sessions(self, _request: Request) -> Response:
+        """Every open session and the key that owns it: for a key with the admin scope (docs/keys.md)."""
+        try:
+            owners = await self.service.sessions()
+            data = [{"id": sid, "object": "session", "owner": owner} for sid, owner in sorted(owners.items())]
+            return JSONResponse({"object": "list", "data": data})
+        except Exception as exc:
+            return error_response(exc)
+
     async def get_session(self, request: Request) -> Response:
         try:
             return JSONResponse(await self._session(request.path_params["session_id"]))
