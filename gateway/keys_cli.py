@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from prismgate.core.errors import GatewayError
+from prismgate.core.principal import Principal
 from prismgate.keys import add_key, parse_file
 
 FILE_ENV = "PRISMGATE_KEYS_FILE"
@@ -45,7 +46,7 @@ def main(argv: list[str]) -> int:
     try:
         if args.command == "list":
             for entry in parse_file(path.read_text(), str(path)):
-                print(entry.principal)
+                print(describe(entry.principal))
             return 0
         key = add_key(path, args.name, _options(args))
     except (GatewayError, OSError) as exc:
@@ -72,3 +73,12 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     if args.weight != 1.0:
         options["weight"] = args.weight
     return options
+
+
+def describe(principal: Principal) -> str:
+    """One line: the name, models, permissions, limits and weight (never the key or its hash)."""
+    p = principal
+    models = "every model" if p.models is None else ",".join(sorted(p.models))
+    may = [flag for flag in ("steer", "readouts", "logprobs", "playground", "admin") if getattr(p, flag)]
+    limits = [f"{limit}={getattr(p, limit)}" for limit in ("max_concurrent", "tokens_per_minute") if getattr(p, limit)]
+    return "  ".join([p.name, models, "may " + (",".join(may) or "nothing more"), *limits, f"weight={p.weight:g}"])

@@ -118,7 +118,7 @@ class GenerationObserver:
         self.drain = drain
         self.keys = keys
         self._running: dict[str, _Generation] = {}  # by the core's request id, until the model is named
-        metrics.touch_keys(keys.names)
+        metrics.touch_keys(keys.names | {""})  # "": requests without a key (refused before one, or no keys)
 
     def _key(self) -> str:
         """The calling key's name as a label: only configured names (a bounded set), else ""."""
