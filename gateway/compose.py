@@ -104,7 +104,12 @@ def build_service(settings: Settings, engine: Engine | None = None) -> SessionSe
         engines = [engine]
     else:
         engines = [build_engine(served) for served in settings.served() for _ in range(served.replicas)]
-    pool = EnginePool(engines, max_active=settings.max_active, max_queued=settings.max_queued)
+    pool = EnginePool(
+        engines,
+        max_active=settings.max_active,
+        max_queued=settings.max_queued,
+        reserved_slots=settings.reserved_slots,
+    )
     return SessionService(pool, build_store(settings), build_budget(settings), build_quota(settings))
 
 

@@ -217,6 +217,11 @@ class Settings:
     )
     max_active: int = setting(64, "Generations running at once across all protocols; the rest queue by priority.")
     max_queued: int = setting(1024, "Generations allowed to wait; beyond this requests fail UNAVAILABLE.")
+    reserved_slots: int = setting(
+        0,
+        "Of max_active, slots kept for keys with no generation running, so that a key starts at once while "
+        "another fills the pool (docs/keys.md); they stay idle while one key has the pool to itself.",
+    )
 
     # -- security and limits ------------------------------------------------------------
     auth_token: str | None = setting(
@@ -384,6 +389,8 @@ class Settings:
             raise invalid(f"max_connections_per_client must be >= 0, got {self.max_connections_per_client}")
         if self.session_store != "memory" and not self.session_store.startswith(("redis://", "rediss://", "unix://")):
             raise invalid(f"session_store must be 'memory' or a redis:// URL, got {self.session_store!r}")
+        if not 0 <= self.reserved_slots < self.max_active:
+            raise invalid(f"reserved_slots must be >= 0 and below max_active, got {self.reserved_slots}")
         if self.session_lock_s <= 0:
             raise invalid(f"session_lock_s must be > 0, got {self.session_lock_s}")
         if self.replicas < 1 or (self.engine == "vllm" and self.replicas != 1):

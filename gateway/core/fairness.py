@@ -13,7 +13,14 @@ is raised to the pool's current virtual time (the count of the key served last),
 it competes from now on, not from the start of the day.
 
 The pool charges each request's prompt when it is admitted and each generated token as
-it streams (:meth:`FairQueue.charge`); the queue itself only orders waiters.
+it streams (:meth:`FairQueue.charge`).
+
+Without preemption a waiting key's request starts only when a slot frees, and a pool full
+of one key's long generations frees slots rarely. ``reserve`` slots of the pool are
+therefore kept for *newcomers*, keys with nothing running and nothing queued: one may take
+a free reserved slot at once, ahead of the queue, and a reserved slot that frees goes only
+to a newcomer. The cost is those slots idle while a single key fills the pool; 0 (the
+default) reserves none.
 """
 
 from __future__ import annotations
@@ -40,7 +47,9 @@ Waiter = tuple[int, int, "asyncio.Future[None]"]
 class FairQueue:
     """Waiting requests by key; :meth:`pop` gives the next one to admit."""
 
-    def __init__(self) -> None:
+    def __init__(self, reserve: int = 0) -> None:
+        self.reserve = reserve
+        self._running: dict[str, int] = {}  # slots held, by key
         self._queues: dict[str, list[Waiter]] = {}
         self._served: dict[str, float] = {}  # tokens served / weight, by key
         self._virtual = 0.0  # the served count of the key admitted last
@@ -62,17 +71,42 @@ class FairQueue:
             self._served[share.key] = max(self._served.get(share.key, 0.0), self._virtual)
         heapq.heappush(queue, (priority, next(self._order), future))
 
-    def pop(self) -> asyncio.Future[None] | None:
-        """The next waiter: from the key served least per weight, its lowest priority value first."""
-        if not self._queues:
-            return None
-        key = min(self._queues, key=lambda k: (self._served[k], self._queues[k][0][1]))
-        queue = self._queues[key]
-        _, _, future = heapq.heappop(queue)
-        if not queue:
-            del self._queues[key]
-        self._virtual = max(self._virtual, self._served[key])
-        return future
+    def may_start(self, share: Share, active: int, max_active: int) -> bool:
+        """Whether a request of ``share`` may take a slot now, without queueing (``active`` slots held)."""
+        if active >= max_active:
+            return False
+        if self.reserve and not self._running.get(share.key) and share.key not in self._queues:
+            return True  # a newcomer: any free slot, the reserved ones included
+        return not len(self) and active < max_active - self.reserve
+
+    def pop(self, newcomers_only: bool = False) -> asyncio.Future[None] | None:
+        """The next waiter still waiting, now holding a slot: from the key served least per weight, its lowest
+        priority value first. ``newcomers_only``: the slot is a reserved one, for a key with nothing running."""
+        while True:
+            keys = [k for k in self._queues if not (newcomers_only and self._running.get(k))]
+            if not keys:
+                return None
+            key = min(keys, key=lambda k: (self._served[k], self._queues[k][0][1]))
+            queue = self._queues[key]
+            _, _, future = heapq.heappop(queue)
+            if not queue:
+                del self._queues[key]
+            if not future.done():  # a cancelled waiter is dropped
+                self._virtual = max(self._virtual, self._served[key])
+                self.started(Share(key))
+                return future
+
+    def started(self, share: Share) -> None:
+        """A request of ``share`` holds a slot."""
+        self._running[share.key] = self._running.get(share.key, 0) + 1
+
+    def finished(self, share: Share) -> None:
+        """A request of ``share`` gave its slot back."""
+        left = self._running.get(share.key, 0) - 1
+        if left > 0:
+            self._running[share.key] = left
+        else:
+            self._running.pop(share.key, None)
 
     def charge(self, share: Share, tokens: int) -> None:
         """Count ``tokens`` of work done for ``share``'s key (a prompt admitted, a token generated)."""

@@ -22,15 +22,17 @@ from prismgate.core.health import Health
 class Admission:
     """At most ``max_active`` requests run; the rest wait: the next free slot goes to the key
     with the least tokens served per weight, and within a key to the lowest priority value
-    (:mod:`prismgate.core.fairness`)."""
+    (:mod:`prismgate.core.fairness`; ``reserved`` of the slots are kept for keys with nothing running)."""
 
-    def __init__(self, max_active: int, max_queued: int) -> None:
+    def __init__(self, max_active: int, max_queued: int, reserved: int = 0) -> None:
         if max_active < 1:
             raise ValueError("max_active must be >= 1")
+        if not 0 <= reserved < max_active:
+            raise ValueError("reserved slots must be >= 0 and fewer than max_active")
         self.max_active = max_active
         self.max_queued = max_queued
         self.active = 0
-        self.fair = FairQueue()
+        self.fair = FairQueue(reserved)
 
     @property
     def queued(self) -> int:
@@ -38,7 +40,7 @@ class Admission:
 
     @contextlib.asynccontextmanager
     async def slot(self, priority: int, share: Share = ANY) -> AsyncIterator[None]:
-        if self.active >= self.max_active or len(self.fair):
+        if not self.fair.may_start(share, self.active, self.max_active):
             if self.queued >= self.max_queued:
                 raise GatewayError(
                     Code.UNAVAILABLE,
@@ -51,21 +53,23 @@ class Admission:
                 await future
             except BaseException:
                 if future.done() and not future.cancelled():
-                    self._release()  # we were granted the slot but are leaving
+                    self._release(share)  # we were granted the slot but are leaving
                 raise
         else:
             self.active += 1
+            self.fair.started(share)
         try:
             yield
         finally:
-            self._release()
+            self._release(share)
 
-    def _release(self) -> None:
-        while (future := self.fair.pop()) is not None:
-            if not future.done():
-                future.set_result(None)  # the slot passes straight to the waiter
-                return
-        self.active -= 1
+    def _release(self, share: Share) -> None:
+        self.fair.finished(share)
+        future = self.fair.pop(newcomers_only=self.active > self.max_active - self.fair.reserve)
+        if future is not None:
+            future.set_result(None)  # the slot passes straight to the waiter
+        else:
+            self.active -= 1
 
 
 # A session whose timeline is at least this long waits for its busy replica rather than
@@ -139,7 +143,9 @@ class EnginePool:
     so are the ranks of an engine that runs data-parallel copies itself (:class:`RankedEngine`).
     """
 
-    def __init__(self, engines: list[Engine], *, max_active: int = 64, max_queued: int = 1024) -> None:
+    def __init__(
+        self, engines: list[Engine], *, max_active: int = 64, max_queued: int = 1024, reserved_slots: int = 0
+    ) -> None:
         if not engines:
             raise ValueError("an EnginePool needs at least one engine")
         grouped: dict[str, list[Engine]] = {}
@@ -148,7 +154,7 @@ class EnginePool:
         self._models = {model: Replicas(copies) for model, copies in grouped.items()}
         self._all = list(engines)
         self.default_model = engines[0].model_id
-        self.admission = Admission(max_active, max_queued)
+        self.admission = Admission(max_active, max_queued, reserved_slots)
         self._stopping = False
 
     @property

@@ -139,3 +139,31 @@ async def test_a_concurrency_limit_counts_running_generations() -> None:
     await quota.admit(Principal("other", max_concurrent=2), "r3")  # another key has its own
     await quota.release(key, "r1")
     await quota.admit(key, "r3")
+
+
+async def test_a_reserved_slot_lets_a_newcomer_start_at_once_while_another_key_fills_the_pool() -> None:
+    adm = Admission(max_active=3, max_queued=100, reserved=1)
+    gates = {name: asyncio.Event() for name in ("a0", "a1", "a2", "b0")}
+    started: list[str] = []
+
+    async def job(name: str, share: Share) -> None:
+        async with adm.slot(0, share):
+            started.append(name)
+            await gates[name].wait()
+
+    a = [asyncio.create_task(job(f"a{i}", A)) for i in range(3)]
+    await asyncio.sleep(0.01)
+    assert started == ["a0", "a1"] and adm.active == 2 and adm.queued == 1  # a may not take the reserved slot
+    b = asyncio.create_task(job("b0", B))
+    await asyncio.sleep(0.01)
+    assert started[-1] == "b0" and adm.active == 3  # b runs nothing: it starts at once, ahead of a's waiter
+    gates["b0"].set()
+    await b
+    assert adm.active == 2 and adm.queued == 1  # the freed reserved slot is kept for the next newcomer
+    gates["a0"].set()
+    await asyncio.sleep(0.01)
+    assert started[-1] == "a2" and adm.active == 2
+    for gate in gates.values():
+        gate.set()
+    await asyncio.gather(*a)
+    assert adm.active == 0
