@@ -12,8 +12,11 @@ A key that has been idle does not bank credit: when it starts waiting again its 
 is raised to the pool's current virtual time (the count of the key served last), so
 it competes from now on, not from the start of the day.
 
-The pool charges each request's prompt when it is admitted and each generated token as
-it streams (:meth:`FairQueue.charge`).
+The pool charges each generated token as it streams, and the prompt tokens the engine
+ran (its cache reused the rest) when the request ends, at :data:`PROMPT_TOKEN_COST` each
+(:meth:`FairQueue.charge`): a prompt runs up to ``prefill_chunk`` tokens in one forward
+pass, a generated token costs a pass of its own, so counting them alike would make a key
+of short answers pay for its prompts many times over what they cost the engine.
 
 Without preemption a waiting key's request starts only when a slot frees, and a pool full
 of one key's long generations frees slots rarely. ``reserve`` slots of the pool are
@@ -28,7 +31,15 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 from dataclasses import dataclass
+
+PROMPT_TOKEN_COST = 1 / 8  # a prefilled prompt token, in generated tokens
+
+
+def prompt_cost(prefilled_tokens: int) -> int:
+    """What ``prefilled_tokens`` prompt tokens the engine ran cost, in generated tokens (rounded up)."""
+    return math.ceil(prefilled_tokens * PROMPT_TOKEN_COST)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,8 @@ from typing import Protocol, runtime_checkable
 from prismgate.core import health
 from prismgate.core.engine import Engine, EngineRequest
 from prismgate.core.errors import Code, GatewayError
-from prismgate.core.events import Event, TokenEvent
-from prismgate.core.fairness import ANY, FairQueue, Share
+from prismgate.core.events import Done, Event, TokenEvent
+from prismgate.core.fairness import ANY, FairQueue, Share, prompt_cost
 from prismgate.core.health import Health
 
 
@@ -214,12 +214,13 @@ class EnginePool:
         """Run ``request`` once admitted; ``share``: whose it is, for the fair share of a saturated pool."""
         replicas = self.replicas(model)
         async with self.admission.slot(request.spec.priority, share):
-            self.admission.fair.charge(share, len(request.tokens))
             stream = replicas.pick(request).generate(request)  # picked once a slot is held: loads are current
             try:
                 async for event in stream:
                     if isinstance(event, TokenEvent) and not event.is_prefill:
                         self.admission.fair.charge(share, 1)
+                    elif isinstance(event, Done):
+                        self.admission.fair.charge(share, prompt_cost(event.prefilled_tokens))
                     yield event
             finally:
                 await stream.aclose()

@@ -7,7 +7,6 @@ SIGHUP makes each replica read the keys file again.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
@@ -19,23 +18,13 @@ import grpc
 import pytest
 
 from prismgate.schemas import salience_pb2 as pb
-from tests.ops.helpers import Served, serve
+from tests.ops.helpers import Served
 from tests.ops.test_keys import KEYS, meta, write_keys
-from tests.salience.conftest import Client, connect, rpc_error
+from tests.salience.conftest import Client, rpc_error
 from tests.scale.conftest import RedisServer
+from tests.scale.test_replicas import replica
 
 PROMPT = [5, 6, 7, 8]
-
-
-@contextlib.contextmanager
-def replica(folder: Path, model_dir: Path, store: str, keys: Path) -> Iterator[tuple[Served, Client]]:
-    folder.mkdir(exist_ok=True)
-    with serve(folder, model_dir, "--session-store", store, "--keys-file", str(keys)) as served:
-        client = connect(served.grpc_target)
-        try:
-            yield served, client
-        finally:
-            client.channel.close()
 
 
 @pytest.fixture
@@ -45,8 +34,8 @@ def two(
     keys = tmp_path / "keys.toml"
     write_keys(keys, ["alice", "bob", "root", "slow", "single"])
     with (
-        replica(tmp_path / "a", long_model_dir, redis.url, keys) as a,
-        replica(tmp_path / "b", long_model_dir, redis.url, keys) as b,
+        replica(tmp_path, long_model_dir, redis.url, "a", "--keys-file", str(keys)) as a,
+        replica(tmp_path, long_model_dir, redis.url, "b", "--keys-file", str(keys)) as b,
     ):
         yield a, b, keys
 
