@@ -177,11 +177,13 @@ class GatewayMetrics:
             metric.labels(protocol, model)
 
     def touch_keys(self, names: Iterable[str]) -> None:
-        """Create each key's series at zero."""
+        """Create each key's series at zero (refusals: for the codes a key's own rules give)."""
         for name in names:
             self.key_requests.labels(name)
             for kind in ("prompt", "completion"):
                 self.key_tokens.labels(name, kind)
+            for code in ("PERMISSION_DENIED", "RESOURCE_EXHAUSTED"):
+                self.key_refusals.labels(name, code)
 
     def bind(self, service: SessionService) -> None:
         """Export the service's live state (admission queue, sessions), read at each scrape; one series per model."""
