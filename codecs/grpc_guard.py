@@ -25,7 +25,7 @@ import grpc
 from prismgate.codecs.outflow import SlowReader, reader_deadline
 from prismgate.codecs.status import wire_status
 from prismgate.core.errors import Code, GatewayError, invalid
-from prismgate.core.principal import Principal, acting_as
+from prismgate.core.principal import acting_as
 from prismgate.core.service import SessionService
 from prismgate.keys import KeyRing
 from prismgate.logs import log_context
@@ -133,8 +133,20 @@ class Guard:
         request_id = metadata(context, "x-request-id") or uuid.uuid4().hex
         return {"protocol": self.protocol, "rpc": method, "request_id": request_id}
 
-    def _authenticate(self, context: grpc.aio.ServicerContext) -> Principal:
-        return self.keys.authenticate(metadata(context, "authorization"))
+    async def _principal(self, context: grpc.aio.ServicerContext, method: str) -> contextlib.ExitStack:
+        """The call's key, to run the call as (its name in every log line); an unknown key aborts the call.
+
+        The refusal of anything after this (a permission, a limit) is counted and logged under the key.
+        """
+        try:
+            principal = self.keys.authenticate(metadata(context, "authorization"))
+        except GatewayError as exc:
+            await self._fail(context, method, exc)  # raises AbortError
+            raise
+        stack = contextlib.ExitStack()
+        stack.enter_context(log_context(key=principal.name))
+        stack.enter_context(acting_as(principal))
+        return stack
 
     async def _fail(self, context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
         """Abort the call with a status a client can act on; never a bare UNKNOWN."""
@@ -150,15 +162,13 @@ class Guard:
 
     def unary(self, method: str, behavior: Unary) -> Unary:
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                with log_context(**self._fields(context, method)):
-                    principal = self._authenticate(context)
-                    with acting_as(principal), log_context(key=principal.name):
-                        return await behavior(await _checked(request), context)
-            except (asyncio.CancelledError, grpc.aio.AbortError):
-                raise
-            except Exception as exc:
-                await self._fail(context, method, exc)
+            with log_context(**self._fields(context, method)), await self._principal(context, method):
+                try:
+                    return await behavior(await _checked(request), context)
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:
+                    await self._fail(context, method, exc)
 
         return guarded
 
@@ -174,15 +184,13 @@ class Guard:
         """
 
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> None:
-            with log_context(**self._fields(context, method)):
+            with log_context(**self._fields(context, method)), await self._principal(context, method):
                 try:
-                    principal = self._authenticate(context)
-                    with acting_as(principal), log_context(key=principal.name):
-                        checked = _checked_stream(request) if client_streams else await _checked(request)
-                        async with closing(behavior(checked, context)) as events:
-                            async for event in events:
-                                if not await self._write(context, event):
-                                    return
+                    checked = _checked_stream(request) if client_streams else await _checked(request)
+                    async with closing(behavior(checked, context)) as events:
+                        async for event in events:
+                            if not await self._write(context, event):
+                                return
                 except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
                 except Exception as exc:

@@ -58,6 +58,10 @@ _CLIENT_CODES = frozenset(
 )
 
 
+# Refusals of a key's own rules: each logs one line naming the key.
+_KEY_CODES = frozenset({Code.UNAUTHENTICATED, Code.PERMISSION_DENIED, Code.RESOURCE_EXHAUSTED})
+
+
 @dataclass
 class RequestTally:
     """Whether an error of the current request has been counted (set by whoever counts it)."""
@@ -130,6 +134,8 @@ class GenerationObserver:
         self.metrics.errors.labels(protocol, code.name, NO_MODEL).inc()
         self.metrics.key_refusals.labels(self._key(), code.name).inc()
         _mark_counted()
+        if code in _KEY_CODES and self.keys.enabled:  # who was refused, by name (never the key itself)
+            log.info("request refused", extra={"protocol": protocol, "code": code.name, "key": current().name})
 
     def running(self, request_id: str, model: str) -> None:
         """The core names the generation's model: count the request under it."""

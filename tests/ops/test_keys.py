@@ -277,7 +277,15 @@ def test_the_generation_log_line_names_the_key_and_never_the_key_itself(
         assert chat(server, "bob").status_code == 200
     lines = [r for r in caplog.records if r.getMessage() == "generation finished"]
     assert lines and getattr(lines[-1], "key", None) == "bob"
-    assert all(KEYS["bob"][0] not in json.dumps(r.__dict__, default=str) for r in caplog.records)
+    with caplog.at_level(logging.INFO, logger="prismgate.generation"):
+        client = connect(server.grpc_target)
+        with contextlib.closing(client.channel):
+            assert rpc_error(client.open, metadata=meta("elsewhere")).code() == grpc.StatusCode.PERMISSION_DENIED
+    refused = [r for r in caplog.records if r.getMessage() == "request refused"]
+    assert refused and getattr(refused[-1], "key", None) == "elsewhere"
+    assert getattr(refused[-1], "code", None) == "PERMISSION_DENIED"
+    for name in ("bob", "elsewhere"):
+        assert all(KEYS[name][0] not in json.dumps(r.__dict__, default=str) for r in caplog.records)
 
 
 # -- the keys file, changed while the server runs --------------------------------------------------
