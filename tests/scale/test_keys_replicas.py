@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from prismgate.schemas import salience_pb2 as pb
@@ -41,7 +42,15 @@ def two(
 
 
 def test_a_session_belongs_to_its_key_on_every_replica(two: tuple[tuple[Served, Client], ...]) -> None:
-    (_, a), (_, b), _ = two
+    (served_a, a), (served_b, b), _ = two
+    # the OpenAI API's sessions: opened on a, another key's 404 on b, the owner's 200 on b
+    opened = httpx.post(f"{served_a.http_url}/v1/sessions", json={}, headers=dict(meta("alice")), timeout=30)
+    http_sid = opened.json()["id"]
+    assert httpx.get(f"{served_b.http_url}/v1/sessions/{http_sid}", headers=dict(meta("bob"))).status_code == 404
+    assert httpx.get(f"{served_b.http_url}/v1/sessions/{http_sid}", headers=dict(meta("alice"))).status_code == 200
+    listed = httpx.get(f"{served_b.http_url}/v1/sessions", headers=dict(meta("root"))).json()["data"]
+    assert {"id": http_sid, "object": "session", "owner": "alice"} in listed
+
     sid = a.open(metadata=meta("alice"))
     a.generate(session_id=sid, append_tokens=PROMPT, max_tokens=2, top_k=1, metadata=meta("alice"))
     for client in (a, b):
