@@ -110,7 +110,9 @@ def build_service(settings: Settings, engine: Engine | None = None) -> SessionSe
         max_queued=settings.max_queued,
         reserved_slots=settings.reserved_slots,
     )
-    return SessionService(pool, build_store(settings), build_budget(settings), build_quota(settings))
+    return SessionService(
+        pool, build_store(settings), build_budget(settings), build_quota(settings), deterministic=settings.deterministic
+    )
 
 
 def build_budget(settings: Settings) -> RequestBudget:

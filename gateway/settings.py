@@ -142,6 +142,12 @@ class Settings:
     device: str = setting("auto", "transformers engine: cpu, cuda, cuda:N or auto.")
     dtype: str = setting("auto", "Weights dtype.", choices=("auto", "bfloat16", "float16", "float32"))
     threads: int | None = setting(None, "CPU threads for the transformers engine (default: torch's choice).")
+    deterministic: bool = setting(
+        False,
+        "Every request's default for `deterministic`: the same token ids, logprobs and readouts whatever else "
+        "runs beside it (batch-invariant kernels; docs/determinism.md). A request's own field overrides it; "
+        "sampled requests then need a seed.",
+    )
     max_model_len: int | None = setting(None, "Context length limit (default: the model's own).")
     prefill_chunk: int = setting(512, "transformers engine: prompt tokens run per step, so long prompts interleave.")
     max_cached_tokens: int = setting(1 << 18, "transformers engine: KV-cache tokens kept across session turns (LRU).")

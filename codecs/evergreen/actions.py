@@ -90,6 +90,7 @@ def sampling(config: gpb.GenerateConfig) -> GenerateSpec:
         logprob_top_k=config.top_logprobs,
         priority=config.priority,
         steering=tuple(_steering_entry(e, i) for i, e in enumerate(config.steering)),
+        deterministic=config.deterministic if config.HasField("deterministic") else None,
     )
 
 

@@ -23,6 +23,7 @@ from prismgate.engines.hf.job import Job
 from prismgate.engines.hf.kv_reuse import SessionCaches, resume
 from prismgate.engines.hf.sampling import logprobs_of, sample
 from prismgate.engines.hf.steering import GateKey, RowPlan, Steerer
+from prismgate.engines.invariant_rows import SWITCH
 from prismgate.engines.readouts.probe import ReadoutProbe
 
 
@@ -91,6 +92,7 @@ class Stepper:
                 job.cached,
                 spans(job.request.spec.steering, job.prompt_len, len(job.cached)),
                 job.gates,
+                job.invariant,
             )
         prefilled = len(job.timeline) - job.reused - job.generated if job.started else 0
         job.emit(
@@ -127,6 +129,7 @@ class Stepper:
         cache, start = resume(self.adapter, kept, tokens, request.images, spec, needed)
         job.gates = {key: kept.gates[key][:start] if start else [] for key in needed}
         job.cache = cache
+        job.invariant = start == 0 or kept.invariant
         job.cached = tokens[:start]
         job.reused = start
         job.next_prefill = start
@@ -150,10 +153,11 @@ class Stepper:
         want_readouts = self.probe is not None and any(covered(spec.readout_ranges, p) for p in range(start, end))
         if self.probe is not None:
             self.probe.enabled = want_readouts
-        with self.steered([job.steer(0, start, end)]) as gates:
+        with self.steered([job.steer(0, start, end)]) as gates, SWITCH.on(job.deterministic):
             logits = self.adapter.forward(
                 ids, job.cache, start, job.timeline, job.request.images, rows or [len(ids) - 1]
             )
+        job.invariant = job.invariant and job.deterministic
         job.record_gates(gates, 0, len(ids))
         readouts = self.probe.take() if want_readouts and self.probe is not None else None
         job.cached.extend(ids)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import replace
 
 from prismgate.core.actions import GenerateAction, GenerateSpec, ImageInput
 from prismgate.core.engine import EngineInfo
@@ -50,6 +51,28 @@ def check_readouts(info: EngineInfo, spec: GenerateSpec) -> None:
     """Readouts need a concept pack."""
     if spec.wants_readouts and info.readouts is None:
         raise no_concept_pack(info.model_id)
+
+
+def resolve_deterministic(info: EngineInfo, spec: GenerateSpec, default: bool) -> GenerateSpec:
+    """The spec with ``deterministic`` decided (the server's default where the request left it open), checked.
+
+    A deterministic request needs an engine that can keep the promise (a refusal names why it
+    cannot, never a silent best effort), and a seed when it samples: the same seed is what makes
+    a sampled answer the same answer.
+    """
+    asked = spec.deterministic is not None
+    deterministic = spec.deterministic if spec.deterministic is not None else default
+    if deterministic:
+        if not info.deterministic:
+            name = info.engine_name or "this"
+            why = info.deterministic_off or f"the {name} engine cannot run batch-invariant"
+            raise precondition(f"deterministic requests are refused here: {why}")
+        if spec.temperature > 0 and spec.top_k != 1 and spec.seed is None:
+            source = "deterministic: true" if asked else "deterministic (the server's --deterministic default)"
+            raise invalid(
+                f"{source} at temperature > 0 needs a seed: send a seed, or temperature 0, or deterministic: false"
+            )
+    return spec if spec.deterministic is deterministic else replace(spec, deterministic=deterministic)
 
 
 def check_steering(info: EngineInfo, steering: Steering) -> None:

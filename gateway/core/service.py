@@ -90,12 +90,19 @@ class _PassThrough:
 
 class SessionService:
     def __init__(
-        self, pool: EnginePool, store: SessionStore, budget: RequestBudget | None = None, quota: Quota | None = None
+        self,
+        pool: EnginePool,
+        store: SessionStore,
+        budget: RequestBudget | None = None,
+        quota: Quota | None = None,
+        *,
+        deterministic: bool = False,
     ) -> None:
         self.pool = pool  # the gateway's (start, drain, metrics); codecs go through the methods below
         self.store = store
         self.budget = budget or RequestBudget()
         self.quota = quota or LocalQuota()
+        self.deterministic = deterministic  # every request's default for GenerateSpec.deterministic
         self.models = Models(pool)
         self._token_texts: dict[str, TokenTexts] = {}
         self.monitor: GenerationMonitor = _PassThrough()
@@ -354,6 +361,8 @@ class SessionService:
         base = old_length if action.offset is None else action.offset
         checks.check_readouts(info, spec)
         checks.check_steering(info, spec.steering)
+        spec = checks.resolve_deterministic(info, spec, self.deterministic)
+        spec = replace(spec, steering=steering.effective(spec.steering))
         check_fit(base + len(action.append_tokens), spec.max_tokens, info.max_model_len)
         checks.check_ranges(base + len(action.append_tokens), spec)
         if action.images and info.vision is None:  # say so before the image's tokens fail the vocabulary check

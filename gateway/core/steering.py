@@ -88,6 +88,12 @@ class Positions(enum.Enum):
         return hi > lo
 
 
+def effective(steering: Steering) -> Steering:
+    """The entries that change anything: one of scale 0 adds nothing, so it is left out, and the
+    forward pass is bit for bit the unsteered one (re-adding a zero can round a stream differently)."""
+    return steering if all(entry.scale != 0 for entry in steering) else tuple(e for e in steering if e.scale != 0)
+
+
 @dataclass(frozen=True, slots=True)
 class SteeringEntry:
     """One vector added at one layer: a pack concept by name, or a raw ``direction``."""

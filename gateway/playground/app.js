@@ -12,7 +12,8 @@
 // from 0, each question is also sent, with the spec in GenerateConfig `steering`, on a fresh
 // WebSocket of its own: its prompt is the unsteered conversation so far, sent as text, plus the
 // question, so the steered answer never enters the main session and the two answers differ only
-// by the steering. Its readouts shade its tokens like any other answer's.
+// by the steering. Both run deterministic (docs/determinism.md): whatever else the server runs,
+// the unsteered answer is bit for bit the one the conversation gets alone. Its readouts shade its tokens like any other answer's.
 //
 // Shading: value - center (the concept's neutral point), on a fixed scale per concept and
 // layer from the concept pack (`scales`): full colour at twice the scale. A pack without
@@ -281,7 +282,11 @@ async function send(prompt) {
     return;
   }
   const ids = outputIds();
-  const config = { maxTokens: Number($("max-tokens").value) || 64, temperature: Number($("temperature").value) || 0, topLogprobs: 5 };
+  // deterministic: the unsteered answer is the answer this conversation gets alone, every time, and
+  // the steered twin differs from it by the steering only (a sampled pair shares one fresh seed)
+  const temperature = Number($("temperature").value) || 0;
+  const config = { maxTokens: Number($("max-tokens").value) || 64, temperature, topLogprobs: 5, deterministic: true };
+  if (temperature > 0) config.seed = Math.floor(Math.random() * 2 ** 31);
   const steering = readoutsManifest() ? steeringSpec() : [];
 
   const userBox = el("div", "turn user");
