@@ -223,9 +223,24 @@ class Settings:
     )
     max_active: int = setting(64, "Generations running at once across all protocols; the rest queue by priority.")
     max_queued: int = setting(1024, "Generations allowed to wait; beyond this requests fail UNAVAILABLE.")
+    reserved_slots: int = setting(
+        0,
+        "Of max_active, slots kept for keys with no generation running, so that a key starts at once while "
+        "another fills the pool (docs/keys.md); they stay idle while one key has the pool to itself.",
+    )
 
     # -- security and limits ------------------------------------------------------------
-    auth_token: str | None = setting(None, "Shared bearer token required on every protocol (unset: no auth).")
+    auth_token: str | None = setting(
+        None,
+        "Shared bearer token required on every protocol (unset: no auth); the one-key shortcut for keys_file: "
+        "the key named 'default', with the admin scope.",
+    )
+    keys_file: str | None = setting(
+        None,
+        "TOML file of named API keys, stored as SHA-256 hashes, each with its models, permissions, limits and "
+        "fair-share weight (docs/keys.md; 'prismgate keys add' writes it); read again on SIGHUP and when it "
+        "changes, no restart.",
+    )
     grpc_max_message_bytes: int = setting(64 * 1024 * 1024, "Largest gRPC message accepted or sent.")
 
     # -- logging --------------------------------------------------------------------
@@ -380,6 +395,8 @@ class Settings:
             raise invalid(f"max_connections_per_client must be >= 0, got {self.max_connections_per_client}")
         if self.session_store != "memory" and not self.session_store.startswith(("redis://", "rediss://", "unix://")):
             raise invalid(f"session_store must be 'memory' or a redis:// URL, got {self.session_store!r}")
+        if not 0 <= self.reserved_slots < self.max_active:
+            raise invalid(f"reserved_slots must be >= 0 and below max_active, got {self.reserved_slots}")
         if self.session_lock_s <= 0:
             raise invalid(f"session_lock_s must be > 0, got {self.session_lock_s}")
         if self.replicas < 1 or (self.engine == "vllm" and self.replicas != 1):

@@ -39,7 +39,7 @@ class ClientGone(Exception):
 
 def error_response(exc: BaseException) -> Response:
     err = to_openai(exc)
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else err.headers()
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
@@ -212,6 +212,15 @@ class OpenAIEndpoints:
                 raise bad_request("'model' must be a string", "model")
             session = await self.service.open(model)
             return JSONResponse({**(await self._session(session.id)), "created": int(time.time())})
+        except Exception as exc:
+            return error_response(exc)
+
+    async def list_sessions(self, _request: Request) -> Response:
+        """Every open session and the key that owns it: for a key with the admin scope (docs/keys.md)."""
+        try:
+            owners = await self.service.sessions()
+            data = [{"id": sid, "object": "session", "owner": owner} for sid, owner in sorted(owners.items())]
+            return JSONResponse({"object": "list", "data": data})
         except Exception as exc:
             return error_response(exc)
 

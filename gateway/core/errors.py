@@ -9,6 +9,7 @@ every protocol reports it the same way.
 from __future__ import annotations
 
 import enum
+import math
 
 
 class Code(enum.IntEnum):
@@ -17,6 +18,7 @@ class Code(enum.IntEnum):
     CANCELLED = 1
     INVALID_ARGUMENT = 3
     NOT_FOUND = 5
+    PERMISSION_DENIED = 7
     RESOURCE_EXHAUSTED = 8
     FAILED_PRECONDITION = 9
     ABORTED = 10
@@ -35,6 +37,9 @@ class GatewayError(Exception):
         # set once the generation monitor has counted this error (it ended a watched
         # stream), so a codec's refusal counting does not count it twice
         self.reported = False
+        # when the client may try again: set on RESOURCE_EXHAUSTED refusals of a key's limits
+        # (HTTP ``Retry-After``, gRPC ``retry-after`` trailing metadata)
+        self.retry_after_s: float | None = None
 
     def within(self, where: str) -> GatewayError:
         """This error with ``where`` (an action, a row) in front of its message, still marked if counted."""
@@ -42,6 +47,7 @@ class GatewayError(Exception):
             return self
         out = GatewayError(self.code, f"{where}: {self.message}")
         out.reported = self.reported
+        out.retry_after_s = self.retry_after_s
         return out
 
     def __repr__(self) -> str:
@@ -62,3 +68,15 @@ def precondition(message: str) -> GatewayError:
 
 def exhausted(message: str) -> GatewayError:
     return GatewayError(Code.RESOURCE_EXHAUSTED, message)
+
+
+def denied(message: str) -> GatewayError:
+    return GatewayError(Code.PERMISSION_DENIED, message)
+
+
+def retry_later(message: str, retry_after_s: float) -> GatewayError:
+    """RESOURCE_EXHAUSTED with a hint of when a retry may succeed (whole seconds, at least 1)."""
+    seconds = max(1, math.ceil(retry_after_s))
+    error = exhausted(f"{message}; retry after {seconds} s")
+    error.retry_after_s = float(seconds)
+    return error

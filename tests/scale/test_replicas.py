@@ -25,10 +25,11 @@ PROMPT = [5, 6, 7, 8]
 
 
 @contextlib.contextmanager
-def replica(tmp_path: Path, model_dir: Path, store_url: str, name: str) -> Iterator[tuple[Served, Client]]:
+def replica(tmp_path: Path, model_dir: Path, store_url: str, name: str, *args: str) -> Iterator[tuple[Served, Client]]:
+    """One ``prismgate serve`` on the shared store (``args``: more flags), and a Salience client to it."""
     folder = tmp_path / name
     folder.mkdir(exist_ok=True)
-    with serve(folder, model_dir, "--session-store", store_url) as served:
+    with serve(folder, model_dir, "--session-store", store_url, *args) as served:
         client = connect(served.grpc_target)
         try:
             yield served, client

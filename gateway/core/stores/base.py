@@ -76,16 +76,22 @@ class SessionStore(abc.ABC):
     # -- sessions -------------------------------------------------------------------------
 
     @abc.abstractmethod
-    async def create(self, model: str, *, pinned: bool = False) -> Session:
-        """A new empty session; ``pinned``: kept while its connection is open, not evicted for idling."""
+    async def create(self, model: str, *, pinned: bool = False, owner: str = "") -> Session:
+        """A new empty session; ``pinned``: kept while its connection is open, not evicted for idling;
+        ``owner``: the name of the key that opens it."""
 
     @abc.abstractmethod
     async def get(self, session_id: str) -> Session:
         """The session (NOT_FOUND when closed, expired or unknown); counts as a use for idle expiry."""
 
     @abc.abstractmethod
-    async def fork(self, session_id: str, at_position: int) -> Session:
-        """A new session holding the first ``at_position`` tokens of another, its images included."""
+    async def fork(self, session_id: str, at_position: int, *, owner: str | None = None) -> Session:
+        """A new session holding the first ``at_position`` tokens of another, its images included;
+        ``owner``: the child's (None: the parent's)."""
+
+    @abc.abstractmethod
+    async def owners(self) -> dict[str, str]:
+        """Every open session's owner by session id (for an admin's listing)."""
 
     @abc.abstractmethod
     async def close(self, session_id: str) -> bool:
