@@ -108,8 +108,9 @@ def build_service(settings: Settings, engine: Engine | None = None) -> SessionSe
 
 
 def build_budget(settings: Settings) -> RequestBudget:
-    """The core's request budget, limit for limit from the settings of the same names."""
-    return RequestBudget(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(RequestBudget)})
+    """The core's request budget, limit for limit from the settings of the same names (the models size the rest)."""
+    fields = [f for f in dataclasses.fields(RequestBudget) if not f.metadata.get("derived")]
+    return RequestBudget(**{f.name: getattr(settings, f.name) for f in fields})
 
 
 def build_store(settings: Settings) -> SessionStore:

@@ -61,6 +61,17 @@ class Models:
             loading = health.state is HealthState.LOADING
             raise GatewayError(Code.UNAVAILABLE, LOADING if loading else f"the server is not serving: {health.reason}")
 
+    def sizes(self) -> tuple[int, int] | None:
+        """(largest hidden size, largest context) among the loaded models; None before any has loaded.
+
+        A model without a concept pack has no hidden size to steer, so it counts as 0 there.
+        """
+        infos = [info for name in self.names if (info := self._pool.engine(name).info) is not None]
+        if not infos:
+            return None
+        hidden = max((i.readouts.hidden_size for i in infos if i.readouts is not None), default=0)
+        return hidden, max(i.max_model_len for i in infos)
+
     def resolve(self, model: str | None) -> str:
         """The served model's name (``None``: the default model)."""
         if model is None:

@@ -85,12 +85,18 @@ class SessionService:
     ) -> None:
         self.pool = pool  # the gateway's (start, drain, metrics); codecs go through the methods below
         self.store = store
-        self.budget = budget or RequestBudget()
+        self._budget = budget or RequestBudget()
         self.deterministic = deterministic  # every request's default for GenerateSpec.deterministic
         self.models = Models(pool)
         self._token_texts: dict[str, TokenTexts] = {}
         self.monitor: GenerationMonitor = _PassThrough()
         store.on_release(pool.release)
+
+    @property
+    def budget(self) -> RequestBudget:
+        """The request budget, sized to the models loaded so far (see :meth:`Models.sizes`)."""
+        sizes = self.models.sizes()
+        return self._budget if sizes is None else self._budget.sized(*sizes)
 
     # -- models ----------------------------------------------------------------------
 
