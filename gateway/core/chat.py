@@ -27,7 +27,7 @@ from typing import Protocol
 
 from prismgate.core.actions import ImageInput
 from prismgate.core.engine import ChatMessage, EngineInfo, VisionTokens
-from prismgate.core.errors import GatewayError, invalid, precondition
+from prismgate.core.errors import GatewayError, invalid, precondition, quote
 
 
 class ModelCatalog(Protocol):
@@ -81,7 +81,7 @@ def normalize_role(role: str) -> str:
     """Map a wire role onto a chat-template role ("model" is Gemini's word for "assistant")."""
     key = (role or "user").strip().lower()
     if key not in ROLES:
-        raise invalid(f"unknown role {role!r}; use one of {', '.join(sorted(ROLES))}")
+        raise invalid(f"unknown role {quote(role)}; use one of {', '.join(sorted(ROLES))}")
     return ROLES[key]
 
 

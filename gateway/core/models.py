@@ -8,7 +8,7 @@ loading is UNAVAILABLE (a retry will succeed once the server reports ready).
 from __future__ import annotations
 
 from prismgate.core.engine import EngineInfo, ReadoutManifest, VisionTokens
-from prismgate.core.errors import Code, GatewayError, invalid, precondition
+from prismgate.core.errors import Code, GatewayError, invalid, precondition, quote
 from prismgate.core.health import Health, HealthState
 from prismgate.core.pool import EnginePool
 
@@ -21,7 +21,7 @@ class UnknownModel(GatewayError):
     def __init__(self, model: str, served: list[str]) -> None:
         super().__init__(
             Code.NOT_FOUND,
-            f"model {model!r} is not served here; this server serves " + ", ".join(repr(m) for m in served),
+            f"model {quote(model)} is not served here; this server serves " + ", ".join(repr(m) for m in served),
         )
         self.model = model
 

@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 from prismgate.core import health
 from prismgate.core.engine import Engine, EngineRequest
-from prismgate.core.errors import Code, GatewayError
+from prismgate.core.errors import Code, GatewayError, quote
 from prismgate.core.events import Event
 from prismgate.core.health import Health
 
@@ -161,7 +161,7 @@ class EnginePool:
         replicas = self._models.get(name)
         if replicas is None:
             served = ", ".join(sorted(self._models))
-            raise GatewayError(Code.NOT_FOUND, f"model {name!r} is not served here; this server serves {served}")
+            raise GatewayError(Code.NOT_FOUND, f"model {quote(name)} is not served here; this server serves {served}")
         return replicas
 
     def engine(self, model: str | None = None) -> Engine:

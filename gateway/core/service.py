@@ -29,7 +29,7 @@ from prismgate.core import checks, steering
 from prismgate.core.actions import GenerateAction, PositionRange
 from prismgate.core.budget import RequestBudget
 from prismgate.core.engine import EngineInfo, EngineRequest, ReadoutManifest, VisionTokens
-from prismgate.core.errors import Code, GatewayError, invalid
+from prismgate.core.errors import Code, GatewayError, invalid, quote
 from prismgate.core.events import Done, Event, FinishReason, TokenEvent
 from prismgate.core.limits import check_fit, max_tokens_for
 from prismgate.core.models import Models
@@ -179,7 +179,8 @@ class SessionService:
             session = await self.store.get(session_id)
             if model and self.models.resolve(model) != session.model:
                 raise GatewayError(
-                    Code.INVALID_ARGUMENT, f"session {session_id!r} is bound to model {session.model!r}, not {model!r}"
+                    Code.INVALID_ARGUMENT,
+                    f"session {quote(session_id)} is bound to model {session.model!r}, not {quote(model)}",
                 )
             info = self.info(session.model)
             timeline, images = list(session.tokens), list(session.images)

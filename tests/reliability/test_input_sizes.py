@@ -251,3 +251,30 @@ def test_salience_set_steering_with_extreme_numbers_leaves_the_session_usable(se
         want = steered(1.0)
         for value in EXTREMES:
             assert steered(value) == want, value
+
+
+# -- item 5: an error quotes a client's string in part, on every wire ------------------------------
+
+LONG = "m" * 1_000_000
+
+
+def test_a_megabyte_model_name_or_session_id_is_quoted_in_part(server: LiveServer) -> None:
+    with UnderAttack(server.http_url):
+        reply = httpx.post(
+            server.http_url + "/v1/completions", json={"model": LONG, "prompt": "hi", "max_tokens": 1}, timeout=30
+        )
+        assert reply.status_code == 404 and len(reply.content) < 1000, len(reply.content)
+        assert "(1000000 characters)" in reply.json()["error"]["message"]
+        options = [("grpc.max_send_message_length", 64 << 20)]
+        with grpc.insecure_channel(server.grpc_target, options=options) as channel:
+            stub = salience_pb2_grpc.SalienceStub(channel)
+            for call in (
+                lambda: stub.OpenSession(spb.OpenSessionRequest(model=LONG), timeout=30),
+                lambda: stub.DumpSession(spb.DumpSessionRequest(session_id=LONG), timeout=30),
+            ):
+                with pytest.raises(grpc.RpcError) as refused:
+                    call()
+                # not RESOURCE_EXHAUSTED "Stream removed": the trailer fits the metadata limit
+                assert refused.value.code() == grpc.StatusCode.NOT_FOUND, refused.value
+                details = refused.value.details() or ""
+                assert len(details) < 1000 and "(1000000 characters)" in details, details[:300]
