@@ -20,7 +20,7 @@ from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import BaseRoute, Route
 
 from prismgate.auth import check_bearer
-from prismgate.codecs.status import http_status
+from prismgate.codecs.status import http_status_of
 from prismgate.core.errors import GatewayError
 from prismgate.core.service import SessionService
 from prismgate.engines.readouts.pack import view_layer
@@ -78,10 +78,7 @@ def routes(service: SessionService, settings: Settings) -> list[BaseRoute]:
         return FileResponse(STATIC / name, media_type=FILES[name], headers=NO_CACHE)
 
     def authorize(request: Request) -> None:
-        token = request.query_params.get("access_token")
-        check_bearer(
-            settings.auth_token, request.headers.get("authorization") or (f"Bearer {token}" if token else None)
-        )
+        check_bearer(settings.auth_token, request.headers.get("authorization"))
 
     async def manifest_json(request: Request) -> Response:
         try:
@@ -97,7 +94,7 @@ def routes(service: SessionService, settings: Settings) -> list[BaseRoute]:
             body = await score(service, messages)
             return Response(body, media_type="application/json", headers=NO_CACHE)
         except GatewayError as exc:
-            status = 413 if isinstance(exc, BodyTooLarge) else http_status(exc.code)
+            status = 413 if isinstance(exc, BodyTooLarge) else http_status_of(exc)
             return JSONResponse({"error": exc.message, "code": exc.code.name}, status_code=status)
 
     return [
