@@ -104,7 +104,13 @@ def build_service(settings: Settings, engine: Engine | None = None) -> SessionSe
     else:
         engines = [build_engine(served) for served in settings.served() for _ in range(served.replicas)]
     pool = EnginePool(engines, max_active=settings.max_active, max_queued=settings.max_queued)
-    return SessionService(pool, build_store(settings), build_budget(settings), deterministic=settings.deterministic)
+    return SessionService(
+        pool,
+        build_store(settings),
+        build_budget(settings),
+        deterministic=settings.deterministic,
+        specials_in_text=settings.allow_special_tokens_in_text,
+    )
 
 
 def build_budget(settings: Settings) -> RequestBudget:

@@ -227,6 +227,12 @@ class Settings:
     # -- security and limits ------------------------------------------------------------
     auth_token: str | None = setting(None, "Shared bearer token required on every protocol (unset: no auth).")
     grpc_max_message_bytes: int = setting(64 * 1024 * 1024, "Largest gRPC message accepted or sent.")
+    allow_special_tokens_in_text: bool = setting(
+        False,
+        "Read a control token's string in a client's text (<|im_end|>, <|im_start|>) as that control token, on "
+        "every protocol. Off: it is text, as the hosted APIs do, so a user cannot forge a system turn; only the "
+        "chat template places control tokens (a client that needs them sends token ids).",
+    )
 
     # -- logging --------------------------------------------------------------------
     log_level: str = setting("info", "Log level.", choices=("debug", "info", "warning", "error"))

@@ -34,8 +34,15 @@ def no_concept_pack(model: str) -> GatewayError:
 class Models:
     """The served models, by name, as codecs see them (the pool behind them stays the core's)."""
 
-    def __init__(self, pool: EnginePool) -> None:
+    def __init__(self, pool: EnginePool, *, specials_in_text: bool = False) -> None:
         self._pool = pool
+        self._specials_in_text = specials_in_text
+
+    @property
+    def specials_in_text(self) -> bool:
+        """Whether a control token's string in a client's text is that control token (the setting
+        ``allow_special_tokens_in_text``; off: it is text, so no client can forge a turn)."""
+        return self._specials_in_text
 
     @property
     def names(self) -> list[str]:

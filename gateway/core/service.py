@@ -81,13 +81,19 @@ class _PassThrough:
 
 class SessionService:
     def __init__(
-        self, pool: EnginePool, store: SessionStore, budget: RequestBudget | None = None, *, deterministic: bool = False
+        self,
+        pool: EnginePool,
+        store: SessionStore,
+        budget: RequestBudget | None = None,
+        *,
+        deterministic: bool = False,
+        specials_in_text: bool = False,
     ) -> None:
         self.pool = pool  # the gateway's (start, drain, metrics); codecs go through the methods below
         self.store = store
         self._budget = budget or RequestBudget()
         self.deterministic = deterministic  # every request's default for GenerateSpec.deterministic
-        self.models = Models(pool)
+        self.models = Models(pool, specials_in_text=specials_in_text)
         self._token_texts: dict[str, TokenTexts] = {}
         self.monitor: GenerationMonitor = _PassThrough()
         store.on_release(pool.release)
@@ -99,6 +105,10 @@ class SessionService:
         return self._budget if sizes is None else self._budget.sized(*sizes)
 
     # -- models ----------------------------------------------------------------------
+
+    @property
+    def specials_in_text(self) -> bool:
+        return self.models.specials_in_text
 
     def info(self, model: str | None = None) -> EngineInfo:
         """The model's facts (context, tokenizer, manifest); NOT_FOUND unknown, UNAVAILABLE loading."""
