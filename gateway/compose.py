@@ -103,7 +103,12 @@ def build_service(settings: Settings, engine: Engine | None = None) -> SessionSe
         engines = [engine]
     else:
         engines = [build_engine(served) for served in settings.served() for _ in range(served.replicas)]
-    pool = EnginePool(engines, max_active=settings.max_active, max_queued=settings.max_queued)
+    pool = EnginePool(
+        engines,
+        max_active=settings.max_active,
+        max_queued=settings.max_queued,
+        memory_budget_bytes=settings.memory_budget_bytes,
+    )
     return SessionService(
         pool,
         build_store(settings),

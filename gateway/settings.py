@@ -223,6 +223,13 @@ class Settings:
     )
     max_active: int = setting(64, "Generations running at once across all protocols; the rest queue by priority.")
     max_queued: int = setting(1024, "Generations allowed to wait; beyond this requests fail UNAVAILABLE.")
+    memory_budget_bytes: int = setting(
+        0,
+        "Memory all running generations together may hold for what they report (logprob entries, readouts, "
+        "buffered output; each request's worst case estimated from its spec before it runs). Requests over it "
+        "wait; one that alone exceeds it is refused RESOURCE_EXHAUSTED. 0: 1% of the machine's memory, between "
+        "64 MiB and 256 MiB.",
+    )
 
     # -- security and limits ------------------------------------------------------------
     auth_token: str | None = setting(None, "Shared bearer token required on every protocol (unset: no auth).")

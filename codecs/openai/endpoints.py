@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar, cast
@@ -129,8 +130,13 @@ class OpenAIEndpoints:
             return cast(Response, EventStream(self._events(generation, fmt), self.settings, dumps))
         try:
             pieces = await unless_disconnected(request, _collect(generation))
-            assert generation.done is not None
-            return JSONResponse(fmt.response(pieces, generation.done, generation.session_length))
+            done = generation.done
+            assert done is not None
+            if not (plan.want_logprobs or plan.axes is not None):
+                return JSONResponse(fmt.response(pieces, done, generation.session_length))
+            # logprobs and readouts of every position can be tens of MB of JSON: built off the loop
+            body = await asyncio.to_thread(_json, fmt.response, pieces, done, generation.session_length)
+            return Response(body, media_type="application/json")
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         except Exception as exc:
@@ -258,3 +264,9 @@ async def _collect(generation: Generation) -> list[Piece]:
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _json(build: Callable[..., Any], *args: Any) -> bytes:
+    """``build(*args)`` encoded as :class:`JSONResponse` encodes it (called in a worker thread)."""
+    content = build(*args)
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()

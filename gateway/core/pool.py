@@ -18,6 +18,7 @@ from prismgate.core.engine import Engine, EngineRequest
 from prismgate.core.errors import Code, GatewayError, quote
 from prismgate.core.events import Event
 from prismgate.core.health import Health
+from prismgate.core.memory import MemoryBudget, request_bytes
 
 
 class Admission:
@@ -140,7 +141,9 @@ class EnginePool:
     so are the ranks of an engine that runs data-parallel copies itself (:class:`RankedEngine`).
     """
 
-    def __init__(self, engines: list[Engine], *, max_active: int = 64, max_queued: int = 1024) -> None:
+    def __init__(
+        self, engines: list[Engine], *, max_active: int = 64, max_queued: int = 1024, memory_budget_bytes: int = 0
+    ) -> None:
         if not engines:
             raise ValueError("an EnginePool needs at least one engine")
         grouped: dict[str, list[Engine]] = {}
@@ -150,6 +153,7 @@ class EnginePool:
         self._all = list(engines)
         self.default_model = engines[0].model_id
         self.admission = Admission(max_active, max_queued)
+        self.memory = MemoryBudget(memory_budget_bytes, max_waiting=max_queued)  # 0: sized to the machine
         self._stopping = False
 
     @property
@@ -205,7 +209,10 @@ class EnginePool:
 
     async def generate(self, model: str | None, request: EngineRequest) -> AsyncGenerator[Event, None]:
         replicas = self.replicas(model)
-        async with self.admission.slot(request.spec.priority):
+        info = replicas.engines[0].info
+        cost = request_bytes(request.spec, len(request.tokens), info) if info is not None else 0
+        # bytes first: a request waiting for memory holds no slot a smaller one could use
+        async with self.memory.reserve(cost), self.admission.slot(request.spec.priority):
             stream = replicas.pick(request).generate(request)  # picked once a slot is held: loads are current
             try:
                 async for event in stream:
