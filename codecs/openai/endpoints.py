@@ -267,6 +267,37 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 def _json(build: Callable[..., Any], *args: Any) -> bytes:
-    """``build(*args)`` encoded as :class:`JSONResponse` encodes it (called in a worker thread)."""
-    content = build(*args)
-    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
+    """``build(*args)`` encoded as :class:`JSONResponse` encodes it (called in a worker thread).
+
+    In pieces: one ``json.dumps`` of a 21 MB answer is one C call that holds the interpreter
+    lock throughout, and the event loop (``/healthz`` too) waits for it, worker thread or not.
+    Objects and long lists are walked here, so the lock changes hands between their items.
+    """
+    out: list[str] = []
+    _encode(build(*args), out)
+    return "".join(out).encode()
+
+
+LONG_LIST = 64  # lists longer than this are encoded item by item
+
+
+def _encode(value: Any, out: list[str]) -> None:
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        out.append("{")
+        for i, (key, item) in enumerate(value.items()):
+            out.append(("," if i else "") + _dumps(key) + ":")
+            _encode(item, out)
+        out.append("}")
+    elif isinstance(value, list) and len(value) > LONG_LIST:
+        out.append("[")
+        for i, item in enumerate(value):
+            if i:
+                out.append(",")
+            _encode(item, out)
+        out.append("]")
+    else:
+        out.append(_dumps(value))
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
