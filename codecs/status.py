@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prismgate.core.errors import Code
+from prismgate.core.errors import Code, GatewayError
+from prismgate.core.limits import ContextOverflow
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,16 @@ def wire_status(code: Code) -> WireStatus:
 
 def http_status(code: Code) -> int:
     return wire_status(code).http
+
+
+def http_status_of(exc: GatewayError) -> int:
+    """The HTTP status of a core error, with the one refinement every HTTP route shares.
+
+    A prompt too large for the model's context (:class:`ContextOverflow`, RESOURCE_EXHAUSTED
+    in the core) is 400 on HTTP, as OpenAI answers it: the request must change, and a 429
+    tells clients to retry the same request later.
+    """
+    return 400 if isinstance(exc, ContextOverflow) else http_status(exc.code)
 
 
 def close_code(code: Code) -> int:

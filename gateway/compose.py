@@ -109,15 +109,22 @@ def build_service(settings: Settings, engine: Engine | None = None) -> SessionSe
         max_active=settings.max_active,
         max_queued=settings.max_queued,
         reserved_slots=settings.reserved_slots,
+        memory_budget_bytes=settings.memory_budget_bytes,
     )
     return SessionService(
-        pool, build_store(settings), build_budget(settings), build_quota(settings), deterministic=settings.deterministic
+        pool,
+        build_store(settings),
+        build_budget(settings),
+        build_quota(settings),
+        deterministic=settings.deterministic,
+        specials_in_text=settings.allow_special_tokens_in_text,
     )
 
 
 def build_budget(settings: Settings) -> RequestBudget:
-    """The core's request budget, limit for limit from the settings of the same names."""
-    return RequestBudget(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(RequestBudget)})
+    """The core's request budget, limit for limit from the settings of the same names (the models size the rest)."""
+    fields = [f for f in dataclasses.fields(RequestBudget) if not f.metadata.get("derived")]
+    return RequestBudget(**{f.name: getattr(settings, f.name) for f in fields})
 
 
 def build_quota(settings: Settings) -> Quota:

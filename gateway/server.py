@@ -35,6 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from prismgate import reflection
 from prismgate.app import create_app
+from prismgate.arenas import limit_malloc_arenas
 from prismgate.compose import build_service
 from prismgate.core.errors import GatewayError
 from prismgate.core.service import SessionService
@@ -95,6 +96,7 @@ class Gateway:
     async def start(self) -> None:
         """Bind both ports and start serving; the model keeps loading in the background."""
         s = self.settings
+        limit_malloc_arenas()
         log_scrub.install()
         accept_errors.install(asyncio.get_running_loop())
         http_socket = _listen_http(s.host, s.http_port)

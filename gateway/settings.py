@@ -228,6 +228,13 @@ class Settings:
         "Of max_active, slots kept for keys with no generation running, so that a key starts at once while "
         "another fills the pool (docs/keys.md); they stay idle while one key has the pool to itself.",
     )
+    memory_budget_bytes: int = setting(
+        0,
+        "Memory all running generations together may hold for what they report (logprob entries, readouts, "
+        "buffered output; each request's worst case estimated from its spec before it runs). Requests over it "
+        "wait; one that alone exceeds it is refused RESOURCE_EXHAUSTED. 0: 1% of the machine's memory, between "
+        "64 MiB and 256 MiB.",
+    )
 
     # -- security and limits ------------------------------------------------------------
     auth_token: str | None = setting(
@@ -242,6 +249,12 @@ class Settings:
         "changes, no restart.",
     )
     grpc_max_message_bytes: int = setting(64 * 1024 * 1024, "Largest gRPC message accepted or sent.")
+    allow_special_tokens_in_text: bool = setting(
+        False,
+        "Read a control token's string in a client's text (<|im_end|>, <|im_start|>) as that control token, on "
+        "every protocol. Off: it is text, as the hosted APIs do, so a user cannot forge a system turn; only the "
+        "chat template places control tokens (a client that needs them sends token ids).",
+    )
 
     # -- logging --------------------------------------------------------------------
     log_level: str = setting("info", "Log level.", choices=("debug", "info", "warning", "error"))

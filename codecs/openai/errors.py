@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from prismgate.codecs.status import http_status
-from prismgate.core.errors import Code, GatewayError
+from prismgate.core.errors import Code, GatewayError, clip
 from prismgate.core.limits import ContextOverflow
 from prismgate.core.models import UnknownModel
 
@@ -75,7 +75,7 @@ def from_gateway(exc: GatewayError, *, param: str | None = None, code: str | Non
     429 its clients would retry).
     """
     if isinstance(exc, UnknownModel):
-        return OpenAIError(404, f"The model '{exc.model}' does not exist", param="model", code="model_not_found")
+        return OpenAIError(404, f"The model '{clip(exc.model)}' does not exist", param="model", code="model_not_found")
     if isinstance(exc, ContextOverflow):
         return OpenAIError(400, _context_message(exc), param=param, code="context_length_exceeded")
     kind, default_code = _TYPES.get(exc.code, ("server_error", None))

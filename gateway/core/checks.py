@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from prismgate.core.actions import GenerateAction, GenerateSpec, ImageInput
 from prismgate.core.engine import EngineInfo
-from prismgate.core.errors import invalid, precondition
+from prismgate.core.errors import invalid, precondition, quote
 from prismgate.core.models import Models, no_concept_pack
 from prismgate.core.session import ImageSpan, Session
 from prismgate.core.steering import Steering
@@ -95,7 +95,9 @@ def check_steering(info: EngineInfo, steering: Steering) -> None:
                 f"{', '.join(map(str, manifest.layers))}"
             )
         if entry.concept is not None and entry.concept not in manifest.concepts:
-            raise invalid(f"{where}: unknown concept {entry.concept!r}; the pack has {', '.join(manifest.concepts)}")
+            raise invalid(
+                f"{where}: unknown concept {quote(entry.concept)}; the pack has {', '.join(manifest.concepts)}"
+            )
         if entry.direction is not None and len(entry.direction) != manifest.hidden_size:
             raise invalid(
                 f"{where}: a direction of {len(entry.direction)} numbers; the model's hidden size is "
@@ -115,7 +117,7 @@ def check_steering(info: EngineInfo, steering: Steering) -> None:
                 )
             if gate.concept not in manifest.concepts:
                 raise invalid(
-                    f"{where}: unknown gate concept {gate.concept!r}; the pack has {', '.join(manifest.concepts)}"
+                    f"{where}: unknown gate concept {quote(gate.concept)}; the pack has {', '.join(manifest.concepts)}"
                 )
 
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 import enum
 import math
 
+QUOTE_CHARS = 200  # of a client's string an error quotes (a model name, a session id, a concept)
+MESSAGE_CHARS = 2000  # of any error message: a gRPC status travels in 16 KiB of metadata, with its escapes
+
 
 class Code(enum.IntEnum):
     """The subset of gRPC status codes the gateway uses, with gRPC's numbers."""
@@ -31,6 +34,8 @@ class GatewayError(Exception):
     """A request failed for a reason the client can act on."""
 
     def __init__(self, code: Code, message: str) -> None:
+        if len(message) > MESSAGE_CHARS:  # a quoted client string past quote()'s care must not carry the rest off
+            message = message[:MESSAGE_CHARS] + "..."
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
@@ -52,6 +57,24 @@ class GatewayError(Exception):
 
     def __repr__(self) -> str:
         return f"GatewayError({self.code.name}, {self.message!r})"
+
+
+def quote(value: str) -> str:
+    """A client's string as an error quotes it: ``repr``, cut to :data:`QUOTE_CHARS` characters.
+
+    A 1 MB model name must not become a 1 MB HTTP 404 body or a gRPC trailer past the
+    metadata limit (the client would see "Stream removed", not the NOT_FOUND).
+    """
+    if len(value) <= QUOTE_CHARS:
+        return repr(value)
+    return repr(value[:QUOTE_CHARS]) + f"... ({len(value)} characters)"
+
+
+def clip(value: str) -> str:
+    """:func:`quote` for a wire that puts its own quotes around the string (OpenAI's ``'model'``)."""
+    if len(value) <= QUOTE_CHARS:
+        return value
+    return value[:QUOTE_CHARS] + f"... ({len(value)} characters)"
 
 
 def invalid(message: str) -> GatewayError:

@@ -13,10 +13,11 @@ from typing import Protocol, runtime_checkable
 
 from prismgate.core import health
 from prismgate.core.engine import Engine, EngineRequest
-from prismgate.core.errors import Code, GatewayError
+from prismgate.core.errors import Code, GatewayError, quote
 from prismgate.core.events import Done, Event, TokenEvent
 from prismgate.core.fairness import ANY, FairQueue, Share, prompt_cost
 from prismgate.core.health import Health
+from prismgate.core.memory import MemoryBudget, request_bytes
 
 
 class Admission:
@@ -144,7 +145,13 @@ class EnginePool:
     """
 
     def __init__(
-        self, engines: list[Engine], *, max_active: int = 64, max_queued: int = 1024, reserved_slots: int = 0
+        self,
+        engines: list[Engine],
+        *,
+        max_active: int = 64,
+        max_queued: int = 1024,
+        reserved_slots: int = 0,
+        memory_budget_bytes: int = 0,
     ) -> None:
         if not engines:
             raise ValueError("an EnginePool needs at least one engine")
@@ -155,6 +162,7 @@ class EnginePool:
         self._all = list(engines)
         self.default_model = engines[0].model_id
         self.admission = Admission(max_active, max_queued, reserved_slots)
+        self.memory = MemoryBudget(memory_budget_bytes, max_waiting=max_queued)  # 0: sized to the machine
         self._stopping = False
 
     @property
@@ -166,7 +174,7 @@ class EnginePool:
         replicas = self._models.get(name)
         if replicas is None:
             served = ", ".join(sorted(self._models))
-            raise GatewayError(Code.NOT_FOUND, f"model {name!r} is not served here; this server serves {served}")
+            raise GatewayError(Code.NOT_FOUND, f"model {quote(name)} is not served here; this server serves {served}")
         return replicas
 
     def engine(self, model: str | None = None) -> Engine:
@@ -213,7 +221,10 @@ class EnginePool:
     ) -> AsyncGenerator[Event, None]:
         """Run ``request`` once admitted; ``share``: whose it is, for the fair share of a saturated pool."""
         replicas = self.replicas(model)
-        async with self.admission.slot(request.spec.priority, share):
+        info = replicas.engines[0].info
+        cost = request_bytes(request.spec, len(request.tokens), info) if info is not None else 0
+        # bytes first: a request waiting for memory holds no slot a smaller one could use
+        async with self.memory.reserve(cost), self.admission.slot(request.spec.priority, share):
             stream = replicas.pick(request).generate(request)  # picked once a slot is held: loads are current
             try:
                 async for event in stream:

@@ -34,7 +34,7 @@ from prismgate.core import checks, steering
 from prismgate.core.actions import GenerateAction, PositionRange
 from prismgate.core.budget import RequestBudget
 from prismgate.core.engine import EngineInfo, EngineRequest, ReadoutManifest, VisionTokens
-from prismgate.core.errors import Code, GatewayError, invalid
+from prismgate.core.errors import Code, GatewayError, invalid, quote
 from prismgate.core.events import Done, Event, FinishReason, TokenEvent
 from prismgate.core.fairness import Share
 from prismgate.core.limits import check_fit, max_tokens_for
@@ -97,18 +97,29 @@ class SessionService:
         quota: Quota | None = None,
         *,
         deterministic: bool = False,
+        specials_in_text: bool = False,
     ) -> None:
         self.pool = pool  # the gateway's (start, drain, metrics); codecs go through the methods below
         self.store = store
-        self.budget = budget or RequestBudget()
+        self._budget = budget or RequestBudget()
         self.quota = quota or LocalQuota()
         self.deterministic = deterministic  # every request's default for GenerateSpec.deterministic
-        self.models = Models(pool)
+        self.models = Models(pool, specials_in_text=specials_in_text)
         self._token_texts: dict[str, TokenTexts] = {}
         self.monitor: GenerationMonitor = _PassThrough()
         store.on_release(pool.release)
 
+    @property
+    def budget(self) -> RequestBudget:
+        """The request budget, sized to the models loaded so far (see :meth:`Models.sizes`)."""
+        sizes = self.models.sizes()
+        return self._budget if sizes is None else self._budget.sized(*sizes)
+
     # -- models ----------------------------------------------------------------------
+
+    @property
+    def specials_in_text(self) -> bool:
+        return self.models.specials_in_text
 
     def info(self, model: str | None = None) -> EngineInfo:
         """The model's facts (context, tokenizer, manifest); NOT_FOUND unknown, UNAVAILABLE loading."""
@@ -219,7 +230,8 @@ class SessionService:
             session = await self._owned(session_id, principal)
             if model and self.models.resolve(model) != session.model:
                 raise GatewayError(
-                    Code.INVALID_ARGUMENT, f"session {session_id!r} is bound to model {session.model!r}, not {model!r}"
+                    Code.INVALID_ARGUMENT,
+                    f"session {quote(session_id)} is bound to model {session.model!r}, not {quote(model)}",
                 )
             info = self.info(session.model)
             timeline, images = list(session.tokens), list(session.images)

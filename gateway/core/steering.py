@@ -129,10 +129,16 @@ class SteeringEntry:
             )
 
     def unit_direction(self) -> tuple[float, ...]:
-        """The raw direction at unit length (only for entries that carry one)."""
+        """The raw direction at unit length (only for entries that carry one).
+
+        Scaled by its largest magnitude before squaring: the squares of ``1e-200`` underflow
+        to zero and those of ``1e200`` overflow to infinity, yet both are fine directions.
+        """
         assert self.direction is not None
-        norm = math.sqrt(math.fsum(x * x for x in self.direction))
-        return tuple(x / norm for x in self.direction)
+        largest = max(abs(x) for x in self.direction)
+        scaled = [x / largest for x in self.direction]
+        norm = math.sqrt(math.fsum(x * x for x in scaled))
+        return tuple(x / norm for x in scaled)
 
 
 Steering = tuple[SteeringEntry, ...]

@@ -10,7 +10,8 @@ services check the same keys in their guard (:mod:`prismgate.codecs.grpc_guard`)
 A client presents the token as ``Authorization: Bearer <token>``. Browsers cannot set
 headers on a WebSocket, so they may offer it as the subprotocol ``bearer.<token>``
 (it then never appears in a URL, so never in a log); the ``access_token`` query
-parameter still works for older clients.
+parameter still works for older clients, on a WebSocket handshake only: an HTTP client
+can send a header, and a token in a URL ends up in proxies' logs and browser history.
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ def open_paths(settings: Settings) -> frozenset[str]:
 
 
 def presented_token(scope: Scope) -> str | None:
-    """The ``Authorization`` value the client sent, or one built from the subprotocol or query carrier."""
+    """The ``Authorization`` value the client sent, or one built from a WebSocket's subprotocol or query carrier."""
     for name, value in scope["headers"]:
         if name == b"authorization":
             return str(value.decode("latin-1"))
     for offered in scope.get("subprotocols", ()):
         if offered.startswith(TOKEN_SUBPROTOCOL):
             return "Bearer " + offered[len(TOKEN_SUBPROTOCOL) :]
+    if scope["type"] != "websocket":
+        return None
     for key, value in parse_qsl(scope.get("query_string", b"").decode("latin-1")):
         if key == "access_token":
             return "Bearer " + value

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from prismgate.codecs.status import http_status
+from prismgate.codecs.status import http_status, http_status_of
 from prismgate.core.errors import GatewayError, denied
 from prismgate.core.principal import current
 from prismgate.core.service import SessionService
@@ -97,7 +97,7 @@ def routes(service: SessionService, settings: Settings) -> list[BaseRoute]:
             body = await score(service, messages)
             return Response(body, media_type="application/json", headers=NO_CACHE)
         except GatewayError as exc:
-            status = 413 if isinstance(exc, BodyTooLarge) else http_status(exc.code)
+            status = 413 if isinstance(exc, BodyTooLarge) else http_status_of(exc)
             return JSONResponse({"error": exc.message, "code": exc.code.name}, status_code=status)
 
     return [

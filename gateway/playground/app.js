@@ -68,14 +68,21 @@ function setStatus(text) {
   $("status").textContent = text;
 }
 
+// The token: a header on fetches; in the URL only for WebSockets, which cannot carry headers
+// (the server takes ?access_token= on a WebSocket handshake only).
 function authQuery() {
   const token = $("token").value.trim();
   return token ? `?access_token=${encodeURIComponent(token)}` : "";
 }
 
+function authHeaders() {
+  const token = $("token").value.trim();
+  return token ? { authorization: `Bearer ${token}` } : {};
+}
+
 async function loadManifest() {
   for (let attempt = 0; attempt < 120; attempt++) {
-    const response = await fetch(`/playground/manifest.json${authQuery()}`, { cache: "no-store" });
+    const response = await fetch("/playground/manifest.json", { cache: "no-store", headers: authHeaders() });
     if (response.status === 401) {
       $("model").textContent = "this server needs a token: enter it above, then reload";
       return;
@@ -317,9 +324,9 @@ async function send(prompt) {
 async function scorePrompt(turn, messages, start) {
   turn.scoring = true;
   try {
-    const response = await fetch(`/playground/score${authQuery()}`, {
+    const response = await fetch("/playground/score", {
       method: "POST",
-      headers: { "content-type": "application/json" },
+      headers: { "content-type": "application/json", ...authHeaders() },
       body: JSON.stringify({ messages }),
     });
     const body = await response.json();

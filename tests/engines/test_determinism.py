@@ -181,7 +181,9 @@ async def test_deterministic_requests_give_the_same_bits_under_100_random_mixes(
 
 async def test_a_gate_that_never_opens_is_bit_for_bit_unsteered(smol: Any) -> None:
     """In default mode too (alone on the engine: in default mode a neighbour changes the bits)."""
-    while smol.in_flight():
+    for _ in range(600):  # requests a failed test left behind finish within seconds
+        if not smol.in_flight():
+            break
         await asyncio.sleep(0.05)
     prompt = chat(smol, "Tell me about the sea.")
     spec = target_spec(prompt, deterministic=False)

@@ -32,9 +32,10 @@ import redis.exceptions
 from prismgate.core.errors import Code, GatewayError, exhausted
 from prismgate.core.session import DEFAULT_TTL_S, ImageSpan, Session
 from prismgate.core.steering import Comparison, Gate, Positions, SteeredSpan, Steering, SteeringEntry
-from prismgate.core.stores.base import SessionStore, busy, missing, over_token_cap, too_many
+from prismgate.core.stores.base import SessionStore, busy, missing, over_token_cap, too_many, well_formed
 
 T = TypeVar("T")
+READINESS_EVERY_S = 1.0  # /readyz asks Redis at most this often; between PINGs it repeats the last answer
 
 # KEYS: session, images, sessions, lengths. ARGV: id, now_ms, ttl_ms, max_sessions, model,
 # tokens, spans, token_count, owner, then digest/bytes pairs. Returns 0 when the cap is reached.
@@ -189,6 +190,8 @@ class RedisStore(SessionStore):
         }
         self._count = 0
         self._tokens = 0
+        self._checked_at = -READINESS_EVERY_S
+        self._down: str | None = None
 
     def __len__(self) -> int:
         return self._count
@@ -200,7 +203,9 @@ class RedisStore(SessionStore):
     # -- keys and clocks --------------------------------------------------------------------
 
     def _keys(self, session_id: str) -> list[str]:
-        """session, images, lock, sessions index, lengths."""
+        """session, images, lock, sessions index, lengths; NOT_FOUND for an id no session can have."""
+        if not well_formed(session_id):
+            raise missing(session_id)
         base = f"{self._prefix}s:{session_id}"
         return [base, base + ":img", base + ":lock", self._prefix + "sessions", self._prefix + "lengths"]
 
@@ -288,6 +293,8 @@ class RedisStore(SessionStore):
         return {sid: (owner or b"").decode() for sid, (model, owner) in zip(ids, rows, strict=True) if model}
 
     async def close(self, session_id: str) -> bool:
+        if not well_formed(session_id):
+            return False  # closing an unknown session is not an error
         keys = self._keys(session_id)
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(keys[0], keys[1])
@@ -366,13 +373,25 @@ class RedisStore(SessionStore):
         if self._tokens + extra_tokens > self.max_total_tokens:
             raise over_token_cap(self._tokens, extra_tokens, self.max_total_tokens)
 
+    async def unreachable(self) -> str | None:
+        """A PING, at most one every :data:`READINESS_EVERY_S` (a flood of probes is not a flood of PINGs)."""
+        now = time.monotonic()
+        if now - self._checked_at >= READINESS_EVERY_S:
+            self._checked_at = now
+            try:
+                await self._guarded(self._redis.ping())
+                self._down = None
+            except GatewayError as exc:
+                self._down = exc.message
+        return self._down
+
     async def evict_expired(self) -> list[str]:
         await self._refresh()  # Redis expires the sessions themselves
         return []
 
     async def _refresh(self) -> None:
-        keys = self._keys("")
-        self._count, self._tokens = await self._call("count", keys[3:5], [int(time.time() * 1000)])
+        keys = [self._prefix + "sessions", self._prefix + "lengths"]
+        self._count, self._tokens = await self._call("count", keys, [int(time.time() * 1000)])
 
     async def close_all(self) -> int:
         await self._redis.aclose()  # the sessions stay in Redis for the other replicas and a restart
