@@ -1,6 +1,7 @@
 """The step machine: one request advanced by one step at a time.
 
-A step is a prefill chunk of at most ``prefill_chunk`` prompt tokens, or one decode token.
+A step is a prefill chunk of at most ``prefill_chunk`` prompt tokens (:data:`SCORED_CHUNK` while
+the chunk scores prompt positions), or one decode token.
 Small steps let the scheduler interleave requests, so a long prompt cannot stall other
 streams for its whole prefill. A decoded token whose readout was asked for is held until
 the next step has run it through the model (its hidden state appears only then).
@@ -25,6 +26,11 @@ from prismgate.engines.hf.sampling import logprobs_of, sample
 from prismgate.engines.hf.steering import GateKey, RowPlan, Steerer
 from prismgate.engines.invariant_rows import SWITCH
 from prismgate.engines.readouts.probe import ReadoutProbe
+
+# Prompt tokens per step while a chunk scores prompt positions: each scored position needs a
+# full-vocabulary row of logits (200 KB at SmolLM2's 49k vocabulary), reduced to its top-k as
+# soon as the chunk has run, so a chunk of 64 holds at most 13 MB where one of 512 held 100 MB.
+SCORED_CHUNK = 64
 
 
 class Stepper:
@@ -56,9 +62,11 @@ class Stepper:
         spec = job.request.spec
         n = job.prompt_len
         if job.next_prefill < n:
-            end = self.adapter.chunk_end(
-                job.request.images, job.next_prefill, min(n, job.next_prefill + self.prefill_chunk)
-            )
+            start = job.next_prefill
+            size = self.prefill_chunk
+            if any(covered(spec.logprob_ranges, p) for p in range(start + 1, min(n, start + size) + 1)):
+                size = min(size, SCORED_CHUNK)
+            end = self.adapter.chunk_end(job.request.images, start, min(n, start + size))
             self.feed(job, job.next_prefill, end)
             job.next_prefill = end
             if end < n:
