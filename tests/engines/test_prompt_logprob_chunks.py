@@ -28,7 +28,7 @@ async def test_a_scored_prompt_runs_in_chunks_whose_logits_stay_small(tiny_model
 
         adapter.forward = counting
         prompt = tuple(5 + i % 200 for i in range(300))  # 300 tokens, every one scored
-        events, done = await run(engine, prompt, max_tokens=0, logprob_ranges=(PositionRange(1, 300),), logprob_top_k=5)
+        events, _ = await run(engine, prompt, max_tokens=0, logprob_ranges=(PositionRange(1, 300),), logprob_top_k=5)
         assert [e.position for e in events] == list(range(1, 300))
         assert all(e.top_logprobs is not None and len(e.top_logprobs) == 5 for e in events)
         assert max(rows) <= SCORED_CHUNK and len(rows) >= 300 // SCORED_CHUNK
