@@ -23,6 +23,7 @@ from prismgate.codecs.evergreen.config import parse_configs
 from prismgate.codecs.salience import convert
 from prismgate.core import checks
 from prismgate.core.actions import GenerateAction, GenerateSpec, PositionRange
+from prismgate.core.budget import RequestBudget
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import TokenEvent
 from prismgate.core.steering import SteeringEntry
@@ -88,9 +89,11 @@ def test_evergreen_config_carries_deterministic() -> None:
     struct.update({"deterministic": True, "temperature": 0.5, "seed": 3})
     packed = any_pb2.Any()
     packed.Pack(struct)
-    spec = sampling(parse_configs([packed], "a"))
+    spec = sampling(parse_configs([packed], "a", RequestBudget()), RequestBudget())
     assert spec.deterministic is True and spec.seed == 3
-    assert sampling(parse_configs([], "a")).deterministic is None  # unset: the server's default
+    assert (
+        sampling(parse_configs([], "a", RequestBudget()), RequestBudget()).deterministic is None
+    )  # unset: the server's default
 
 
 def test_salience_reads_deterministic_and_seed_from_metadata(live_server: Any) -> None:

@@ -283,8 +283,7 @@ class RedisStore(SessionStore):
 
     async def owners(self) -> dict[str, str]:
         await self._refresh()  # drops index entries past their expiry
-        keys = self._keys("")
-        found = await self._guarded(self._redis.zrange(keys[3], 0, -1))
+        found = await self._guarded(self._redis.zrange(self._prefix + "sessions", 0, -1))  # the sessions index
         ids = [sid.decode() for sid in found if isinstance(sid, bytes)]
         async with self._redis.pipeline(transaction=False) as pipe:
             for sid in ids:
