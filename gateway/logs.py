@@ -13,10 +13,8 @@ the libraries' own outputs are routed or silenced (:func:`_json_only`): progress
 ``warnings`` become records, and transformers' and vLLM's loggers propagate to ours instead of
 printing text through handlers of their own.
 
-Either way the libraries' noise a user cannot act on stays off the console (:func:`_quiet_libraries`):
-progress bars (the weights load in about a second), transformers' advice to model authors, and
-transformers' deprecation of the ``past_key_values`` argument the engines pass (it would
-otherwise print on the first request, or in the middle of ``prismgate generate``'s table).
+Either way the libraries' noise a user cannot act on stays off the console
+(:func:`prismgate.engines.quiet.quiet_libraries`).
 """
 
 from __future__ import annotations
@@ -27,10 +25,10 @@ import json
 import logging
 import os
 import time
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from prismgate.engines.quiet import quiet_libraries
 from prismgate.settings import Settings
 
 # LogRecord's own attributes are not fields; uvicorn adds a coloured copy of its message
@@ -119,29 +117,9 @@ def configure(settings: Settings) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(settings.log_level.upper())
-    _quiet_libraries(debug=settings.log_level.upper() == "DEBUG")
+    quiet_libraries(debug=settings.log_level.upper() == "DEBUG")
     if settings.log_json:
         _json_only()
-
-
-# the engines still pass ``past_key_values`` (``cache`` is its new name only from transformers 5.2x on)
-_PAST_KEY_VALUES = r"`past_key_values` is deprecated"
-
-
-def _quiet_libraries(*, debug: bool) -> None:
-    """Progress bars off, transformers' warnings off (unless ``--log-level debug``), one deprecation ignored."""
-    # Read when huggingface_hub / tqdm are first imported, which is after this (the CLI
-    # configures logging before it loads an engine); transformers is told directly below.
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-    os.environ["TQDM_DISABLE"] = "1"
-    warnings.filterwarnings("ignore", message=_PAST_KEY_VALUES, category=FutureWarning)
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:  # pragma: no cover - transformers is a dependency; vLLM-only images have it too
-        return
-    hf_logging.disable_progress_bar()
-    if not debug:
-        hf_logging.set_verbosity_error()
 
 
 def _json_only() -> None:

@@ -118,10 +118,16 @@ def test_generate_readouts_are_centered_chosen_and_aligned(
         np.testing.assert_allclose(got, want, atol=0.011)
 
 
-def test_generate_names_a_missing_layer_or_concept(tiny_model_dir: Path, tiny_pack: Path) -> None:
+def test_generate_names_a_missing_layer_or_concept_before_loading_the_model(
+    tiny_model_dir: Path, tiny_pack: Path, tmp_path: Path
+) -> None:
+    # a model folder with a config and no weights: loading it would fail with another message
+    hollow = tmp_path / "hollow"
+    hollow.mkdir()
+    (hollow / "config.json").write_text((tiny_model_dir / "config.json").read_text())
     for flag, value, message in (("--layers", "7", "no layer '7'"), ("--concepts", "vibes", "no concept 'vibes'")):
         proc = prismgate(
-            "generate", "hi", "--model", str(tiny_model_dir), "--concept-pack", str(tiny_pack), "--readouts",
+            "generate", "hi", "--model", str(hollow), "--concept-pack", str(tiny_pack), "--readouts",
             flag, value, timeout=120,
         )  # fmt: skip
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr

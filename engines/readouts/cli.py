@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from prismgate.core.errors import GatewayError, invalid
+from prismgate.engines.quiet import quiet_libraries
 from prismgate.engines.readouts.auto import pack_at_layers, select_layers
 from prismgate.engines.readouts.build import (
     DEFAULT_LAYERS,
@@ -23,11 +24,12 @@ from prismgate.engines.readouts.build import (
     build_pack_and_report,
 )
 from prismgate.engines.readouts.capture import DEFAULT_BATCH, load_model
-from prismgate.engines.readouts.pack import ConceptPack
+from prismgate.engines.readouts.pack import PREFERRED_VIEW_LAYER, ConceptPack
 from prismgate.engines.readouts.probe import decoder_layers
 from prismgate.engines.readouts.prompt_sets import load_prompt_sets
 from prismgate.engines.readouts.report import DEFAULT_FOLDS
 from prismgate.engines.readouts.show import describe, print_readouts, print_similarity, print_summary
+from prismgate.engines.readouts.table import Columns
 
 
 def _layer_list(text: str) -> list[int] | str:
@@ -113,13 +115,25 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--model", metavar="PATH", help="check the pack against this model folder ('default': the embedded one)"
     )
-    s.add_argument("--text", help="with --model: print the per-token readouts of this text")
+    s.add_argument(
+        "--text",
+        help="with --model: print the readouts of each token of this text after the first, value - center, "
+        "as prismgate generate --readouts prints them",
+    )
+    s.add_argument(
+        "--layers",
+        metavar="L,L",
+        help=f"with --text: layers to show, from the pack, or 'all' (default: {PREFERRED_VIEW_LAYER} when the pack "
+        "has it, else its middle layer)",
+    )
+    s.add_argument("--concepts", metavar="NAME,NAME", help="with --text: concepts to show, by name (default: all)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``prismgate concepts {build,show} ...``; returns the exit status."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    quiet_libraries(debug=False)
     try:
         if args.command == "build":
             return _cmd_build(args)
@@ -200,7 +214,12 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
+    if args.text and args.model is None:  # before anything is printed
+        raise invalid("--text needs --model (a model folder, or 'default' for the embedded one)")
+    if (args.layers or args.concepts) and not args.text:
+        raise invalid("--layers and --concepts choose the columns of --text's table: give --text too")
     pack = ConceptPack.load(args.pack)
+    columns = Columns.choose(pack.manifest, args.layers, args.concepts) if args.text else None
     if args.json:
         print(json.dumps(describe(pack), indent=2, ensure_ascii=False))
     else:
@@ -212,10 +231,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
         model, tokenizer = load_model(folder)
         pack.check_model(len(decoder_layers(model)), int(model.config.get_text_config().hidden_size))
         print(f"fits       {folder}")
-        if args.text:
-            print_readouts(model, tokenizer, pack, args.text)
-    elif args.text:
-        raise invalid("--text needs --model")
+        if args.text and columns is not None:
+            print_readouts(model, tokenizer, pack, args.text, columns)
     return 0
 
 
