@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prismgate.compose import build_service, concept_pack_for
 from prismgate.core.actions import GenerateAction, GenerateSpec, PositionRange
 from prismgate.core.engine import ReadoutManifest
 from prismgate.core.events import Done, TokenEvent
@@ -70,6 +69,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def pack_manifest(settings: Settings) -> ReadoutManifest | None:
     """The concept pack's manifest, read from its file before any model loads (None: no pack, or not built yet)."""
+    from prismgate.compose import (
+        concept_pack_for,
+    )  # here: the composition imports torch, which --help must not wait for
+
     path = concept_pack_for(settings, served_default=not settings.model)
     return ConceptPack.load(path).manifest if path is not None and path.exists() else None
 
@@ -78,6 +81,8 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
     early = pack_manifest(settings) if args.readouts else None
     if early is not None:
         Columns.choose(early, args.layers, args.concepts)  # a misspelt concept or layer: refused before the model loads
+    from prismgate.compose import build_service
+
     service = build_service(settings)
     await service.pool.start()
     try:
