@@ -447,6 +447,40 @@ def test_grids_of_concepts_and_of_layers(calibrated, browser) -> None:  # type: 
     assert "value \u2212 center" in tip.text and "scales (1 scale =" in tip.text
 
 
+def test_the_small_things_a_new_user_sees(calibrated, browser) -> None:  # type: ignore[no-untyped-def]
+    """Tooltip headers, a second prompt without a blank first line, per-row scales in the grid legend,
+    a legend note that stays readable at 760 px, and New chat reading as idle, not as an error."""
+    from selenium.webdriver import ActionChains
+    from selenium.webdriver.common.by import By
+
+    server, pack = calibrated
+    browser.set_window_size(760, 1000)
+    _, answer = _ask(browser, server, "Tell me about prisms", 4)
+    ActionChains(browser).move_to_element(answer.find_elements(By.CSS_SELECTOR, ".tok")[0]).perform()
+    tip = wait_for(
+        lambda: browser.find_element(By.ID, "tooltip").is_displayed() and browser.find_element(By.ID, "tooltip")
+    )
+    assert [th.text for th in tip.find_elements(By.CSS_SELECTOR, "th")] == ["concept", "raw", "\u2212 center", "scales"]
+
+    second, _ = _ask(browser, server, "And then?", 2, new_chat=False)
+    first = second.find_elements(By.CSS_SELECTOR, ".tok")[0]
+    # no empty first line: the template's newline shows as a mark after an answer that ended with its end
+    # token, and the end token itself opens the prompt after one cut at max_tokens (the tiny model's here)
+    assert first.text in ("\u21b5", "<|im_end|>") and "special" in first.get_attribute("class"), first.text
+
+    note = browser.find_element(By.ID, "legend-note")
+    assert note.size["width"] > 400, note.size  # under the bar, not a sliver beside it
+    browser.find_element(By.CSS_SELECTOR, "#view input[value=concepts]").find_element(By.XPATH, "..").click()
+    text = browser.find_element(By.ID, "legend-note").text
+    assert "one per row" in text and all(name in text for name in pack.concepts), text
+    assert browser.find_elements(By.CSS_SELECTOR, "#legend-ticks b")[-1].text == "+2\u00d7"
+
+    browser.find_element(By.ID, "new-chat").click()
+    time.sleep(0.5)  # the closed socket's close event comes after the click
+    assert browser.find_element(By.ID, "status").text == "idle"
+    assert not browser.find_elements(By.CSS_SELECTOR, ".turn")
+
+
 def test_export_json_and_csv(calibrated, browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     import csv
     import io
