@@ -15,6 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["concepts"]:
         from prismgate.engines.readouts.cli import main as concepts_main
+        from prismgate.quiet import quiet_libraries
+
+        quiet_libraries(debug=False)
 
         return concepts_main(argv[1:])
     parser = argparse.ArgumentParser(

@@ -14,7 +14,7 @@ the libraries' own outputs are routed or silenced (:func:`_json_only`): progress
 printing text through handlers of their own.
 
 Either way the libraries' noise a user cannot act on stays off the console
-(:func:`prismgate.engines.quiet.quiet_libraries`).
+(:func:`prismgate.quiet.quiet_libraries`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from prismgate.engines.quiet import quiet_libraries
+from prismgate.quiet import quiet_libraries
 from prismgate.settings import Settings
 
 # LogRecord's own attributes are not fields; uvicorn adds a coloured copy of its message

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from prismgate.core.errors import GatewayError, invalid
-from prismgate.engines.quiet import quiet_libraries
 from prismgate.engines.readouts.auto import pack_at_layers, select_layers
 from prismgate.engines.readouts.build import (
     DEFAULT_LAYERS,
@@ -133,7 +132,6 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """``prismgate concepts {build,show} ...``; returns the exit status."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    quiet_libraries(debug=False)
     try:
         if args.command == "build":
             return _cmd_build(args)

@@ -65,11 +65,8 @@ class RedisServer:
 def start_redis(folder: Path) -> RedisServer:
     server_binary = binary("redis-server", "redis-server")
     port = free_port()
-    process = subprocess.Popen(
-        [server_binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    options = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder)]
+    process = subprocess.Popen([server_binary, *options], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     server = RedisServer(process, port, str(Path(server_binary).with_name("redis-cli")))
     deadline = time.monotonic() + 20
     while True:

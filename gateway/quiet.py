@@ -3,7 +3,7 @@
 Progress bars (the weights load in about a second), transformers' advice to model authors, and
 transformers' deprecation of the ``past_key_values`` argument the engines pass (it would otherwise
 print on the first request, or in the middle of a ``prismgate generate --readouts`` table).
-Both CLIs call it: ``prismgate serve``/``generate`` through the log set-up, ``prismgate concepts`` itself.
+The ``prismgate`` command calls it: ``serve`` and ``generate`` through the log set-up, ``concepts`` before it runs.
 """
 
 from __future__ import annotations
