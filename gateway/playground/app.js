@@ -119,17 +119,24 @@ function showSteering(readouts) {
   layer.innerHTML = "";
   sliders.innerHTML = "";
   readouts.layers.forEach((l) => layer.add(new Option(`L${l}`, String(l))));
-  layer.value = String(readouts.layers[readouts.defaultLayer ?? readouts.layers.length - 1]);
+  const steering = readouts.steering ?? { layer: readouts.layers[readouts.defaultLayer ?? 0], range: 64 };
+  layer.value = String(steering.layer);
+  const reach = String(steering.range);
   for (const name of readouts.concepts) {
     const label = el("label");
     const slider = el("input", "steer");
-    Object.assign(slider, { type: "range", min: "-64", max: "64", step: "1", value: "0" });
+    Object.assign(slider, { type: "range", min: `-${reach}`, max: reach, step: "1", value: "0" });
     slider.dataset.concept = name;
     const shown = el("output", "", "0");
     slider.addEventListener("input", () => {
       shown.textContent = slider.value;
       label.classList.toggle("on", Number(slider.value) !== 0);
       summarizeSteering();
+      if (Number(slider.value) !== 0) {
+        // shade by the concept being steered, so the effect shows in the colours too
+        $("concept").value = String(readouts.concepts.indexOf(name));
+        renderAll();
+      }
     });
     label.append(el("span", "", name), slider, shown);
     sliders.appendChild(label);

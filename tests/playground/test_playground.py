@@ -37,6 +37,16 @@ def test_manifest_describes_the_readouts(live_server) -> None:
     assert body["readouts"]["layers"] == list(readouts.layers)
     assert body["readouts"]["scales"] is None  # the tiny pack has none
     assert body["readouts"]["defaultLayer"] == len(readouts.layers) // 2  # no layer 16 in the tiny model
+    # steering: nothing measured for this pack, so its view layer and the full reach
+    assert body["readouts"]["steering"] == {"layer": readouts.layers[len(readouts.layers) // 2], "range": 64}
+
+
+def test_the_embedded_pack_steers_from_its_measured_layer_and_reach() -> None:
+    from prismgate.playground import steering_defaults
+
+    embedded = (4, 8, 12, 16, 19, 22, 25, 28)
+    assert steering_defaults(embedded, served_default=True) == {"layer": 4, "range": 32}
+    assert steering_defaults(embedded, served_default=False) == {"layer": 16, "range": 64}
 
 
 def test_nothing_is_loaded_from_elsewhere() -> None:
@@ -474,6 +484,13 @@ def test_the_small_things_a_new_user_sees(calibrated, browser) -> None:  # type:
     text = browser.find_element(By.ID, "legend-note").text
     assert "one per row" in text and all(name in text for name in pack.concepts), text
     assert browser.find_elements(By.CSS_SELECTOR, "#legend-ticks b")[-1].text == "+2\u00d7"
+
+    # moving a slider shades by the concept it steers; the sliders reach +-64 (nothing measured for this pack)
+    _steer(browser, pack.concepts[2], 5)
+    assert browser.find_element(By.ID, "concept").get_attribute("value") == "2"
+    slider = browser.find_element(By.CSS_SELECTOR, f"#steer-sliders input[data-concept='{pack.concepts[2]}']")
+    assert (slider.get_attribute("min"), slider.get_attribute("max")) == ("-64", "64")
+    _steer(browser, pack.concepts[2], 0)
 
     browser.find_element(By.ID, "new-chat").click()
     time.sleep(0.5)  # the closed socket's close event comes after the click
