@@ -109,6 +109,7 @@ function showManifest(m) {
   m.readouts.concepts.forEach((name, i) => concept.add(new Option(name, String(i))));
   m.readouts.layers.forEach((l, i) => layer.add(new Option(`L${l}`, String(i))));
   layer.value = String(m.readouts.defaultLayer ?? m.readouts.layers.length - 1);
+  concept.value = String(m.readouts.defaultConcept ?? 0);
   showSteering(m.readouts);
   renderAll();
 }

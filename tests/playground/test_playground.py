@@ -37,6 +37,9 @@ def test_manifest_describes_the_readouts(live_server) -> None:
     assert body["readouts"]["layers"] == list(readouts.layers)
     assert body["readouts"]["scales"] is None  # the tiny pack has none
     assert body["readouts"]["defaultLayer"] == len(readouts.layers) // 2  # no layer 16 in the tiny model
+    assert body["readouts"]["defaultConcept"] == (
+        readouts.concepts.index("question") if "question" in readouts.concepts else 0
+    )
     # steering: nothing measured for this pack, so its view layer and the full reach
     assert body["readouts"]["steering"] == {"layer": readouts.layers[len(readouts.layers) // 2], "range": 64}
 
@@ -47,6 +50,14 @@ def test_the_embedded_pack_steers_from_its_measured_layer_and_reach() -> None:
     embedded = (4, 8, 12, 16, 19, 22, 25, 28)
     assert steering_defaults(embedded, served_default=True) == {"layer": 4, "range": 32}
     assert steering_defaults(embedded, served_default=False) == {"layer": 16, "range": 64}
+
+
+def test_the_page_first_shades_by_question_where_the_pack_has_it() -> None:
+    from prismgate.playground import view_concept
+
+    concepts = ("code", "formality", "french", "numeric", "past_tense", "question", "refusal", "sentiment")
+    assert view_concept(concepts) == 5
+    assert view_concept(("concept0", "concept1")) == 0
 
 
 def test_nothing_is_loaded_from_elsewhere() -> None:
