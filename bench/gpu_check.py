@@ -33,6 +33,12 @@ stage, compared with the single-device transformers engine), and with data paral
    batch of 8, none / every / every other request steered, steering inside the CUDA graphs);
    fails when steered decode is under 0.97 of unsteered.
 
+8. **determinism** (on any GPU): ``bench/determinism.py`` on the transformers engine here (the
+   embedded SmolLM2; deterministic requests at 1, 4 and 8 streams against default-mode ones, and
+   default-mode ones beside them), which first needs the engine's start-up check of its
+   batch-invariant kernels to pass on this GPU; fails when deterministic decode is under 0.85 of
+   default or default-mode decode beside deterministic requests under 0.98.
+
 Usage::
 
     python bench/gpu_check.py --model /models/Qwen2.5-1.5B-Instruct --concept-pack pack.safetensors
@@ -81,6 +87,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--no-vs-vllm", action="store_true", help="skip the comparison with vllm serve (step 5)")
     ap.add_argument("--no-steering", action="store_true", help="skip the steering overhead (step 7)")
+    ap.add_argument("--no-determinism", action="store_true", help="skip the cost of deterministic requests (step 8)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs each layer is sharded over")
     ap.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages the layers split into")
     ap.add_argument("--data-parallel-size", type=int, default=1, help="copies of the model (step 6 when > 1)")
@@ -324,6 +331,8 @@ async def main(args: argparse.Namespace) -> int:
         failures += await asyncio.to_thread(against_vllm_serve, args, results)
     if not args.no_steering:
         failures += await asyncio.to_thread(steering_overhead, args, results)
+    if not args.no_determinism:
+        failures += await asyncio.to_thread(determinism_cost, args, results)
     results["failures"] = failures
     if args.json:
         await asyncio.to_thread(Path(args.json).write_text, json.dumps(results, indent=2, default=str))
@@ -385,6 +394,31 @@ def steering_overhead(args: argparse.Namespace, results: dict[str, Any]) -> list
         f"steering {row['steering']}: decode x{row['ratio_to_off']:.3f} < {STEERING_MIN}"
         for row in rows
         if row["steering"] != "off" and row["ratio_to_off"] < STEERING_MIN
+    ]
+
+
+DETERMINISTIC_MIN = 0.85  # decode tokens/s of deterministic requests over default-mode ones
+BESIDE_MIN = 0.98  # of default-mode requests that share their steps with deterministic ones
+
+
+def determinism_cost(args: argparse.Namespace, results: dict[str, Any]) -> list[str]:
+    """Step 8: bench/determinism.py on this GPU (the transformers engine, the embedded SmolLM2)."""
+    from bench import determinism, report
+
+    if args.model:  # the benchmark knows its own models
+        return []
+    try:
+        if determinism.main(["--models", "smollm2", "--results", "determinism_gpu"]) != 0:
+            return ["bench/determinism.py failed"]
+    except Exception as exc:  # the start-up check failed on this GPU: deterministic requests are refused
+        return [f"bench/determinism.py: {type(exc).__name__}: {exc}"]
+    rows = json.loads((report.RESULTS / "determinism_gpu.json").read_text())["rows"]
+    results["determinism"] = rows
+    floors = {"deterministic": DETERMINISTIC_MIN, "beside": BESIDE_MIN}
+    return [
+        f"{row['streams']} streams, {row['mode']}: decode x{row['ratio_to_default']:.3f} < {floors[row['mode']]}"
+        for row in rows
+        if row["mode"] in floors and row["ratio_to_default"] < floors[row["mode"]]
     ]
 
 

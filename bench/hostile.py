@@ -1,4 +1,4 @@
-"""Each class of issue 13's attacks against a real gateway, with what a bystander sees meanwhile.
+"""Each class of issue 13's attacks (and issue 23's, rows 10-12) against a real gateway, with what a bystander sees.
 
     python -m bench.hostile            # about two minutes on 2 cores
 
@@ -22,6 +22,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,49 @@ def bad_input(server: RunningGateway) -> None:
             list(start(iter([b"\xff\xff\xff"]), timeout=30))
 
 
+def _numbers(count: int) -> str:
+    return "[0.5" + ", 0.5" * (count - 1) + "]"
+
+
+def huge_directions(server: RunningGateway) -> None:
+    """A steering direction of 5M numbers: an OpenAI body, an Evergreen Struct config, a GraphPipe config."""
+    steering = '[{"direction": ' + _numbers(5_000_000) + ', "layer": 0, "scale": 4}]'
+    body = '{"model": "tiny-llama", "prompt": "hi", "max_tokens": 2, "steering": ' + steering + "}"
+    httpx.post(server.http_url + "/v1/completions", content=body.encode(), timeout=120)
+    frame = msg(actions=[generate("p", "r", config={"maxTokens": 2, "steering": "@@"})]).replace('"@@"', steering)
+    asyncio.run(_evergreen_until_closed(server, frame))
+    config = '{"max_tokens": 2, "steering": ' + steering + "}"
+    requests.post(server.http_url + "/graphpipe", data=infer_buffer([np.array(["hi"])], config=config), timeout=120)
+
+
+def extreme_directions(server: RunningGateway) -> None:
+    """Directions of [1e-200], [1.2e154] and [1e200] at the hidden size: steered as unit vectors, never a 500."""
+    hidden = server.gateway.service.info().readouts.hidden_size
+    for value in (1e-200, 1.2e154, 1e200):
+        steering = [{"direction": [value] * hidden, "layer": 0, "scale": 4}]
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "steering": steering}
+        reply = httpx.post(server.http_url + "/v1/completions", json=body, timeout=120)
+        if reply.status_code != 200:
+            raise RuntimeError(f"{value}: {reply.status_code} {reply.text[:200]}")
+
+
+def echo_flood(server: RunningGateway) -> None:
+    """Eight /v1/completions at once: echo, top-20 logprobs and readouts on a 3,516-token prompt."""
+    body = {"model": MODEL, "prompt": [5 + i % 200 for i in range(3516)], "max_tokens": 16, "echo": True}
+    body |= {"logprobs": 20, "readouts": True}
+
+    def one() -> int:
+        with httpx.stream("POST", server.http_url + "/v1/completions", json=body, timeout=300) as reply:
+            for _ in reply.iter_bytes():
+                pass
+            return reply.status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(lambda _: one(), range(8)))
+    if codes != [200] * 8:
+        raise RuntimeError(f"statuses {codes}")
+
+
 ATTACKS: dict[str, tuple[int, Attack]] = {
     "1 amplification (2^24-leaf DAG)": (1, amplification),
     "2 quadratic (1034 actions)": (2, quadratic),
@@ -177,6 +221,9 @@ ATTACKS: dict[str, tuple[int, Attack]] = {
     "7 idle sessions (64 sockets)": (7, idle_sessions),
     "8 foreign origins and hosts": (8, foreign_origins),
     "9 bad input (deep JSON, huge ints, ...)": (9, bad_input),
+    "10 memory: 8 echoes with top-20 logprobs and readouts": (10, echo_flood),
+    "11 a 5M-number direction (OpenAI, Evergreen, GraphPipe)": (11, huge_directions),
+    "12 directions of 1e-200, 1.2e154, 1e200": (12, extreme_directions),
 }
 
 

@@ -1,10 +1,11 @@
 """The guard every gRPC service of the gateway runs inside (Salience, Evergreen, companions).
 
-Why one wrapper: each RPC must check the bearer token, log under the caller's request
-id, turn a request whose bytes do not parse into INVALID_ARGUMENT (not grpc's bare
-UNKNOWN), turn a :class:`GatewayError` into its status (through the one table,
-:mod:`prismgate.codecs.status`) with the message as details, and count every refusal
-in the errors metric. Doing it per method or per service is how services drifted
+Why one wrapper: each RPC must check the bearer key (and run as its principal, with the
+key's name in the log lines), log under the caller's request id, turn a request whose
+bytes do not parse into INVALID_ARGUMENT (not grpc's bare UNKNOWN), turn a
+:class:`GatewayError` into its status (through the one table, :mod:`prismgate.codecs.status`)
+with the message as details (and a ``retry-after`` trailer when it says when to retry),
+and count every refusal in the errors metric. Doing it per method or per service is how services drifted
 apart. The server object is built by ``prismgate.server`` (no interceptors there), so
 the guard wraps the method handlers the generated ``add_*Servicer_to_server`` functions
 register: the same effect as a server interceptor, limited to the services it is given.
@@ -21,11 +22,12 @@ from typing import Any, TypeVar
 
 import grpc
 
-from prismgate.auth import check_bearer
 from prismgate.codecs.outflow import SlowReader, reader_deadline
 from prismgate.codecs.status import wire_status
 from prismgate.core.errors import Code, GatewayError, invalid
+from prismgate.core.principal import acting_as
 from prismgate.core.service import SessionService
+from prismgate.keys import KeyRing
 from prismgate.logs import log_context
 
 log = logging.getLogger(__name__)
@@ -120,25 +122,39 @@ class Guard:
     """Wraps the handlers of one protocol's services."""
 
     def __init__(
-        self, service: SessionService, protocol: str, token: str | None, *, slow_client_timeout_s: float | None = None
+        self, service: SessionService, protocol: str, keys: KeyRing, *, slow_client_timeout_s: float | None = None
     ) -> None:
         self.service = service
         self.protocol = protocol
-        self.token = token
+        self.keys = keys
         self.slow_client_timeout_s = slow_client_timeout_s
 
     def _fields(self, context: grpc.aio.ServicerContext, method: str) -> dict[str, str]:
         request_id = metadata(context, "x-request-id") or uuid.uuid4().hex
         return {"protocol": self.protocol, "rpc": method, "request_id": request_id}
 
-    def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
-        check_bearer(self.token, metadata(context, "authorization"))
+    async def _principal(self, context: grpc.aio.ServicerContext, method: str) -> contextlib.ExitStack:
+        """The call's key, to run the call as (its name in every log line); an unknown key aborts the call.
+
+        The refusal of anything after this (a permission, a limit) is counted and logged under the key.
+        """
+        try:
+            principal = self.keys.authenticate(metadata(context, "authorization"))
+        except GatewayError as exc:
+            await self._fail(context, method, exc)  # raises AbortError
+            raise
+        stack = contextlib.ExitStack()
+        stack.enter_context(log_context(key=principal.name))
+        stack.enter_context(acting_as(principal))
+        return stack
 
     async def _fail(self, context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
         """Abort the call with a status a client can act on; never a bare UNKNOWN."""
         if isinstance(exc, GatewayError):
             if not exc.reported:  # errors that ended a generation were counted by its monitor
                 self.service.monitor.refused(self.protocol, exc.code)
+            if exc.retry_after_s is not None:  # a key over its limits: when to try again
+                context.set_trailing_metadata((("retry-after", str(int(exc.retry_after_s))),))
             await context.abort(grpc_status(exc.code), exc.message)
         log.exception("%s %s failed", self.protocol, method)
         self.service.monitor.refused(self.protocol, Code.INTERNAL)
@@ -146,14 +162,13 @@ class Guard:
 
     def unary(self, method: str, behavior: Unary) -> Unary:
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                with log_context(**self._fields(context, method)):
-                    self._authenticate(context)
+            with log_context(**self._fields(context, method)), await self._principal(context, method):
+                try:
                     return await behavior(await _checked(request), context)
-            except (asyncio.CancelledError, grpc.aio.AbortError):
-                raise
-            except Exception as exc:
-                await self._fail(context, method, exc)
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:
+                    await self._fail(context, method, exc)
 
         return guarded
 
@@ -169,9 +184,8 @@ class Guard:
         """
 
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> None:
-            with log_context(**self._fields(context, method)):
+            with log_context(**self._fields(context, method)), await self._principal(context, method):
                 try:
-                    self._authenticate(context)
                     checked = _checked_stream(request) if client_streams else await _checked(request)
                     async with closing(behavior(checked, context)) as events:
                         async for event in events:

@@ -40,6 +40,15 @@ def loads(raw: bytes | str, budget: RequestBudget, what: str) -> Any:
 
 async def loads_off_loop(raw: bytes | str, budget: RequestBudget, what: str) -> Any:
     """:func:`loads`, in a worker thread when the input is large (scanning and parsing cost time in proportion)."""
-    if len(raw) > OFF_LOOP_BYTES:
-        return await asyncio.to_thread(loads, raw, budget, what)
-    return loads(raw, budget, what)
+    return await off_loop(len(raw), loads, raw, budget, what)
+
+
+async def off_loop(size: int, work: Callable[..., T], *args: Any) -> T:
+    """``work(*args)``, in a worker thread when ``size`` (the input's bytes) is large, else right here.
+
+    A thread costs more than decoding a small input; a large one decoded on the event loop
+    holds every other connection (``/healthz`` included) for as long as it takes.
+    """
+    if size > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(work, *args)
+    return work(*args)

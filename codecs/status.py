@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prismgate.core.errors import Code
+from prismgate.core.errors import Code, GatewayError
+from prismgate.core.limits import ContextOverflow
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,7 @@ WIRE_STATUS: dict[Code, WireStatus] = {
     Code.CANCELLED: WireStatus(499, "CANCELLED"),
     Code.INVALID_ARGUMENT: WireStatus(400, "INVALID_ARGUMENT"),
     Code.NOT_FOUND: WireStatus(404, "NOT_FOUND"),
+    Code.PERMISSION_DENIED: WireStatus(403, "PERMISSION_DENIED"),
     Code.RESOURCE_EXHAUSTED: WireStatus(429, "RESOURCE_EXHAUSTED"),
     Code.FAILED_PRECONDITION: WireStatus(400, "FAILED_PRECONDITION"),
     Code.ABORTED: WireStatus(409, "ABORTED"),
@@ -58,6 +60,16 @@ def wire_status(code: Code) -> WireStatus:
 
 def http_status(code: Code) -> int:
     return wire_status(code).http
+
+
+def http_status_of(exc: GatewayError) -> int:
+    """The HTTP status of a core error, with the one refinement every HTTP route shares.
+
+    A prompt too large for the model's context (:class:`ContextOverflow`, RESOURCE_EXHAUSTED
+    in the core) is 400 on HTTP, as OpenAI answers it: the request must change, and a 429
+    tells clients to retry the same request later.
+    """
+    return 400 if isinstance(exc, ContextOverflow) else http_status(exc.code)
 
 
 def close_code(code: Code) -> int:

@@ -29,10 +29,10 @@ def read_steering(value: Any, budget: RequestBudget, where: str = "steering") ->
     if not isinstance(value, list):
         raise invalid(f"{where} must be a list of steering entries, got {_kind(value)}")
     budget.check_lists(steering_entries=len(value))
-    return tuple(_entry(item, f"{where}[{i}]") for i, item in enumerate(value))
+    return tuple(_entry(item, f"{where}[{i}]", budget) for i, item in enumerate(value))
 
 
-def _entry(item: Any, where: str) -> SteeringEntry:
+def _entry(item: Any, where: str, budget: RequestBudget) -> SteeringEntry:
     item = _object(item, where, KEYS)
     layer = _layer(item, where)
     scale = _number(item, where, "scale")
@@ -41,6 +41,8 @@ def _entry(item: Any, where: str) -> SteeringEntry:
         raise invalid(f"{where}.concept must be a string, got {_kind(concept)}")
     direction = item.get("direction")
     if direction is not None:
+        if isinstance(direction, list):
+            budget.check_direction(len(direction), f"{where}.direction")
         if not isinstance(direction, list) or not all(
             isinstance(x, int | float) and not isinstance(x, bool) for x in direction
         ):
@@ -121,12 +123,16 @@ def _kind(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def entry_from_message(message: Any, positions: Positions, comparison: Comparison | None, where: str) -> SteeringEntry:
+def entry_from_message(
+    message: Any, positions: Positions, comparison: Comparison | None, where: str, budget: RequestBudget
+) -> SteeringEntry:
     """A steering entry from a protobuf message with the core's field names (Evergreen's config, Salience's companion).
 
     ``positions`` and the gate's ``comparison`` come decoded: each wire spells them its own way
-    (a string, an enum); ``comparison`` is None when the message has no gate.
+    (a string, an enum); ``comparison`` is None when the message has no gate. The direction's
+    length is checked before its numbers are copied out of the message.
     """
+    budget.check_direction(len(message.direction), f"{where}.direction")
     try:
         gate = None
         if comparison is not None:

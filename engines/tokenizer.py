@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,9 +14,21 @@ class HFTokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.hf = tokenizer
         self._backend = _plain_backend(tokenizer)
+        # transformers passes ``split_special_tokens`` to the Rust tokenizer as a flag on the
+        # shared object, set per call: calls from two threads at once must not interleave
+        self._lock = threading.Lock()
+        decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self._specials = tuple(
+            sorted({t.content for t in decoder.values() if getattr(t, "special", False) and t.content}, key=len)
+        ) or tuple(getattr(tokenizer, "all_special_tokens", ()))
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=False))
+    def encode(self, text: str, *, special: bool = False) -> list[int]:
+        """Text as text (control-token strings in ordinary tokens), or with ``special`` as the model reads it."""
+        with self._lock:
+            return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=not special))
+
+    def holds_special(self, text: str) -> bool:
+        return any(s in text for s in self._specials)
 
     def decode(self, ids: Sequence[int]) -> str:
         if self._backend is not None:  # streaming decodes twice per token: skip transformers' wrapping
@@ -28,9 +41,10 @@ class HFTokenizer:
     def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:
         if self.hf.chat_template is None:
             raise invalid("this model has no chat template; send raw tokens or turn the chat template off")
-        ids = self.hf.apply_chat_template(
-            [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=True
-        )
+        with self._lock:  # the template's own control tokens are control tokens (the flag off)
+            ids = self.hf.apply_chat_template(
+                [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=True
+            )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]

@@ -62,6 +62,10 @@ def create_app(
         if not health.ready:
             body = {"ready": False, "state": health.state.value, "reason": health.reason, "models": models}
             return JSONResponse(body, status_code=503)
+        store_down = await service.store.unreachable()
+        if store_down is not None:  # every session call would fail: a load balancer should send none here
+            body = {"ready": False, "state": "store_unavailable", "reason": store_down, "models": models}
+            return JSONResponse(body, status_code=503)
         info = service.info()
         return JSONResponse({"ready": True, "model": info.model_id, "engine": info.engine_name, "models": models})
 

@@ -1,21 +1,18 @@
-"""The optional shared bearer token, checked the same way on every protocol."""
+"""Reading a bearer key off the wire, the same way on every protocol.
+
+Which key it is and what it may do is :mod:`prismgate.keys`' job (:meth:`KeyRing.authenticate`).
+"""
 
 from __future__ import annotations
-
-import hmac
 
 from prismgate.core.errors import Code, GatewayError
 
 
-def check_bearer(expected: str | None, authorization: str | None) -> None:
-    """Raise UNAUTHENTICATED unless ``authorization`` is ``Bearer <expected>``.
-
-    With no token configured every caller is accepted. The comparison is constant-time.
-    """
-    if expected is None:
-        return
+def bearer_token(authorization: str | None) -> str:
+    """The key in ``Bearer <key>``; UNAUTHENTICATED when there is none."""
     if not authorization:
         raise GatewayError(Code.UNAUTHENTICATED, "missing bearer token (send 'authorization: Bearer <token>')")
     scheme, _, token = authorization.strip().partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+    if scheme.lower() != "bearer" or not token.strip():
         raise GatewayError(Code.UNAUTHENTICATED, "invalid bearer token")
+    return token.strip()

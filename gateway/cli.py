@@ -1,4 +1,4 @@
-"""The ``prismgate`` command: serve, generate, concepts."""
+"""The ``prismgate`` command: serve, generate, concepts, keys."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ def main(argv: list[str] | None = None) -> int:
         quiet_libraries(debug=False)
 
         return concepts_main(argv[1:])
+    if argv[:1] == ["keys"]:
+        from prismgate.keys_cli import main as keys_main
+
+        return keys_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="prismgate",
         description="One model, many protocols, and a look inside: GraphPipe, Evergreen, Salience and an "
@@ -38,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_generate(commands)
     commands.add_parser("concepts", help="Build or inspect concept packs (prismgate concepts --help).")
+    commands.add_parser("keys", help="Make named API keys for the keys file (prismgate keys --help).")
     args = parser.parse_args(argv)
     try:
         settings = from_arguments(args)

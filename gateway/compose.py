@@ -8,6 +8,7 @@ from pathlib import Path
 from prismgate.core.budget import RequestBudget
 from prismgate.core.engine import Engine
 from prismgate.core.pool import EnginePool
+from prismgate.core.quota import LocalQuota, Quota
 from prismgate.core.service import SessionService
 from prismgate.core.stores import InProcessStore, SessionStore
 from prismgate.engines.models import (
@@ -119,13 +120,36 @@ def build_service(settings: Settings, engine: Engine | None = None) -> SessionSe
         engines = [engine]
     else:
         engines = [build_engine(served) for served in settings.served() for _ in range(served.replicas)]
-    pool = EnginePool(engines, max_active=settings.max_active, max_queued=settings.max_queued)
-    return SessionService(pool, build_store(settings), build_budget(settings))
+    pool = EnginePool(
+        engines,
+        max_active=settings.max_active,
+        max_queued=settings.max_queued,
+        reserved_slots=settings.reserved_slots,
+        memory_budget_bytes=settings.memory_budget_bytes,
+    )
+    return SessionService(
+        pool,
+        build_store(settings),
+        build_budget(settings),
+        build_quota(settings),
+        deterministic=settings.deterministic,
+        specials_in_text=settings.allow_special_tokens_in_text,
+    )
 
 
 def build_budget(settings: Settings) -> RequestBudget:
-    """The core's request budget, limit for limit from the settings of the same names."""
-    return RequestBudget(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(RequestBudget)})
+    """The core's request budget, limit for limit from the settings of the same names (the models size the rest)."""
+    fields = [f for f in dataclasses.fields(RequestBudget) if not f.metadata.get("derived")]
+    return RequestBudget(**{f.name: getattr(settings, f.name) for f in fields})
+
+
+def build_quota(settings: Settings) -> Quota:
+    """Per-key limits counted in this process, or in the session store's Redis so every replica shares them."""
+    if settings.session_store == "memory":
+        return LocalQuota()
+    from prismgate.core.stores.redis_quota import RedisQuota  # optional: needs the redis package
+
+    return RedisQuota(settings.session_store)
 
 
 def build_store(settings: Settings) -> SessionStore:

@@ -130,6 +130,23 @@ class GatewayMetrics:
             buckets=DURATION_BUCKETS,
             registry=r,
         )
+        # per key (prismgate.keys): label values are the configured key names only ("" for requests
+        # without a known key: refused before authentication, or a server without keys)
+        self.key_requests = Counter(
+            "prismgate_key_requests", "Generation requests by the key that sent them.", ["key"], registry=r
+        )
+        self.key_tokens = Counter(
+            "prismgate_key_tokens",
+            "Tokens of finished generations by key: prompt (the whole timeline) and completion.",
+            ["key", "kind"],
+            registry=r,
+        )
+        self.key_refusals = Counter(
+            "prismgate_key_refusals",
+            'Requests refused, by key and gateway error code (UNAUTHENTICATED ones have no key: "").',
+            ["key", "code"],
+            registry=r,
+        )
         self.model = Info("prismgate_model", "The model served and the engine that runs it.", registry=r)
         self.model_load = Gauge(
             "prismgate_model_load_seconds", "Seconds the engine took to load the model at start-up.", registry=r
@@ -158,6 +175,15 @@ class GatewayMetrics:
             self.duration,
         ):
             metric.labels(protocol, model)
+
+    def touch_keys(self, names: Iterable[str]) -> None:
+        """Create each key's series at zero (refusals: for the codes a key's own rules give)."""
+        for name in names:
+            self.key_requests.labels(name)
+            for kind in ("prompt", "completion"):
+                self.key_tokens.labels(name, kind)
+            for code in ("PERMISSION_DENIED", "RESOURCE_EXHAUSTED"):
+                self.key_refusals.labels(name, code)
 
     def bind(self, service: SessionService) -> None:
         """Export the service's live state (admission queue, sessions), read at each scrape; one series per model."""

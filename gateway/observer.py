@@ -12,7 +12,9 @@ first event; the request is counted then. A generation refused before that (an u
 session or model, a busy session) is counted with the model ``""``, as are requests refused
 before any generation (auth, parse, validation), which reach
 ``prismgate_request_errors_total`` through :meth:`GenerationObserver.refused`. Only
-configured model names become label values. An HTTP
+configured model names become label values. Each key (:mod:`prismgate.keys`) has its own
+request, token and refusal counters (``prismgate_key_*``), labelled only with configured key
+names, and its name in each generation's log line. An HTTP
 request is counted at most once: the edge middleware opens a :func:`request_tally`
 and counts a failed response only when nothing inside the request counted it already.
 """
@@ -31,8 +33,10 @@ from typing import Any
 from prismgate.core.actions import GenerateAction
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, Event, TokenEvent
+from prismgate.core.principal import current
 from prismgate.core.service import SessionService
 from prismgate.drain import Drain
+from prismgate.keys import KeyRing
 from prismgate.logs import context_field
 from prismgate.metrics import NO_MODEL, GatewayMetrics
 from prismgate.settings import Settings
@@ -49,8 +53,13 @@ _CLIENT_CODES = frozenset(
         Code.ABORTED,
         Code.CANCELLED,
         Code.UNAUTHENTICATED,
+        Code.PERMISSION_DENIED,
     }
 )
+
+
+# Refusals of a key's own rules: each logs one line naming the key.
+_KEY_CODES = frozenset({Code.UNAUTHENTICATED, Code.PERMISSION_DENIED, Code.RESOURCE_EXHAUSTED})
 
 
 @dataclass
@@ -88,6 +97,7 @@ class _Generation:
     session_id: str
     request_id: str
     start: float
+    key: str = ""  # the key's name as a metric label: a configured name, or ""
     model: str | None = None  # the served model, once the core names it (then the request is counted)
     first_token: float | None = None
     last_token: float | None = None
@@ -103,17 +113,29 @@ class _Generation:
 class GenerationObserver:
     """The core's ``GenerationMonitor`` for a gateway: metrics and one log line per generation."""
 
-    def __init__(self, metrics: GatewayMetrics, settings: Settings, service: SessionService, drain: Drain) -> None:
+    def __init__(
+        self, metrics: GatewayMetrics, settings: Settings, service: SessionService, drain: Drain, keys: KeyRing
+    ) -> None:
         self.metrics = metrics
         self.settings = settings
         self.service = service
         self.drain = drain
+        self.keys = keys
         self._running: dict[str, _Generation] = {}  # by the core's request id, until the model is named
+        metrics.touch_keys(keys.names | {""})  # "": requests without a key (refused before one, or no keys)
+
+    def _key(self) -> str:
+        """The calling key's name as a label: only configured names (a bounded set), else ""."""
+        name = current().name
+        return name if name in self.keys.names else ""
 
     def refused(self, protocol: str, code: Code) -> None:
         """Count a request refused before it reached a generation (auth, parse, validation)."""
         self.metrics.errors.labels(protocol, code.name, NO_MODEL).inc()
+        self.metrics.key_refusals.labels(self._key(), code.name).inc()
         _mark_counted()
+        if code in _KEY_CODES and self.keys.enabled:  # who was refused, by name (never the key itself)
+            log.info("request refused", extra={"protocol": protocol, "code": code.name, "key": current().name})
 
     def running(self, request_id: str, model: str) -> None:
         """The core names the generation's model: count the request under it."""
@@ -125,6 +147,7 @@ class GenerationObserver:
         g.model = model
         m = self.metrics
         m.requests.labels(g.protocol, model).inc()
+        m.key_requests.labels(g.key).inc()
         g.itl, g.streamed = m.itl.labels(g.protocol, model), m.streamed_tokens.labels(g.protocol, model)
 
     async def watch(
@@ -132,7 +155,8 @@ class GenerationObserver:
     ) -> AsyncGenerator[Event, None]:
         protocol = action.origin or "unknown"
         # logged and drained under the codec's own request id when it bound one; the core names the model by its own
-        g = _Generation(protocol, session_id, context_field("request_id") or request_id, time.perf_counter())
+        request_id_logged = context_field("request_id") or request_id
+        g = _Generation(protocol, session_id, request_id_logged, time.perf_counter(), self._key())
         try:
             self.drain.enter(g.request_id)
         except GatewayError as exc:
@@ -211,8 +235,11 @@ class GenerationObserver:
         fields: dict[str, object] = {"protocol": p, "session_id": g.session_id, "request_id": g.request_id}
         if model:
             fields["model"] = model
+        if self.keys.enabled:
+            fields["key"] = current().name
         if error is not None and g.done is None:
             m.errors.labels(p, error.code.name, model).inc()
+            m.key_refusals.labels(g.key, error.code.name).inc()
             _mark_counted()
             fields.update(code=error.code.name, error=error.message, duration_s=round(duration, 4))
             level = logging.INFO if error.code in _CLIENT_CODES else logging.ERROR
@@ -227,6 +254,8 @@ class GenerationObserver:
             m.prompt_tokens.labels(p, model).inc(done.prompt_tokens)
             m.cached_tokens.labels(p, model).inc(done.cached_tokens)
             m.prefilled_tokens.labels(p, model).inc(done.prefilled_tokens)
+            m.key_tokens.labels(g.key, "prompt").inc(done.prompt_tokens)
+        m.key_tokens.labels(g.key, "completion").inc(g.completion_tokens)
         fields.update(
             prompt_tokens=done.prompt_tokens if done is not None else None,
             completion_tokens=g.completion_tokens,

@@ -36,11 +36,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from prismgate import reflection
 from prismgate.app import create_app
+from prismgate.arenas import limit_malloc_arenas
 from prismgate.compose import build_service
+from prismgate.core.errors import GatewayError
 from prismgate.core.service import SessionService
 from prismgate.drain import Drain
 from prismgate.edge import accept_errors, log_scrub
 from prismgate.edge.connections import guarded_http
+from prismgate.keys import reload_all, ring_for
 from prismgate.metrics import GatewayMetrics
 from prismgate.observer import GenerationObserver
 from prismgate.settings import Settings
@@ -71,11 +74,12 @@ def grpc_services(server: grpc.aio.Server, service: SessionService, settings: Se
 class Gateway:
     def __init__(self, settings: Settings, service: SessionService | None = None) -> None:
         self.settings = settings
+        self.keys = ring_for(settings)  # a keys file that does not parse stops the start here
         self.service = service or build_service(settings)
         self.metrics = GatewayMetrics()
         self.metrics.bind(self.service)
         self.drain = Drain(settings.shutdown_grace_s)
-        self.observer = GenerationObserver(self.metrics, settings, self.service, self.drain)
+        self.observer = GenerationObserver(self.metrics, settings, self.service, self.drain, self.keys)
         self.service.monitor = self.observer
         self.app = create_app(self.service, settings, metrics=self.metrics, drain=self.drain)
         self.http_port = settings.http_port
@@ -93,6 +97,7 @@ class Gateway:
     async def start(self) -> None:
         """Bind both ports and start serving; the model keeps loading in the background."""
         s = self.settings
+        limit_malloc_arenas()
         log_scrub.install()
         accept_errors.install(asyncio.get_running_loop())
         http_socket = _listen_http(s.host, s.http_port)
@@ -241,6 +246,7 @@ class Gateway:
 
         # 4. release sessions and the engine
         sessions = await self.service.store.close_all()
+        await self.service.quota.close()
         await self.service.pool.close()
         if self.settings.port_file:
             with contextlib.suppress(OSError):
@@ -263,6 +269,7 @@ class Gateway:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
+        loop.add_signal_handler(signal.SIGHUP, reload_all)  # the keys file, read again (docs/keys.md)
         await self.start()
         waiter = asyncio.create_task(stop.wait())
         stopped = asyncio.create_task(self._stopped.wait())
@@ -313,8 +320,13 @@ def _grpc_host(host: str) -> str:
 
 
 def serve(settings: Settings) -> int:
-    """Run until SIGTERM/SIGINT; the exit status is 0 after a clean stop, 1 if a port or the model failed."""
-    gateway = Gateway(settings)
+    """Run until SIGTERM/SIGINT; the exit status is 0 after a clean stop, 1 if a port, the keys file or the
+    model failed."""
+    try:
+        gateway = Gateway(settings)
+    except (GatewayError, OSError) as exc:
+        log.error("cannot start: %s", exc)
+        return 1
     try:
         asyncio.run(gateway.run_until_signal())
     except CannotListen as exc:

@@ -142,6 +142,12 @@ class Settings:
     device: str = setting("auto", "transformers engine: cpu, cuda, cuda:N or auto.")
     dtype: str = setting("auto", "Weights dtype.", choices=("auto", "bfloat16", "float16", "float32"))
     threads: int | None = setting(None, "CPU threads for the transformers engine (default: torch's choice).")
+    deterministic: bool = setting(
+        False,
+        "Every request's default for `deterministic`: the same token ids, logprobs and readouts whatever else "
+        "runs beside it (batch-invariant kernels; docs/determinism.md). A request's own field overrides it; "
+        "sampled requests then need a seed.",
+    )
     max_model_len: int | None = setting(None, "Context length limit (default: the model's own).")
     prefill_chunk: int = setting(512, "transformers engine: prompt tokens run per step, so long prompts interleave.")
     max_cached_tokens: int = setting(1 << 18, "transformers engine: KV-cache tokens kept across session turns (LRU).")
@@ -217,10 +223,38 @@ class Settings:
     )
     max_active: int = setting(64, "Generations running at once across all protocols; the rest queue by priority.")
     max_queued: int = setting(1024, "Generations allowed to wait; beyond this requests fail UNAVAILABLE.")
+    reserved_slots: int = setting(
+        0,
+        "Of max_active, slots kept for keys with no generation running, so that a key starts at once while "
+        "another fills the pool (docs/keys.md); they stay idle while one key has the pool to itself.",
+    )
+    memory_budget_bytes: int = setting(
+        0,
+        "Memory all running generations together may hold for what they report (logprob entries, readouts, "
+        "buffered output; each request's worst case estimated from its spec before it runs). Requests over it "
+        "wait; one that alone exceeds it is refused RESOURCE_EXHAUSTED. 0: 1% of the machine's memory, between "
+        "64 MiB and 256 MiB.",
+    )
 
     # -- security and limits ------------------------------------------------------------
-    auth_token: str | None = setting(None, "Shared bearer token required on every protocol (unset: no auth).")
+    auth_token: str | None = setting(
+        None,
+        "Shared bearer token required on every protocol (unset: no auth); the one-key shortcut for keys_file: "
+        "the key named 'default', with the admin scope.",
+    )
+    keys_file: str | None = setting(
+        None,
+        "TOML file of named API keys, stored as SHA-256 hashes, each with its models, permissions, limits and "
+        "fair-share weight (docs/keys.md; 'prismgate keys add' writes it); read again on SIGHUP and when it "
+        "changes, no restart.",
+    )
     grpc_max_message_bytes: int = setting(64 * 1024 * 1024, "Largest gRPC message accepted or sent.")
+    allow_special_tokens_in_text: bool = setting(
+        False,
+        "Read a control token's string in a client's text (<|im_end|>, <|im_start|>) as that control token, on "
+        "every protocol. Off: it is text, as the hosted APIs do, so a user cannot forge a system turn; only the "
+        "chat template places control tokens (a client that needs them sends token ids).",
+    )
 
     # -- logging --------------------------------------------------------------------
     log_level: str = setting("info", "Log level.", choices=("debug", "info", "warning", "error"))
@@ -374,6 +408,8 @@ class Settings:
             raise invalid(f"max_connections_per_client must be >= 0, got {self.max_connections_per_client}")
         if self.session_store != "memory" and not self.session_store.startswith(("redis://", "rediss://", "unix://")):
             raise invalid(f"session_store must be 'memory' or a redis:// URL, got {self.session_store!r}")
+        if not 0 <= self.reserved_slots < self.max_active:
+            raise invalid(f"reserved_slots must be >= 0 and below max_active, got {self.reserved_slots}")
         if self.session_lock_s <= 0:
             raise invalid(f"session_lock_s must be > 0, got {self.session_lock_s}")
         if self.replicas < 1 or (self.engine == "vllm" and self.replicas != 1):
@@ -470,6 +506,7 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "engine", "model", "model_name", "concept_pack", "concept_pack_cache", "concept_pack_pairs", "device",
             "dtype", "threads", "max_model_len", "prefill_chunk", "max_cached_tokens", "replicas", "max_batch",
+            "deterministic",
         ),
     ),
     (
@@ -483,7 +520,8 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "security (who may call, and what a client may hold open)",
         (
-            "auth_token", "allowed_origins", "max_connections_per_client", "http_keep_alive_s",
+            "auth_token", "keys_file", "allow_special_tokens_in_text", "allowed_origins", "max_connections_per_client",
+            "http_keep_alive_s",
             "http_header_timeout_s", "http_body_timeout_s", "http_send_timeout_s", "http_max_header_bytes",
             "slow_client_timeout_s", "slow_client_buffer_bytes",
         ),
@@ -492,7 +530,7 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "limits (each checked before the work it would cause)",
         (
-            "max_active", "max_queued", "max_sessions", "max_session_tokens", "grpc_max_message_bytes",
+            "max_active", "max_queued", "reserved_slots", "memory_budget_bytes", "max_sessions", "max_session_tokens", "grpc_max_message_bytes",
             "openai_max_body_bytes", "graphpipe_max_body_bytes", "graphpipe_max_batch", "max_json_depth",
             "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_position_ranges",
             "prompt_bytes_per_context_token", "max_steering_entries", "evergreen_max_nodes", "evergreen_max_bytes",
@@ -515,7 +553,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_flag(group: argparse._ArgumentGroup, f: dataclasses.Field[Any]) -> None:
     flag = "--" + f.name.replace("_", "-")
-    text = f"{f.metadata['help']} [env {ENV_PREFIX + f.name.upper()}; default {f.default!r}]"
+    text = f"{f.metadata['help']} [env {ENV_PREFIX + f.name.upper()}; default {f.default!r}]".replace("%", "%%")
     if _base_type(f) is bool:
         group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text)
     else:

@@ -50,13 +50,17 @@ def test_unknown_toml_keys_are_rejected(tmp_path: Path) -> None:
 
 
 def test_every_budget_limit_is_a_setting_and_reaches_the_core() -> None:
-    """The request budget's limits are documented settings: none is a code constant only."""
+    """The request budget's limits are documented settings: none is a code constant only.
+
+    Its model facts (hidden size, context) are not limits: the served models size them.
+    """
     import dataclasses
 
     from prismgate.compose import build_budget
     from prismgate.core.budget import RequestBudget
 
-    names = {f.name for f in dataclasses.fields(RequestBudget)}
+    names = {f.name for f in dataclasses.fields(RequestBudget) if not f.metadata.get("derived")}
+    assert names and {"hidden_size", "context"}.isdisjoint(names)
     assert names <= {f.name for f in Settings.fields()}
     settings = Settings.load({"max_stop_strings": 2, "max_json_depth": 5}, env={})
     budget = build_budget(settings)

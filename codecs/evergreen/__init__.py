@@ -16,6 +16,7 @@ from prismgate.codecs.evergreen.payloads import RefPolicy
 from prismgate.codecs.evergreen.session import EvergreenSession, Options
 from prismgate.codecs.evergreen.websocket import EvergreenEndpoint
 from prismgate.core.service import SessionService
+from prismgate.keys import ring_for
 from prismgate.settings import Settings
 
 __all__ = ["EvergreenSession", "Options", "add_to_server", "options_from", "routes"]
@@ -49,4 +50,4 @@ def routes(service: SessionService, settings: Settings) -> list[BaseRoute]:
 
 def add_to_server(server: grpc.aio.Server, service: SessionService, settings: Settings) -> list[str]:
     """Register evergreen.v2.EvergreenService; return its full name."""
-    return [grpc_service.add(server, service, options_from(settings), settings.auth_token)]
+    return [grpc_service.add(server, service, options_from(settings), ring_for(settings))]

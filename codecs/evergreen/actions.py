@@ -13,6 +13,7 @@ from prismgate.codecs.evergreen.config import parse_configs
 from prismgate.codecs.evergreen.outputs import EXTRA_OUTPUTS, TEXT_OUTPUTS
 from prismgate.codecs.steering import entry_from_message
 from prismgate.core.actions import GenerateSpec
+from prismgate.core.budget import RequestBudget
 from prismgate.core.errors import invalid
 from prismgate.core.steering import Comparison, Positions, SteeringEntry
 from prismgate.schemas import evergreen_generate_pb2 as gpb
@@ -40,7 +41,7 @@ class GenerateCall:
         return self.config.chat_template if self.config.HasField("chat_template") else True
 
 
-def read_generate(action: pb.Action, label: str) -> GenerateCall:
+def read_generate(action: pb.Action, label: str, budget: RequestBudget) -> GenerateCall:
     inputs = [(p.name, p.id) for p in action.inputs]
     unknown_in = [n for n, _ in inputs if n not in INPUT_NAMES]
     if unknown_in:
@@ -62,8 +63,8 @@ def read_generate(action: pb.Action, label: str) -> GenerateCall:
         raise invalid(f"{label}: GENERATE needs a 'response' (or 'text') output")
     if len(set(outputs.values())) != len(outputs):
         raise invalid(f"{label}: two outputs share one node id")
-    config = parse_configs(action.configs, label)
-    return GenerateCall(inputs[0][1], outputs, config, sampling(config), action.target_spec.id)
+    config = parse_configs(action.configs, label, budget)
+    return GenerateCall(inputs[0][1], outputs, config, sampling(config, budget), action.target_spec.id)
 
 
 def read_ids(action: pb.Action, label: str, what: str) -> list[str]:
@@ -73,7 +74,7 @@ def read_ids(action: pb.Action, label: str, what: str) -> list[str]:
     return ids
 
 
-def sampling(config: gpb.GenerateConfig) -> GenerateSpec:
+def sampling(config: gpb.GenerateConfig, budget: RequestBudget) -> GenerateSpec:
     """GenerateConfig -> the core's sampling knobs (the core sets max_tokens and what is reported).
 
     Building the spec checks the values (signs, ranges) as soon as the action arrives.
@@ -89,11 +90,18 @@ def sampling(config: gpb.GenerateConfig) -> GenerateSpec:
         ignore_eos=config.ignore_eos,
         logprob_top_k=config.top_logprobs,
         priority=config.priority,
-        steering=tuple(_steering_entry(e, i) for i, e in enumerate(config.steering)),
+        steering=_steering(config, budget),
+        deterministic=config.deterministic if config.HasField("deterministic") else None,
     )
 
 
-def _steering_entry(entry: gpb.SteeringEntry, index: int) -> SteeringEntry:
+def _steering(config: gpb.GenerateConfig, budget: RequestBudget) -> tuple[SteeringEntry, ...]:
+    """The entries, counted before any is read (a direction's length is checked before it is copied)."""
+    budget.check_lists(steering_entries=len(config.steering))
+    return tuple(_steering_entry(e, i, budget) for i, e in enumerate(config.steering))
+
+
+def _steering_entry(entry: gpb.SteeringEntry, index: int, budget: RequestBudget) -> SteeringEntry:
     where = f"config.steering[{index}]"
     choices = [p.value for p in Positions]
     if entry.positions and entry.positions not in choices:
@@ -106,4 +114,4 @@ def _steering_entry(entry: gpb.SteeringEntry, index: int) -> SteeringEntry:
                 f"{where}.gate.comparison must be one of {', '.join(comparisons)}, got {entry.gate.comparison!r}"
             )
         comparison = Comparison(entry.gate.comparison)
-    return entry_from_message(entry, Positions(entry.positions or Positions.BOTH.value), comparison, where)
+    return entry_from_message(entry, Positions(entry.positions or Positions.BOTH.value), comparison, where, budget)

@@ -7,7 +7,9 @@ are served alike:
 * ``type.googleapis.com/google.protobuf.Struct``: a JSON object with the same fields
   (camelCase or snake_case).
 
-Unknown fields are errors in both (a typo must not silently change decoding).
+Unknown fields are errors in both (a typo must not silently change decoding). Either is
+measured before it is decoded: a config larger than any the served models can take (the
+budget's ``max_config_bytes``) is refused unread, whatever keys hold its bulk.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 
 from google.protobuf import any_pb2, json_format, struct_pb2, unknown_fields
 
+from prismgate.core.budget import RequestBudget
 from prismgate.core.errors import invalid
 from prismgate.schemas import evergreen_generate_pb2 as gpb
 
@@ -24,13 +27,14 @@ CONFIG_TYPE_URL = "type.googleapis.com/prismgate.evergreen.v1.GenerateConfig"
 STRUCT_TYPE_URL = "type.googleapis.com/google.protobuf.Struct"
 
 
-def parse_configs(configs: Sequence[any_pb2.Any], where: str) -> gpb.GenerateConfig:
+def parse_configs(configs: Sequence[any_pb2.Any], where: str, budget: RequestBudget) -> gpb.GenerateConfig:
     """At most one config; an absent one means all defaults."""
     if len(configs) > 1:
         raise invalid(f"{where}: at most one config, got {len(configs)}")
     if not configs:
         return gpb.GenerateConfig()
     packed = configs[0]
+    budget.check_config_bytes(len(packed.value), f"{where}: config")
     kind = packed.type_url.rpartition("/")[2]
     if kind == gpb.GenerateConfig.DESCRIPTOR.full_name:
         config = gpb.GenerateConfig()

@@ -19,6 +19,7 @@ from prismgate.codecs.evergreen.session import EvergreenSession, Options
 from prismgate.codecs.grpc_guard import Guard, add_guarded
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.service import SessionService
+from prismgate.keys import KeyRing
 from prismgate.schemas import evergreen_pb2 as pb
 from prismgate.schemas import evergreen_pb2_grpc
 
@@ -64,8 +65,8 @@ class EvergreenServicer(evergreen_pb2_grpc.EvergreenServiceServicer):
             await session.close()
 
 
-def add(server: grpc.aio.Server, service: SessionService, options: Options, auth_token: str | None) -> str:
-    guard = Guard(service, PROTOCOL, auth_token, slow_client_timeout_s=options.slow_client_timeout_s)
+def add(server: grpc.aio.Server, service: SessionService, options: Options, keys: KeyRing) -> str:
+    guard = Guard(service, PROTOCOL, keys, slow_client_timeout_s=options.slow_client_timeout_s)
     return add_guarded(
         server, evergreen_pb2_grpc.add_EvergreenServiceServicer_to_server, EvergreenServicer(service, options), guard
     )

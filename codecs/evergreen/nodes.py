@@ -28,7 +28,7 @@ import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from prismgate.core.errors import Code, exhausted, invalid, not_found, precondition
+from prismgate.core.errors import Code, exhausted, invalid, not_found, precondition, quote
 from prismgate.schemas import evergreen_pb2 as pb
 
 
@@ -96,8 +96,8 @@ class NodeStore:
         node = self._nodes.get(node_id)
         if node is None:
             if node_id in self._dropped:
-                raise precondition(f"node {node_id!r} was dropped")
-            raise not_found(f"node {node_id!r} does not exist")
+                raise precondition(f"node {quote(node_id)} was dropped")
+            raise not_found(f"node {quote(node_id)} does not exist")
         return node
 
     def missing(self, root: str) -> str | None:
@@ -110,7 +110,7 @@ class NodeStore:
                 continue
             seen.add(node_id)
             if node_id in self._dropped:
-                raise precondition(f"node {node_id!r} was dropped while an action still needed it")
+                raise precondition(f"node {quote(node_id)} was dropped while an action still needed it")
             node = self._nodes.get(node_id)
             if node is None or not node.complete:
                 return node_id
@@ -155,7 +155,9 @@ class NodeStore:
             if missing is None:
                 return
             if self._closed:
-                raise precondition(f"node {missing!r} (under {root!r}) never completed before the input ended")
+                raise precondition(
+                    f"node {quote(missing)} (under {quote(root)}) never completed before the input ended"
+                )
             if self._changed is None:
                 self._changed = asyncio.Event()
             self._changed.clear()
@@ -171,16 +173,16 @@ class NodeStore:
     def add(self, fragment: pb.NodeFragment, *, server: bool = False) -> bool:
         """Store one fragment; False when it was a duplicate (ignored). Raises on a broken rule."""
         node_id = fragment.id
-        where = f"node {node_id!r} seq {fragment.seq}"
+        where = f"node {quote(node_id)} seq {fragment.seq}"
         if not node_id:
             raise invalid("a node fragment has no id")
         if fragment.seq < 0:
             raise invalid(f"{where}: seq must be >= 0")
         if node_id in self._dropped:
-            raise precondition(f"{where}: node {node_id!r} was dropped; ids are not reused")
+            raise precondition(f"{where}: node {quote(node_id)} was dropped; ids are not reused")
         node = self._nodes.get(node_id)
         if node is not None and node.produced and not server:
-            raise invalid(f"{where}: node {node_id!r} is an action output; only the server writes it")
+            raise invalid(f"{where}: node {quote(node_id)} is an action output; only the server writes it")
         if node is not None and fragment.seq in node.fragments:
             return False
         if node is not None and node.final_seq is not None and fragment.seq > node.final_seq:
@@ -193,7 +195,9 @@ class NodeStore:
         kind = True if has_chunk else (False if fragment.child_ids else None)
         if node is not None and kind is not None and node.leaf is not None and kind != node.leaf:
             what = "a leaf (chunks)" if node.leaf else "a non-leaf (child ids)"
-            raise invalid(f"{where}: node {node_id!r} is {what}; it cannot take {'a chunk' if kind else 'child ids'}")
+            raise invalid(
+                f"{where}: node {quote(node_id)} is {what}; it cannot take {'a chunk' if kind else 'child ids'}"
+            )
         if has_chunk and fragment.chunk_fragment.HasField("metadata"):
             self._check_metadata(node, fragment)
         size = _size(fragment)
@@ -206,7 +210,7 @@ class NodeStore:
             raise exhausted(f"{where}: the session would hold more than {self.limits.max_nodes} nodes")
         for child in fragment.child_ids:
             if child in self._dropped:
-                raise precondition(f"{where}: child {child!r} was dropped")
+                raise precondition(f"{where}: child {quote(child)} was dropped")
         if fragment.child_ids:
             self._check_edges(node_id, list(fragment.child_ids))
 
@@ -225,7 +229,7 @@ class NodeStore:
             self._parents.setdefault(child, set()).add(node_id)
         self.bytes += size
         if node.complete and node.leaf and node.metadata is None:
-            raise invalid(f"node {node_id!r}: a leaf needs metadata (a mimetype) on seq 0")
+            raise invalid(f"node {quote(node_id)}: a leaf needs metadata (a mimetype) on seq 0")
         self._notify()
         return True
 
@@ -235,7 +239,7 @@ class NodeStore:
             return
         if metadata != node.metadata:
             raise invalid(
-                f"node {fragment.id!r} seq {fragment.seq}: metadata differs from seq {node.metadata_seq}'s "
+                f"node {quote(fragment.id)} seq {fragment.seq}: metadata differs from seq {node.metadata_seq}'s "
                 f"(mimetype {metadata.mimetype!r} role {metadata.role!r} vs "
                 f"{node.metadata.mimetype!r} role {node.metadata.role!r})"
             )
@@ -245,12 +249,15 @@ class NodeStore:
         heights: dict[str, int] = {}
         for child in children:
             if child == parent or self._reaches(child, parent):
-                raise invalid(f"node {parent!r}: child {child!r} would make a cycle (a node cannot contain itself)")
+                raise invalid(
+                    f"node {quote(parent)}: child {quote(child)} would make a cycle (a node cannot contain itself)"
+                )
         below = max(self._height(c, heights) for c in children)
         above = self._depth_above(parent, {})
         if above + below > self.limits.max_depth:
             raise invalid(
-                f"node {parent!r}: nesting would reach depth {above + below}, over the limit {self.limits.max_depth}"
+                f"node {quote(parent)}: nesting would reach depth {above + below}, "
+                f"over the limit {self.limits.max_depth}"
             )
 
     def _reaches(self, start: str, target: str) -> bool:
@@ -289,7 +296,7 @@ class NodeStore:
             raise invalid(f"{what}: an output has no id")
         node = self._nodes.get(node_id)
         if node_id in self._dropped or (node is not None and (node.arrived or node.produced)):
-            raise invalid(f"{what}: output id {node_id!r} is not new (output ids must not be reused)")
+            raise invalid(f"{what}: output id {quote(node_id)} is not new (output ids must not be reused)")
         if node is None:
             if len(self._nodes) + 1 > self.limits.max_nodes:
                 raise exhausted(f"{what}: the session would hold more than {self.limits.max_nodes} nodes")
@@ -304,7 +311,7 @@ class NodeStore:
         for node_id in node_ids:
             self.get(node_id)
             if node_id in busy:
-                raise precondition(f"node {node_id!r} is still being produced; CANCEL its action first")
+                raise precondition(f"node {quote(node_id)} is still being produced; CANCEL its action first")
         doomed: set[str] = set()
         stack = list(node_ids)
         while stack:

@@ -168,7 +168,7 @@ class EvergreenSession:
         run.task = asyncio.create_task(self._guard(run, work))
 
     def _generate(self, index: int, label: str, action: pb.Action) -> None:
-        call = read_generate(action, label)
+        call = read_generate(action, label, self.service.budget)
         with _labelled(label):
             if call.target and self.service.models.resolve(call.target) != self.model:
                 if self._bound:

@@ -96,7 +96,10 @@ class EvergreenEndpoint:
                     return
                 frame += 1
                 try:
-                    decoded, is_json = decode_frame(message, frame, self.service.budget)
+                    size = len(message.get("text") or message.get("bytes") or "")
+                    decoded, is_json = await json_input.off_loop(
+                        size, decode_frame, message, frame, self.service.budget
+                    )
                     if not form:
                         form.append(is_json)
                     session.feed(decoded)

@@ -27,6 +27,7 @@ CONFIG_KEYS: dict[str, str] = {
     "logprobs": f"integer in [0, {MAX_TOP_LOGPROBS}]: k, the alternatives per token in top_logprob_ids/top_logprobs",
     "readout_layers": "list of layer indices, a subset of the concept pack's layers, in the order wanted",
     "steering": "list of steering entries, the same for every row (see docs/steering.md)",
+    "deterministic": "boolean or null: the same outputs whatever else runs (docs/determinism.md); null: the server's",
 }
 
 
@@ -46,6 +47,7 @@ class Config:
     logprobs: int = 0
     readout_layers: tuple[int, ...] | None = None
     steering: Steering = ()
+    deterministic: bool | None = None
 
     def sampling(self) -> GenerateSpec:
         """The core's sampling knobs (the core sets max_tokens and what is reported); checks the values."""
@@ -58,6 +60,7 @@ class Config:
             stop_token_ids=self.stop_token_ids,
             stop_strings=self.stop,
             steering=self.steering,
+            deterministic=self.deterministic,
         )
 
 
@@ -111,10 +114,11 @@ def parse_config(raw: bytes, budget: RequestBudget) -> Config:
         values["stop"] = tuple(stops)
     if "stop_token_ids" in data:
         values["stop_token_ids"] = _int_list("stop_token_ids", data["stop_token_ids"])
-    if "chat_template" in data:
-        if not isinstance(data["chat_template"], bool):
-            raise invalid(f"config.chat_template must be true or false, got {json.dumps(data['chat_template'])}")
-        values["chat_template"] = data["chat_template"]
+    for key in ("chat_template", "deterministic"):
+        if data.get(key) is not None:
+            if not isinstance(data[key], bool):
+                raise invalid(f"config.{key} must be true or false, got {json.dumps(data[key])}")
+            values[key] = data[key]
     if "readout_layers" in data:
         values["readout_layers"] = _int_list("readout_layers", data["readout_layers"])
     if "steering" in data:

@@ -134,11 +134,13 @@ class GraphPipeEndpoint:
 
     def error(self, exc: GatewayError, request: Request) -> Response:
         log.info("graphpipe error %s: %s", exc.code.name, exc.message)
+        retry = None if exc.retry_after_s is None else {"retry-after": str(int(exc.retry_after_s))}
         if wants_http_errors(self.settings.graphpipe_error_status, request):
-            return PlainTextResponse(exc.message + "\n", status_code=http_status(exc))  # counted by the middleware
+            # counted by the middleware
+            return PlainTextResponse(exc.message + "\n", status_code=http_status(exc), headers=retry)
         if not exc.reported:  # a 200 carrying an error: the middleware sees only the 200
             self.service.monitor.refused("graphpipe", exc.code)
-        return Response(wire.encode_errors([(int(exc.code), exc.message)]), media_type=OCTET)
+        return Response(wire.encode_errors([(int(exc.code), exc.message)]), media_type=OCTET, headers=retry)
 
 
 async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[list[RowResult]]]) -> list[RowResult]:

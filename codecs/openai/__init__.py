@@ -30,6 +30,7 @@ def routes(service: SessionService, settings: Settings) -> list[BaseRoute]:
         Route("/v1/models", api.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.get_model, methods=["GET"]),
         Route("/v1/sessions", api.open_session, methods=["POST"]),
+        Route("/v1/sessions", api.list_sessions, methods=["GET"]),
         Route("/v1/sessions/{session_id}", api.get_session, methods=["GET"]),
         Route("/v1/sessions/{session_id}", api.delete_session, methods=["DELETE"]),
         Route("/v1/{rest:path}", api.not_found, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar, cast
@@ -39,7 +40,7 @@ class ClientGone(Exception):
 
 def error_response(exc: BaseException) -> Response:
     err = to_openai(exc)
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else err.headers()
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
@@ -129,8 +130,13 @@ class OpenAIEndpoints:
             return cast(Response, EventStream(self._events(generation, fmt), self.settings, dumps))
         try:
             pieces = await unless_disconnected(request, _collect(generation))
-            assert generation.done is not None
-            return JSONResponse(fmt.response(pieces, generation.done, generation.session_length))
+            done = generation.done
+            assert done is not None
+            if not (plan.want_logprobs or plan.axes is not None):
+                return JSONResponse(fmt.response(pieces, done, generation.session_length))
+            # logprobs and readouts of every position can be tens of MB of JSON: built off the loop
+            body = await asyncio.to_thread(_json, fmt.response, pieces, done, generation.session_length)
+            return Response(body, media_type="application/json")
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         except Exception as exc:
@@ -215,6 +221,15 @@ class OpenAIEndpoints:
         except Exception as exc:
             return error_response(exc)
 
+    async def list_sessions(self, _request: Request) -> Response:
+        """Every open session and the key that owns it: for a key with the admin scope (docs/keys.md)."""
+        try:
+            owners = await self.service.sessions()
+            data = [{"id": sid, "object": "session", "owner": owner} for sid, owner in sorted(owners.items())]
+            return JSONResponse({"object": "list", "data": data})
+        except Exception as exc:
+            return error_response(exc)
+
     async def get_session(self, request: Request) -> Response:
         try:
             return JSONResponse(await self._session(request.path_params["session_id"]))
@@ -258,3 +273,40 @@ async def _collect(generation: Generation) -> list[Piece]:
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _json(build: Callable[..., Any], *args: Any) -> bytes:
+    """``build(*args)`` encoded as :class:`JSONResponse` encodes it (called in a worker thread).
+
+    In pieces: one ``json.dumps`` of a 21 MB answer is one C call that holds the interpreter
+    lock throughout, and the event loop (``/healthz`` too) waits for it, worker thread or not.
+    Objects and long lists are walked here, so the lock changes hands between their items.
+    """
+    out: list[str] = []
+    _encode(build(*args), out)
+    return "".join(out).encode()
+
+
+LONG_LIST = 64  # lists longer than this are encoded item by item
+
+
+def _encode(value: Any, out: list[str]) -> None:
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        out.append("{")
+        for i, (key, item) in enumerate(value.items()):
+            out.append(("," if i else "") + _dumps(key) + ":")
+            _encode(item, out)
+        out.append("}")
+    elif isinstance(value, list) and len(value) > LONG_LIST:
+        out.append("[")
+        for i, item in enumerate(value):
+            if i:
+                out.append(",")
+            _encode(item, out)
+        out.append("]")
+    else:
+        out.append(_dumps(value))
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))

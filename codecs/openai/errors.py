@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from prismgate.codecs.status import http_status
-from prismgate.core.errors import Code, GatewayError
+from prismgate.core.errors import Code, GatewayError, clip
 from prismgate.core.limits import ContextOverflow
 from prismgate.core.models import UnknownModel
 
@@ -24,6 +24,7 @@ _TYPES: dict[Code, tuple[str, str | None]] = {
     Code.INVALID_ARGUMENT: ("invalid_request_error", None),
     Code.UNAUTHENTICATED: ("invalid_request_error", "invalid_api_key"),
     Code.NOT_FOUND: ("invalid_request_error", "not_found"),
+    Code.PERMISSION_DENIED: ("invalid_request_error", "permission_denied"),
     Code.FAILED_PRECONDITION: ("invalid_request_error", "conflict"),
     Code.ABORTED: ("invalid_request_error", "session_busy"),
     Code.RESOURCE_EXHAUSTED: ("insufficient_capacity", "resource_exhausted"),
@@ -51,6 +52,11 @@ class OpenAIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after_s: float | None = None  # a key over its limits: sent as Retry-After
+
+    def headers(self) -> dict[str, str] | None:
+        """``Retry-After`` (whole seconds) when the refusal says when to retry."""
+        return None if self.retry_after_s is None else {"retry-after": str(int(self.retry_after_s))}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -70,12 +76,14 @@ def from_gateway(exc: GatewayError, *, param: str | None = None, code: str | Non
     """
     if isinstance(exc, UnknownModel):
         served = ", ".join(f"'{name}'" for name in exc.served)
-        message = f"The model '{exc.model}' does not exist; this server serves {served}"
+        message = f"The model '{clip(exc.model)}' does not exist; this server serves {served}"
         return OpenAIError(404, message, param="model", code="model_not_found")
     if isinstance(exc, ContextOverflow):
         return OpenAIError(400, _context_message(exc), param=param, code="context_length_exceeded")
     kind, default_code = _TYPES.get(exc.code, ("server_error", None))
-    return OpenAIError(http_status(exc.code), exc.message, type=kind, param=param, code=code or default_code)
+    out = OpenAIError(http_status(exc.code), exc.message, type=kind, param=param, code=code or default_code)
+    out.retry_after_s = exc.retry_after_s
+    return out
 
 
 def _context_message(exc: ContextOverflow) -> str:

@@ -80,6 +80,7 @@ async def _plan(
             top_p=common.top_p,
             top_k=common.top_k,
             seed=common.seed,
+            deterministic=common.deterministic,
             stop_strings=common.stop,
             logprob_top_k=common.top_logprobs or 0,
             steering=steering,

@@ -54,6 +54,7 @@ class Common:
     top_p: float
     top_k: int
     seed: int | None
+    deterministic: bool | None  # None: the server's default
     stop: tuple[str, ...]
     top_logprobs: int | None  # None: no logprobs; otherwise how many alternatives per token
     readouts: ReadoutRequest | None
@@ -120,6 +121,9 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, top_logprobs: int |
     top_p = get_float(body, "top_p", 1.0, lo=0.0, hi=1.0)
     top_k = get_int(body, "top_k", 0, lo=-1)
     seed = get_int(body, "seed", None, lo=-INT64, hi=INT64 - 1)
+    deterministic = body.get("deterministic")
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise bad_request("'deterministic' must be true, false or null", "deterministic")
     if top_p == 0.0:  # OpenAI accepts 0: only the most likely token survives, which is greedy decoding
         temperature, top_p = 0.0, 1.0
     return Common(
@@ -131,6 +135,7 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, top_logprobs: int |
         top_p=top_p,
         top_k=max(0, top_k or 0),  # -1 (vLLM's "off") is 0 here
         seed=None if seed is None else seed % INT64,  # int64 seeds fold into the engine's [0, 2**63)
+        deterministic=deterministic,
         stop=_stop(body.get("stop")),
         top_logprobs=top_logprobs,
         readouts=_readouts(body.get("readouts")),

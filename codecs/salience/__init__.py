@@ -19,6 +19,7 @@ from prismgate.codecs.salience.servicer import SalienceServicer
 from prismgate.codecs.salience.steering import SteeringServicer
 from prismgate.codecs.salience.tokens import TokensServicer
 from prismgate.core.service import SessionService
+from prismgate.keys import ring_for
 from prismgate.schemas import (
     salience_images_pb2_grpc,
     salience_models_pb2_grpc,
@@ -42,7 +43,7 @@ PROTOCOL = "salience"
 
 def add_to_server(server: grpc.aio.Server, service: SessionService, settings: Settings) -> list[str]:
     """Register salience.v1.Salience and its companions; return their full names."""
-    guard = Guard(service, PROTOCOL, settings.auth_token, slow_client_timeout_s=settings.slow_client_timeout_s)
+    guard = Guard(service, PROTOCOL, ring_for(settings), slow_client_timeout_s=settings.slow_client_timeout_s)
     return [
         add_guarded(
             server,

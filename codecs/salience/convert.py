@@ -7,9 +7,12 @@ this module only fills in the wire's documented defaults and copies fields acros
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any
 
 from prismgate.core.actions import GenerateAction, GenerateSpec, ImageInput, PositionRange
 from prismgate.core.engine import ReadoutManifest
+from prismgate.core.errors import invalid
 from prismgate.core.events import Done, FinishReason, TokenEvent
 from prismgate.schemas import salience_pb2 as pb
 
@@ -51,8 +54,29 @@ def spec_from_request(request: pb.GenerateRequest) -> GenerateSpec:
     )
 
 
-def action_from_request(request: pb.GenerateRequest) -> GenerateAction:
-    """A GenerateRequest as a core action; the offset is always checked (Salience sessions are shared)."""
+DETERMINISTIC_KEY = "prismgate-deterministic"  # request metadata: "true" or "false"; absent: the server's default
+SEED_KEY = "prismgate-seed"  # request metadata: the sampling seed, an integer in [0, 2**63)
+
+
+def metadata_options(deterministic: str | None, seed: str | None) -> dict[str, Any]:
+    """What salience.v1 has no field for, read from the request's metadata (the proto never changes)."""
+    options: dict[str, Any] = {}
+    if deterministic is not None:
+        if deterministic.lower() not in ("true", "false"):
+            raise invalid(f"metadata {DETERMINISTIC_KEY} must be true or false, got {deterministic[:40]!r}")
+        options["deterministic"] = deterministic.lower() == "true"
+    if seed is not None:
+        if not seed.isascii() or not seed.isdigit() or len(seed) > 19:
+            raise invalid(f"metadata {SEED_KEY} must be an integer in [0, 2**63), got {seed[:40]!r}")
+        options["seed"] = int(seed)
+    return options
+
+
+def action_from_request(request: pb.GenerateRequest, **options: Any) -> GenerateAction:
+    """A GenerateRequest as a core action; the offset is always checked (Salience sessions are shared).
+
+    ``options`` are spec fields salience.v1 cannot carry (:func:`metadata_options`).
+    """
     images = tuple(
         ImageInput(data=im.bytes, mime=im.mime, start=im.pad_range_start, end=im.pad_range_end) for im in request.images
     )
@@ -61,7 +85,7 @@ def action_from_request(request: pb.GenerateRequest) -> GenerateAction:
         images=images,
         offset=request.offset,
         truncating=request.truncating,
-        spec=spec_from_request(request),
+        spec=replace(spec_from_request(request), **options) if options else spec_from_request(request),
         origin=ORIGIN,
     )
 

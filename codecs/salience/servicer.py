@@ -10,7 +10,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
-from prismgate.codecs.grpc_guard import closing
+from prismgate.codecs.grpc_guard import closing, metadata
 from prismgate.codecs.outflow import Outflow
 from prismgate.codecs.salience import convert
 from prismgate.core.events import Event, TokenEvent
@@ -53,7 +53,10 @@ class SalienceServicer(pb_grpc.SalienceServicer):
             logprob_ranges=len(request.logprobs_ranges),
             readout_ranges=len(request.readout_ranges),
         )
-        action = convert.action_from_request(request)
+        options = convert.metadata_options(
+            metadata(context, convert.DETERMINISTIC_KEY), metadata(context, convert.SEED_KEY)
+        )
+        action = convert.action_from_request(request, **options)
         events = _messages(self.service.generate(request.session_id, action))
         async with Outflow(events, pb.GenerateEvent.ByteSize, self.buffer_bytes) as messages:
             async for message in messages:

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 import grpc
 
 from prismgate.codecs.steering import entry_from_message
+from prismgate.core.budget import RequestBudget
 from prismgate.core.errors import invalid
 from prismgate.core.service import SessionService
 from prismgate.core.steering import Comparison, Gate, Positions, Steering, SteeringEntry
@@ -48,8 +49,9 @@ class SteeringServicer(pb_grpc.SteeringServicer):
     async def SetSteering(
         self, request: pb.SetSteeringRequest, context: grpc.aio.ServicerContext
     ) -> pb.SetSteeringResponse:
-        self.service.budget.check_lists(steering_entries=len(request.entries))
-        steering = await asyncio.to_thread(_steering, request.entries)
+        budget = self.service.budget
+        budget.check_lists(steering_entries=len(request.entries))
+        steering = await asyncio.to_thread(_steering, request.entries, budget)
         return pb.SetSteeringResponse(entries=_wire(await self.service.set_steering(request.session_id, steering)))
 
     async def GetSteering(
@@ -58,11 +60,11 @@ class SteeringServicer(pb_grpc.SteeringServicer):
         return pb.GetSteeringResponse(entries=_wire(await self.service.get_steering(request.session_id)))
 
 
-def _steering(entries: Sequence[pb.SteeringEntry]) -> Steering:
-    return tuple(_entry(e, f"entries[{i}]") for i, e in enumerate(entries))
+def _steering(entries: Sequence[pb.SteeringEntry], budget: RequestBudget) -> Steering:
+    return tuple(_entry(e, f"entries[{i}]", budget) for i, e in enumerate(entries))
 
 
-def _entry(entry: pb.SteeringEntry, where: str) -> SteeringEntry:
+def _entry(entry: pb.SteeringEntry, where: str, budget: RequestBudget) -> SteeringEntry:
     positions = POSITIONS.get(entry.positions)
     if positions is None:
         raise invalid(f"{where}.positions: unknown value {entry.positions}")
@@ -71,7 +73,7 @@ def _entry(entry: pb.SteeringEntry, where: str) -> SteeringEntry:
         comparison = COMPARISONS.get(entry.gate.comparison)
         if comparison is None:
             raise invalid(f"{where}.gate.comparison must be COMPARISON_ABOVE or COMPARISON_BELOW")
-    return entry_from_message(entry, positions, comparison, where)
+    return entry_from_message(entry, positions, comparison, where, budget)
 
 
 def _wire(steering: Steering) -> Iterable[pb.SteeringEntry]:

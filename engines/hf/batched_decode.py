@@ -6,7 +6,8 @@ asks (:mod:`~prismgate.engines.hf.steering`). Each keeps its own KV cache (a
 session keeps it between turns); the adapter pads the caches to the longest and splits
 them back (:meth:`~prismgate.engines.hf.adapters.ModelAdapter.decode_batch`). The padding
 is copied every step, so a batch is capped by ``max_batch`` requests and by ``max_batch_tokens``
-(its size times its longest context).
+(its size times its longest context). A batch with a deterministic request in it runs the
+batch-invariant kernels for every row (:mod:`~prismgate.engines.hf.invariant`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from prismgate.core.actions import covered
 from prismgate.engines.hf.job import Job
 from prismgate.engines.hf.steps import Stepper
+from prismgate.engines.invariant_rows import SWITCH
 
 
 def batch_members(jobs: list[Job], *, max_batch: int, max_batch_tokens: int) -> list[Job]:
@@ -47,7 +49,8 @@ def decode_batch(stepper: Stepper, jobs: list[Job]) -> None:
     if probe is not None:
         probe.enabled = any(wants)
     rows = [job.steer(row, p, p + 1) for row, (job, p) in enumerate(zip(jobs, positions, strict=True))]
-    with stepper.steered(rows) as gates:
+    invariant = any(job.deterministic for job in jobs)  # the kernels are per pass: every row gets them
+    with stepper.steered(rows) as gates, SWITCH.on(invariant):
         logits = stepper.adapter.decode_batch(
             [job.timeline[p] for job, p in zip(jobs, positions, strict=True)], [job.cache for job in jobs], positions
         )
@@ -55,6 +58,7 @@ def decode_batch(stepper: Stepper, jobs: list[Job]) -> None:
     stepper.stats["batched_steps"] += 1
     for row, (job, position) in enumerate(zip(jobs, positions, strict=True)):
         job.cached.append(job.timeline[position])
+        job.invariant = job.invariant and invariant
         job.record_gates(gates, row, 1)
         if job.held is not None:
             if readouts is not None and wants[row]:

@@ -33,11 +33,16 @@ class Job:
     generator: torch.Generator | None = None
     steering: tuple[Vector, ...] = ()  # the request's steering, resolved on the device
     gates: dict[GateKey, list[float]] = field(default_factory=dict)  # its gate readouts, one per cached position
+    invariant: bool = True  # every key and value in `cache` was computed by the batch-invariant kernels
     ended: bool = False  # Done or an error went out: the scheduler drops the job
 
     @property
     def cancelled(self) -> bool:
         return self.channel.closed
+
+    @property
+    def deterministic(self) -> bool:
+        return bool(self.request.spec.deterministic)
 
     @property
     def prompt_len(self) -> int:

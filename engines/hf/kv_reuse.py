@@ -9,7 +9,8 @@ position is kept only when it was computed under the steering this turn applies 
 (:func:`prismgate.core.steering.agreed_prefix`): the cache remembers its steered spans. A
 turn with gated steering needs the gate readout of the position before its first one to run,
 so the cache keeps the gate readouts of its positions too, and serves a turn only as far as
-it holds every readout the turn's gates read.
+it holds every readout the turn's gates read. A deterministic turn keeps only a cache that the
+batch-invariant kernels computed throughout (:mod:`prismgate.engines.hf.invariant`).
 
 The caches are touched by the worker thread only; other threads ask for a release through
 the scheduler.
@@ -33,6 +34,7 @@ class Kept(NamedTuple):
     tokens: list[int]  # the token ids whose keys and values the cache holds
     steered: tuple[SteeredSpan, ...]  # the steering they were computed under, tiling [0, len(tokens))
     gates: dict[GateKey, list[float]]  # gate readouts of those positions (a prefix of them), by gate
+    invariant: bool = True  # computed by the batch-invariant kernels throughout (a deterministic turn needs it)
 
 
 class SessionCaches:
@@ -58,8 +60,9 @@ class SessionCaches:
         tokens: list[int],
         steered: tuple[SteeredSpan, ...],
         gates: dict[GateKey, list[float]] | None = None,
+        invariant: bool = True,
     ) -> None:
-        self._caches[key] = Kept(cache, tokens, steered, gates or {})
+        self._caches[key] = Kept(cache, tokens, steered, gates or {}, invariant)
         self._caches.move_to_end(key)
         total = sum(len(kept.tokens) for kept in self._caches.values())
         while total > self.max_tokens and len(self._caches) > 1:
@@ -87,6 +90,8 @@ def resume(
     less than was cached, new when nothing can be kept.
     """
     cache, cached = kept.cache, kept.tokens
+    if spec.deterministic and not kept.invariant:
+        cache, cached = None, []  # keys computed by other kernels would give other bits: run it all again
     n = len(tokens)
     start = 0
     for a, b in zip(cached, tokens, strict=False):

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from prismgate.core.engine import EngineInfo, ReadoutManifest
+from prismgate.engines.hf import invariance_check, invariant
 from prismgate.engines.hf.adapters import ModelAdapter, load_adapter
 from prismgate.engines.hf.steering import Steerer
 from prismgate.engines.readouts.pack import ConceptPack
@@ -48,6 +49,7 @@ def load(
         probe = ReadoutProbe(model, pack)
         steerer = Steerer(model, pack, probe.project)
         manifest = pack.manifest
+    deterministic_off = _invariance(adapter)
     tokenizer = adapter.tokenizer
     config = model.config.get_text_config()
     limit = max_model_len or int(getattr(config, "max_position_embeddings", 4096))
@@ -66,6 +68,21 @@ def load(
         engine_name="transformers",
         steering=steerer is not None,
         steering_gates=steerer is not None,
+        deterministic=deterministic_off is None,
+        deterministic_off=deterministic_off,
     )
     log.info("loaded %s on %s (%s)", model_id, device, model.dtype)
     return LoadedModel(adapter, probe, steerer, info)
+
+
+def _invariance(adapter: ModelAdapter) -> str | None:
+    """Install the batch-invariant kernels and check them here; None, or why deterministic requests are refused."""
+    if adapter.vision_tokens is not None:
+        return "the transformers engine runs deterministic requests on text-only models (this one has a vision encoder)"
+    if not invariant.install(adapter.model):
+        return "this model's attention does not run through transformers' SDPA interface, which the kernels replace"
+    failure = invariance_check.check(adapter)
+    if failure is not None:
+        log.warning("deterministic requests are refused on this device: the start-up check failed: %s", failure)
+        return f"the start-up check of the batch-invariant kernels failed on this device: {failure}"
+    return None

@@ -8,9 +8,13 @@ from prismgate.core.actions import GenerateSpec
 
 
 def sample(logits: torch.Tensor, spec: GenerateSpec, generator: torch.Generator) -> int:
-    """One token from a ``[vocab]`` float32 row of raw logits."""
+    """One token from a ``[vocab]`` float32 row of raw logits.
+
+    Greedy decoding takes the first entry of :func:`logprobs_of`'s list: the largest logprob
+    (two logits a rounding apart can share one), the lowest id among equals.
+    """
     if spec.temperature == 0 or spec.top_k == 1:
-        return int(torch.argmax(logits))
+        return int(torch.argmax(torch.log_softmax(logits, dim=-1)))  # argmax gives the first of equal maxima
     scores = logits / spec.temperature
     if spec.top_k > 0:
         k = min(spec.top_k, scores.shape[-1])
@@ -33,5 +37,17 @@ def logprobs_of(logits: torch.Tensor, token_id: int, top_k: int) -> tuple[float,
     own = float(logp[token_id])
     if top_k <= 0:
         return own, None
-    values, ids = torch.topk(logp, top_k)
-    return own, [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    ids = top_ids(logp, top_k)
+    return own, [(int(i), float(v)) for i, v in zip(ids.tolist(), logp[ids].tolist(), strict=True)]
+
+
+def top_ids(logp: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` most likely ids, most likely first and the lowest id first among equals.
+
+    ``torch.topk`` leaves the order of equal values (and which of them make the cut) to the
+    kernel; the list a client reads, and the greedy token at its head, must not depend on that.
+    """
+    kth = torch.topk(logp, k).values[-1]
+    candidates = torch.nonzero(logp >= kth).flatten()  # ascending ids
+    order = torch.sort(logp[candidates], descending=True, stable=True).indices[:k]
+    return candidates[order]

@@ -1,6 +1,7 @@
 """The step machine: one request advanced by one step at a time.
 
-A step is a prefill chunk of at most ``prefill_chunk`` prompt tokens, or one decode token.
+A step is a prefill chunk of at most ``prefill_chunk`` prompt tokens (:data:`SCORED_CHUNK` while
+the chunk scores prompt positions), or one decode token.
 Small steps let the scheduler interleave requests, so a long prompt cannot stall other
 streams for its whole prefill. A decoded token whose readout was asked for is held until
 the next step has run it through the model (its hidden state appears only then).
@@ -23,7 +24,13 @@ from prismgate.engines.hf.job import Job
 from prismgate.engines.hf.kv_reuse import SessionCaches, resume
 from prismgate.engines.hf.sampling import logprobs_of, sample
 from prismgate.engines.hf.steering import GateKey, RowPlan, Steerer
+from prismgate.engines.invariant_rows import SWITCH
 from prismgate.engines.readouts.probe import ReadoutProbe
+
+# Prompt tokens per step while a chunk scores prompt positions: each scored position needs a
+# full-vocabulary row of logits (200 KB at SmolLM2's 49k vocabulary), reduced to its top-k as
+# soon as the chunk has run, so a chunk of 64 holds at most 13 MB where one of 512 held 100 MB.
+SCORED_CHUNK = 64
 
 
 class Stepper:
@@ -55,9 +62,11 @@ class Stepper:
         spec = job.request.spec
         n = job.prompt_len
         if job.next_prefill < n:
-            end = self.adapter.chunk_end(
-                job.request.images, job.next_prefill, min(n, job.next_prefill + self.prefill_chunk)
-            )
+            start = job.next_prefill
+            size = self.prefill_chunk
+            if any(covered(spec.logprob_ranges, p) for p in range(start + 1, min(n, start + size) + 1)):
+                size = min(size, SCORED_CHUNK)
+            end = self.adapter.chunk_end(job.request.images, start, min(n, start + size))
             self.feed(job, job.next_prefill, end)
             job.next_prefill = end
             if end < n:
@@ -91,6 +100,7 @@ class Stepper:
                 job.cached,
                 spans(job.request.spec.steering, job.prompt_len, len(job.cached)),
                 job.gates,
+                job.invariant,
             )
         prefilled = len(job.timeline) - job.reused - job.generated if job.started else 0
         job.emit(
@@ -127,6 +137,7 @@ class Stepper:
         cache, start = resume(self.adapter, kept, tokens, request.images, spec, needed)
         job.gates = {key: kept.gates[key][:start] if start else [] for key in needed}
         job.cache = cache
+        job.invariant = start == 0 or kept.invariant
         job.cached = tokens[:start]
         job.reused = start
         job.next_prefill = start
@@ -150,10 +161,11 @@ class Stepper:
         want_readouts = self.probe is not None and any(covered(spec.readout_ranges, p) for p in range(start, end))
         if self.probe is not None:
             self.probe.enabled = want_readouts
-        with self.steered([job.steer(0, start, end)]) as gates:
+        with self.steered([job.steer(0, start, end)]) as gates, SWITCH.on(job.deterministic):
             logits = self.adapter.forward(
                 ids, job.cache, start, job.timeline, job.request.images, rows or [len(ids) - 1]
             )
+        job.invariant = job.invariant and job.deterministic
         job.record_gates(gates, 0, len(ids))
         readouts = self.probe.take() if want_readouts and self.probe is not None else None
         job.cached.extend(ids)
@@ -181,10 +193,12 @@ class Stepper:
         if job.held is not None:
             job.emit(job.held)
             job.held = None
+        # the kept row is a copy: a view would keep this chunk's whole [rows, vocab] logits alive
+        # until the next feed (a prefill chunk of 512 rows is 100 MB at a 49k vocabulary)
         if needs_next:
-            job.next_logits = logits[-1]
+            job.next_logits = logits[-1].clone()
         elif end < n and covered(spec.logprob_ranges, end):
-            job.next_logits = row_of[end - 1 - start]
+            job.next_logits = row_of[end - 1 - start].clone()
         else:
             job.next_logits = None
 

@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from prismgate.engines.invariant_rows import matmul_rows
 from prismgate.engines.readouts.pack import ConceptPack
 
 # Where causal LMs keep their decoder layers: transformers' text models, transformers'
@@ -63,7 +64,7 @@ class ReadoutProbe:
 
         The one projection of this engine: steering gates read the stream through it too.
         """
-        return hidden.to(torch.float32) @ self._directions[index]
+        return matmul_rows(hidden.to(torch.float32), self._directions[index])
 
     def take(self) -> npt.NDArray[np.float32]:
         """Readouts of the last forward (of one sequence): ``[tokens, n_layers, n_concepts]``."""

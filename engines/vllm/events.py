@@ -87,7 +87,15 @@ def cached_tokens(out: Any, n: int) -> int:
 def row_logprob(row: LogprobRow, k: int) -> EventLogprob:
     """A side-channel logprob row as an event's (logprob, top-k)."""
     _, value, ids, vals = row
-    return float(value), ([(int(i), float(v)) for i, v in zip(ids[:k], vals[:k], strict=True)] if k > 0 else None)
+    return float(value), (
+        best_first([(int(i), float(v)) for i, v in zip(ids, vals, strict=True)])[:k] if k > 0 else None
+    )
+
+
+def best_first(pairs: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Top logprobs most likely first, the lowest id first among equals (as the transformers engine
+    orders them): greedy decoding's token, the first of equal maxima, heads the list."""
+    return sorted(pairs, key=lambda pair: (-pair[1], pair[0]))
 
 
 def decode_logprob(entry: Any, token: int, k: int) -> tuple[float | None, list[tuple[int, float]] | None]:
@@ -96,10 +104,10 @@ def decode_logprob(entry: Any, token: int, k: int) -> tuple[float | None, list[t
     value = float(own.logprob) if own is not None else None
     if k <= 0:
         return value, None
-    ranked = sorted(
-        ((tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k), key=lambda x: x[1].rank
+    ranked = best_first(
+        [(int(tid), float(lp.logprob)) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k]
     )
-    return value, [(int(tid), float(lp.logprob)) for tid, lp in ranked[:k]]
+    return value, ranked[:k]
 
 
 def map_error(exc: Exception) -> GatewayError:

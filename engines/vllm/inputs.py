@@ -34,10 +34,12 @@ def sampling_params(request: EngineRequest, plan: Plan, wants: dict[str, Any] | 
         max_tokens, stop_ids = spec.max_tokens + 1, None  # stops are applied by the engine, one step late
     else:
         max_tokens, stop_ids = max(spec.max_tokens, 1), sorted(plan.stop_ids) or None
+    # top_k 1 is greedy decoding: vLLM's argmax (the first of equal maxima), never a draw among ties
+    greedy = spec.temperature == 0 or spec.top_k == 1
     return _params(
         wants,
         max_tokens=max_tokens,
-        temperature=spec.temperature,
+        temperature=0.0 if greedy else spec.temperature,
         top_p=spec.top_p,
         top_k=spec.top_k,
         seed=spec.seed,

@@ -49,6 +49,8 @@ class GenerateSpec:
     ``temperature == 0`` means greedy decoding. ``top_k == 0`` and ``top_p == 1`` turn
     those filters off. Logprobs are always computed from the model's raw distribution,
     before temperature and filters, so that they mean the same thing for every sampler.
+    Greedy decoding picks the first entry of the top logprobs: the most likely token, the
+    lowest id among equals.
     """
 
     max_tokens: int = 16
@@ -64,6 +66,8 @@ class GenerateSpec:
     readout_ranges: tuple[PositionRange, ...] = ()
     priority: int = 0
     steering: Steering = ()  # vectors added to the residual stream (see prismgate.core.steering)
+    # the same ids, logprobs and readouts whatever else runs (docs/determinism.md); None: the server's default
+    deterministic: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:

@@ -13,8 +13,12 @@ Each refusal names the limit.
 JSON a client sends (OpenAI bodies, Evergreen JSON frames, the GraphPipe ``config``) is
 measured for nesting depth before it is parsed: Python's parser recurses once per level,
 so 100k brackets end in RecursionError, and a depth no real request needs is a cheap
-signal of a hostile one. The scan (:func:`json_depth`) strips strings and counts brackets
-at C speed.
+signal of a hostile one. The same scan counts the document's values: a list of ten million
+numbers is refused before a parser turns it into ten million objects (seconds with the
+loop held, a gigabyte). That bound, and the bound on one steering ``direction``, come from
+the served models (:meth:`RequestBudget.sized`): a direction is the model's hidden size,
+and no request needs more values than its context, a prompt tree and its steering hold.
+The scans (:func:`json_values`, :func:`json_depth`) count commas and brackets at C speed.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +36,12 @@ from prismgate.core.chat import TextPart
 from prismgate.core.errors import exhausted, invalid
 from prismgate.core.limits import ContextOverflow
 from prismgate.core.prompts import Messages, PromptSource, Text
+
+UNSIZED_HIDDEN = 16384  # the budget's model facts before any model has loaded
+UNSIZED_CONTEXT = 131072
+JSON_ROOM = 65536  # values beyond token ids and directions: keys, messages, stop lists, ranges
+STRUCT_BYTES_PER_NUMBER = 11  # a number in a google.protobuf.ListValue: tag, length, tag and a double
+CONFIG_ROOM = 256 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,12 +58,67 @@ class RequestBudget:
     max_actions_in_flight: int = 1024  # per session (Evergreen: GENERATE and DROP not yet ended)
     max_json_depth: int = 64  # nesting of arrays and objects in any JSON a client sends
     max_steering_entries: int = 8  # each costs a vector add per steered token in every forward pass
+    # facts of the served models, not settings (:meth:`sized`): the largest hidden size and
+    # context among them; these defaults stand while no model has loaded
+    hidden_size: int = field(default=UNSIZED_HIDDEN, metadata={"derived": True})
+    context: int = field(default=UNSIZED_CONTEXT, metadata={"derived": True})
+
+    def sized(self, hidden_size: int, context: int) -> RequestBudget:
+        """This budget for models whose largest hidden size and context are these."""
+        if (hidden_size, context) == (self.hidden_size, self.context):
+            return self
+        return replace(self, hidden_size=hidden_size, context=context)
+
+    @property
+    def max_json_values(self) -> int:
+        """Values one JSON document may hold: what a request can need, and some room for its keys.
+
+        Token ids of a whole context twice over (a prompt and a prompt tree's fragments), a
+        prompt tree's leaves, every steering entry's direction, and :data:`JSON_ROOM`.
+        """
+        return 2 * (self.context + self.max_expanded_leaves) + self.max_steering_entries * self.hidden_size + JSON_ROOM
+
+    @property
+    def max_config_bytes(self) -> int:
+        """Bytes of a generation config in protobuf (Evergreen's GenerateConfig or Struct), checked before decoding.
+
+        Each steering direction at :data:`STRUCT_BYTES_PER_NUMBER` a number (its size in a
+        Struct's ListValue; packed doubles take 8), and :data:`CONFIG_ROOM` for the rest
+        (stop strings are at most 64 KiB at the default limits).
+        """
+        return self.max_steering_entries * self.hidden_size * STRUCT_BYTES_PER_NUMBER + CONFIG_ROOM
 
     def check_json(self, raw: bytes | str, what: str) -> None:
-        """JSON nested deeper than the limit is refused before a parser recurses into it."""
+        """JSON holding too many values, or nested too deep, is refused before a parser reads it.
+
+        The values first: their count copies nothing, and once it is bounded, what the depth
+        scan copies (the text outside strings) is bounded too.
+        """
+        values = json_values(raw, self.max_json_values)
+        if values > self.max_json_values:
+            raise invalid(
+                f"{what} holds more than {self.max_json_values} JSON values, more than any request to the models "
+                f"served here needs (their context, a prompt tree's leaves and max_steering_entries directions "
+                "of their hidden size)"
+            )
         depth = json_depth(raw)
         if depth > self.max_json_depth:
             raise invalid(f"{what} nests JSON {depth} levels deep; the limit is {self.max_json_depth} (max_json_depth)")
+
+    def check_config_bytes(self, size: int, what: str) -> None:
+        if size > self.max_config_bytes:
+            raise invalid(
+                f"{what} is {size} bytes; a generation config for the models served here is at most "
+                f"{self.max_config_bytes} (max_steering_entries directions of their hidden size, and room for the rest)"
+            )
+
+    def check_direction(self, numbers: int, where: str) -> None:
+        """A steering direction longer than any served model's hidden size, refused before its numbers are read."""
+        if numbers > self.hidden_size:
+            raise invalid(
+                f"{where} has {numbers} numbers; a direction is the model's hidden size "
+                f"(at most {self.hidden_size} for the models served here)"
+            )
 
     def check_leaves(self, count: int) -> None:
         """A prompt tree whose expansion (a shared node counted each time it is used) is too large."""
@@ -115,7 +181,33 @@ class RequestBudget:
 
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_STRING_TEXT = re.compile(_STRING.pattern.decode(), re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_values(raw: bytes | str, limit: int) -> int:
+    """An upper bound on the values in ``raw``, exact enough to compare with ``limit``, copying nothing.
+
+    The values are the commas and the arrays and objects outside strings, plus one (an
+    object's key and value count as one). Counting all of them, strings included, is a
+    count at C speed and usually already under the limit; only past it are the strings'
+    own commas and brackets taken back out, string by string (at most ``limit`` strings
+    are looked at: a document with more holds more values than that anyway).
+    """
+    text: Any = raw  # bytes or str alike: the counts and the pattern take either
+    marks: tuple[Any, ...] = (",", "[", "{") if isinstance(raw, str) else (b",", b"[", b"{")
+    count = sum(text.count(m) for m in marks) + 1
+    if count <= limit:
+        return count
+    strings: Any = _STRING_TEXT if isinstance(raw, str) else _STRING
+    for seen, match in enumerate(strings.finditer(text)):
+        if seen > limit:
+            break
+        start, end = match.span()
+        count -= sum(text.count(m, start, end) for m in marks)
+        if count <= limit:
+            break
+    return int(count)
 
 
 def json_depth(raw: bytes | str) -> int:
@@ -124,11 +216,15 @@ def json_depth(raw: bytes | str) -> int:
     An unterminated string counts its brackets: that can only overstate the depth of text
     the parser would refuse anyway.
     """
-    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
-    if b"[" not in data and b"{" not in data:
-        return 0
-    brackets = _STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
-    codes = np.frombuffer(brackets, dtype=np.uint8)
+    if isinstance(raw, str):
+        if "[" not in raw and "{" not in raw:
+            return 0
+        data = _STRING_TEXT.sub("", raw).encode("utf-8", "surrogatepass")
+    else:
+        if b"[" not in raw and b"{" not in raw:
+            return 0
+        data = _STRING.sub(b"", raw)
+    codes = np.frombuffer(data.translate(None, _NOT_BRACKETS), dtype=np.uint8)
     steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1).astype(np.int64)
     return int(np.cumsum(steps).max(initial=0))
 

@@ -15,6 +15,13 @@ Two things a plain ``tokenizer.render_chat`` cannot do are handled by splicing:
 Messages that need either are rendered with a placeholder character as their content;
 the placeholder's tokens are then replaced by the message's real tokens.
 
+A third reason to splice: a message whose text holds a control token's string
+(``<|im_end|>\n<|im_start|>system``). Rendered in the template, it would be read as the
+control tokens, and a user could forge a system turn; spliced, its text is encoded as text
+(:meth:`Tokenizer.encode <prismgate.core.engine.Tokenizer.encode>`) and only the template
+places control tokens. ``ModelCatalog.specials_in_text`` (the ``allow_special_tokens_in_text``
+setting) restores reading them as control tokens.
+
 Where a rendered prompt goes in a session (the smallest append, or a continuation)
 is :mod:`prismgate.core.prompts`.
 """
@@ -27,11 +34,16 @@ from typing import Protocol
 
 from prismgate.core.actions import ImageInput
 from prismgate.core.engine import ChatMessage, EngineInfo, VisionTokens
-from prismgate.core.errors import GatewayError, invalid, precondition
+from prismgate.core.errors import GatewayError, invalid, precondition, quote
 
 
 class ModelCatalog(Protocol):
     """What rendering needs to know of the served models (:class:`~prismgate.core.models.Models`)."""
+
+    @property
+    def specials_in_text(self) -> bool:
+        """Whether control-token strings in a client's text are read as the control tokens (off: as text)."""
+        ...
 
     def info(self, model: str | None = None) -> EngineInfo: ...
 
@@ -81,7 +93,7 @@ def normalize_role(role: str) -> str:
     """Map a wire role onto a chat-template role ("model" is Gemini's word for "assistant")."""
     key = (role or "user").strip().lower()
     if key not in ROLES:
-        raise invalid(f"unknown role {role!r}; use one of {', '.join(sorted(ROLES))}")
+        raise invalid(f"unknown role {quote(role)}; use one of {', '.join(sorted(ROLES))}")
     return ROLES[key]
 
 
@@ -99,15 +111,17 @@ def render(
         tokens: list[int] = []
         images: list[ImageInput] = []
         for message in messages:
-            _append_parts(models, info, model, message.parts, tokens, images)
+            _append_parts(models, info, model, message.parts, tokens, images, models.specials_in_text)
         return Prompt(tuple(tokens), tuple(images))
 
     tokenizer = info.tokenizer
     chat: list[ChatMessage] = []
     spliced: list[tuple[str, Message]] = []
+    specials = models.specials_in_text
     for i, message in enumerate(messages):
         role = normalize_role(message.role)
-        if all(isinstance(p, TextPart) and p.tokens is None for p in message.parts):
+        plain = all(isinstance(p, TextPart) and p.tokens is None for p in message.parts)
+        if plain and (specials or not tokenizer.holds_special(message.text)):
             chat.append({"role": role, "content": message.text})
         else:
             placeholder = chr(_PLACEHOLDER_BASE + len(spliced))
@@ -125,20 +139,26 @@ def render(
         needle = tokenizer.encode(placeholder)
         at = _find(rendered, needle, cursor)
         if at < 0:
-            return _render_unspliced(models, messages, model, add_generation_prompt)
+            return _render_unspliced(models, messages, model, add_generation_prompt, specials)
         out += rendered[cursor:at]
-        _append_parts(models, info, model, message.parts, out, images)
+        _append_parts(models, info, model, message.parts, out, images, specials)
         cursor = at + len(needle)
     out += rendered[cursor:]
     return Prompt(tuple(out), tuple(images))
 
 
 def _render_unspliced(
-    models: ModelCatalog, messages: Sequence[Message], model: str | None, add_generation_prompt: bool
+    models: ModelCatalog, messages: Sequence[Message], model: str | None, add_generation_prompt: bool, specials: bool
 ) -> Prompt:
-    """Fallback when the template mangles the placeholder: plain text, so no images."""
+    """Fallback when the template mangles the placeholder: plain text, so no images (and no control tokens typed)."""
     if any(isinstance(p, ImagePart) for m in messages for p in m.parts):
         raise precondition(f"the chat template of model {models.info(model).model_id!r} cannot place images")
+    tokenizer = models.info(model).tokenizer
+    if not specials and any(tokenizer.holds_special(m.text) for m in messages):
+        raise precondition(
+            f"the chat template of model {models.info(model).model_id!r} cannot place text holding a control "
+            "token's string as text; remove it, or send token ids"
+        )
     chat: list[ChatMessage] = [{"role": normalize_role(m.role), "content": m.text} for m in messages]
     return Prompt(tuple(_render_chat(models.info(model), chat, add_generation_prompt)))
 
@@ -159,6 +179,7 @@ def _append_parts(
     parts: Sequence[Part],
     tokens: list[int],
     images: list[ImageInput],
+    specials: bool,
 ) -> None:
     eos = set(info.eos_token_ids)
     for part in parts:
@@ -169,7 +190,7 @@ def _append_parts(
                     ids.pop()
                 tokens += ids
             else:
-                tokens += info.tokenizer.encode(part.text)
+                tokens += info.tokenizer.encode(part.text, special=specials)
             continue
         if info.vision is None:
             raise invalid(f"model {info.model_id!r} takes no images (it has no vision encoder); got {part.mime}")

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import replace
 
 from prismgate.core.actions import GenerateAction, GenerateSpec, ImageInput
 from prismgate.core.engine import EngineInfo
-from prismgate.core.errors import invalid, precondition
+from prismgate.core.errors import invalid, precondition, quote
 from prismgate.core.models import Models, no_concept_pack
 from prismgate.core.session import ImageSpan, Session
 from prismgate.core.steering import Steering
@@ -52,6 +53,28 @@ def check_readouts(info: EngineInfo, spec: GenerateSpec) -> None:
         raise no_concept_pack(info.model_id)
 
 
+def resolve_deterministic(info: EngineInfo, spec: GenerateSpec, default: bool) -> GenerateSpec:
+    """The spec with ``deterministic`` decided (the server's default where the request left it open), checked.
+
+    A deterministic request needs an engine that can keep the promise (a refusal names why it
+    cannot, never a silent best effort), and a seed when it samples: the same seed is what makes
+    a sampled answer the same answer.
+    """
+    asked = spec.deterministic is not None
+    deterministic = spec.deterministic if spec.deterministic is not None else default
+    if deterministic:
+        if not info.deterministic:
+            name = info.engine_name or "this"
+            why = info.deterministic_off or f"the {name} engine cannot run batch-invariant"
+            raise precondition(f"deterministic requests are refused here: {why}")
+        if spec.temperature > 0 and spec.top_k != 1 and spec.seed is None:
+            source = "deterministic: true" if asked else "deterministic (the server's --deterministic default)"
+            raise invalid(
+                f"{source} at temperature > 0 needs a seed: send a seed, or temperature 0, or deterministic: false"
+            )
+    return spec if spec.deterministic is deterministic else replace(spec, deterministic=deterministic)
+
+
 def check_steering(info: EngineInfo, steering: Steering) -> None:
     """Steering needs an engine that applies it and a concept pack whose layers and concepts it names."""
     if not steering:
@@ -72,7 +95,9 @@ def check_steering(info: EngineInfo, steering: Steering) -> None:
                 f"{', '.join(map(str, manifest.layers))}"
             )
         if entry.concept is not None and entry.concept not in manifest.concepts:
-            raise invalid(f"{where}: unknown concept {entry.concept!r}; the pack has {', '.join(manifest.concepts)}")
+            raise invalid(
+                f"{where}: unknown concept {quote(entry.concept)}; the pack has {', '.join(manifest.concepts)}"
+            )
         if entry.direction is not None and len(entry.direction) != manifest.hidden_size:
             raise invalid(
                 f"{where}: a direction of {len(entry.direction)} numbers; the model's hidden size is "
@@ -92,7 +117,7 @@ def check_steering(info: EngineInfo, steering: Steering) -> None:
                 )
             if gate.concept not in manifest.concepts:
                 raise invalid(
-                    f"{where}: unknown gate concept {gate.concept!r}; the pack has {', '.join(manifest.concepts)}"
+                    f"{where}: unknown gate concept {quote(gate.concept)}; the pack has {', '.join(manifest.concepts)}"
                 )
 
 

@@ -24,9 +24,18 @@ class ChatMessage(TypedDict):
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """Text <-> token ids for one model, including its chat template."""
+    """Text <-> token ids for one model, including its chat template.
 
-    def encode(self, text: str) -> list[int]: ...
+    ``encode`` reads text as text: a control token's string (``<|im_end|>``) typed by a
+    client becomes the tokens of those characters, never the control token, unless
+    ``special`` asks for the control tokens (an operator's choice, see
+    :attr:`~prismgate.core.models.Models.specials_in_text`). ``holds_special`` says whether
+    a text contains such a string (the chat renderer then keeps it out of the template).
+    """
+
+    def encode(self, text: str, *, special: bool = False) -> list[int]: ...
+
+    def holds_special(self, text: str) -> bool: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -78,6 +87,9 @@ class EngineInfo:
     steering: bool = False  # the engine applies GenerateSpec.steering (with a concept pack loaded)
     steering_gates: bool = False  # it also applies readout-gated entries (SteeringEntry.gate)
     steering_off: str | None = None  # the setting that turned steering off on an engine that has it
+    # runs deterministic requests batch-invariant (docs/determinism.md); when not, why not, naming the setting
+    deterministic: bool = False
+    deterministic_off: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

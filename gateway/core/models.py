@@ -8,7 +8,7 @@ loading is UNAVAILABLE (a retry will succeed once the server reports ready).
 from __future__ import annotations
 
 from prismgate.core.engine import EngineInfo, ReadoutManifest, VisionTokens
-from prismgate.core.errors import Code, GatewayError, invalid, precondition
+from prismgate.core.errors import Code, GatewayError, invalid, precondition, quote
 from prismgate.core.health import Health, HealthState
 from prismgate.core.pool import EnginePool
 
@@ -21,7 +21,7 @@ class UnknownModel(GatewayError):
     def __init__(self, model: str, served: list[str]) -> None:
         super().__init__(
             Code.NOT_FOUND,
-            f"model {model!r} is not served here; this server serves " + ", ".join(repr(m) for m in served),
+            f"model {quote(model)} is not served here; this server serves " + ", ".join(repr(m) for m in served),
         )
         self.model = model
         self.served = list(served)
@@ -35,8 +35,15 @@ def no_concept_pack(model: str) -> GatewayError:
 class Models:
     """The served models, by name, as codecs see them (the pool behind them stays the core's)."""
 
-    def __init__(self, pool: EnginePool) -> None:
+    def __init__(self, pool: EnginePool, *, specials_in_text: bool = False) -> None:
         self._pool = pool
+        self._specials_in_text = specials_in_text
+
+    @property
+    def specials_in_text(self) -> bool:
+        """Whether a control token's string in a client's text is that control token (the setting
+        ``allow_special_tokens_in_text``; off: it is text, so no client can forge a turn)."""
+        return self._specials_in_text
 
     @property
     def names(self) -> list[str]:
@@ -61,6 +68,17 @@ class Models:
         if not health.ready:
             loading = health.state is HealthState.LOADING
             raise GatewayError(Code.UNAVAILABLE, LOADING if loading else f"the server is not serving: {health.reason}")
+
+    def sizes(self) -> tuple[int, int] | None:
+        """(largest hidden size, largest context) among the loaded models; None before any has loaded.
+
+        A model without a concept pack has no hidden size to steer, so it counts as 0 there.
+        """
+        infos = [info for name in self.names if (info := self._pool.engine(name).info) is not None]
+        if not infos:
+            return None
+        hidden = max((i.readouts.hidden_size for i in infos if i.readouts is not None), default=0)
+        return hidden, max(i.max_model_len for i in infos)
 
     def resolve(self, model: str | None) -> str:
         """The served model's name (``None``: the default model)."""

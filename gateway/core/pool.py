@@ -8,37 +8,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
-import itertools
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Protocol, runtime_checkable
 
 from prismgate.core import health
 from prismgate.core.engine import Engine, EngineRequest
-from prismgate.core.errors import Code, GatewayError
-from prismgate.core.events import Event
+from prismgate.core.errors import Code, GatewayError, quote
+from prismgate.core.events import Done, Event, TokenEvent
+from prismgate.core.fairness import ANY, FairQueue, Share, prompt_cost
 from prismgate.core.health import Health
+from prismgate.core.memory import MemoryBudget, request_bytes
 
 
 class Admission:
-    """At most ``max_active`` requests run; the rest wait, lowest priority value first."""
+    """At most ``max_active`` requests run; the rest wait: the next free slot goes to the key
+    with the least tokens served per weight, and within a key to the lowest priority value
+    (:mod:`prismgate.core.fairness`; ``reserved`` of the slots are kept for keys with nothing running)."""
 
-    def __init__(self, max_active: int, max_queued: int) -> None:
+    def __init__(self, max_active: int, max_queued: int, reserved: int = 0) -> None:
         if max_active < 1:
             raise ValueError("max_active must be >= 1")
+        if not 0 <= reserved < max_active:
+            raise ValueError("reserved slots must be >= 0 and fewer than max_active")
         self.max_active = max_active
         self.max_queued = max_queued
         self.active = 0
-        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
-        self._order = itertools.count()
+        self.fair = FairQueue(reserved)
 
     @property
     def queued(self) -> int:
-        return sum(1 for _, _, f in self._waiters if not f.done())
+        return self.fair.waiting
 
     @contextlib.asynccontextmanager
-    async def slot(self, priority: int) -> AsyncIterator[None]:
-        if self.active >= self.max_active or self._waiters:
+    async def slot(self, priority: int, share: Share = ANY) -> AsyncIterator[None]:
+        if not self.fair.may_start(share, self.active, self.max_active):
             if self.queued >= self.max_queued:
                 raise GatewayError(
                     Code.UNAVAILABLE,
@@ -46,27 +49,28 @@ class Admission:
                     f"{self.queued} waiting (limit {self.max_queued}); retry later",
                 )
             future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            heapq.heappush(self._waiters, (priority, next(self._order), future))
+            self.fair.push(share, priority, future)
             try:
                 await future
             except BaseException:
                 if future.done() and not future.cancelled():
-                    self._release()  # we were granted the slot but are leaving
+                    self._release(share)  # we were granted the slot but are leaving
                 raise
         else:
             self.active += 1
+            self.fair.started(share)
         try:
             yield
         finally:
-            self._release()
+            self._release(share)
 
-    def _release(self) -> None:
-        while self._waiters:
-            _, _, future = heapq.heappop(self._waiters)
-            if not future.done():
-                future.set_result(None)  # the slot passes straight to the waiter
-                return
-        self.active -= 1
+    def _release(self, share: Share) -> None:
+        self.fair.finished(share)
+        future = self.fair.pop(newcomers_only=self.active > self.max_active - self.fair.reserve)
+        if future is not None:
+            future.set_result(None)  # the slot passes straight to the waiter
+        else:
+            self.active -= 1
 
 
 # A session whose timeline is at least this long waits for its busy replica rather than
@@ -140,7 +144,15 @@ class EnginePool:
     so are the ranks of an engine that runs data-parallel copies itself (:class:`RankedEngine`).
     """
 
-    def __init__(self, engines: list[Engine], *, max_active: int = 64, max_queued: int = 1024) -> None:
+    def __init__(
+        self,
+        engines: list[Engine],
+        *,
+        max_active: int = 64,
+        max_queued: int = 1024,
+        reserved_slots: int = 0,
+        memory_budget_bytes: int = 0,
+    ) -> None:
         if not engines:
             raise ValueError("an EnginePool needs at least one engine")
         grouped: dict[str, list[Engine]] = {}
@@ -149,7 +161,8 @@ class EnginePool:
         self._models = {model: Replicas(copies) for model, copies in grouped.items()}
         self._all = list(engines)
         self.default_model = engines[0].model_id
-        self.admission = Admission(max_active, max_queued)
+        self.admission = Admission(max_active, max_queued, reserved_slots)
+        self.memory = MemoryBudget(memory_budget_bytes, max_waiting=max_queued)  # 0: sized to the machine
         self._stopping = False
 
     @property
@@ -161,7 +174,7 @@ class EnginePool:
         replicas = self._models.get(name)
         if replicas is None:
             served = ", ".join(sorted(self._models))
-            raise GatewayError(Code.NOT_FOUND, f"model {name!r} is not served here; this server serves {served}")
+            raise GatewayError(Code.NOT_FOUND, f"model {quote(name)} is not served here; this server serves {served}")
         return replicas
 
     def engine(self, model: str | None = None) -> Engine:
@@ -203,12 +216,22 @@ class EnginePool:
         for replicas in self._models.values():
             replicas.release(session_key)
 
-    async def generate(self, model: str | None, request: EngineRequest) -> AsyncGenerator[Event, None]:
+    async def generate(
+        self, model: str | None, request: EngineRequest, share: Share = ANY
+    ) -> AsyncGenerator[Event, None]:
+        """Run ``request`` once admitted; ``share``: whose it is, for the fair share of a saturated pool."""
         replicas = self.replicas(model)
-        async with self.admission.slot(request.spec.priority):
+        info = replicas.engines[0].info
+        cost = request_bytes(request.spec, len(request.tokens), info) if info is not None else 0
+        # bytes first: a request waiting for memory holds no slot a smaller one could use
+        async with self.memory.reserve(cost), self.admission.slot(request.spec.priority, share):
             stream = replicas.pick(request).generate(request)  # picked once a slot is held: loads are current
             try:
                 async for event in stream:
+                    if isinstance(event, TokenEvent) and not event.is_prefill:
+                        self.admission.fair.charge(share, 1)
+                    elif isinstance(event, Done):
+                        self.admission.fair.charge(share, prompt_cost(event.prefilled_tokens))
                     yield event
             finally:
                 await stream.aclose()

@@ -61,7 +61,7 @@ def build_prompt(models: ModelCatalog, model: str, source: PromptSource) -> Prom
     if isinstance(source, Messages):
         return render(models, source.messages, model=model, chat_template=source.chat_template)
     if isinstance(source, Text):
-        return Prompt(tuple(models.info(model).tokenizer.encode(source.text)))
+        return Prompt(tuple(models.info(model).tokenizer.encode(source.text, special=models.specials_in_text)))
     return Prompt(source.ids)
 
 

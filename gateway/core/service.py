@@ -11,7 +11,11 @@ policy a request meets before an engine sees it, each in its own module:
 * ``max_tokens`` and the context fit: :mod:`prismgate.core.limits`;
 * per-request size limits, checked before the work: :mod:`prismgate.core.budget`;
 * whether an action fits its session and model: :mod:`prismgate.core.checks`;
-* what a failed or cancelled turn leaves in the session: :mod:`prismgate.core.turns`.
+* what a failed or cancelled turn leaves in the session: :mod:`prismgate.core.turns`;
+* who is asking (:mod:`prismgate.core.principal`): a session belongs to the key that
+  opened it (another key is told it does not exist), a key's permissions, its limits
+  (:mod:`prismgate.core.quota`) and its share of a saturated pool
+  (:mod:`prismgate.core.fairness`).
 
 It then submits the work to the engine pool and keeps the session's timeline true to
 what the engine produced.
@@ -20,6 +24,7 @@ what the engine produced.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
@@ -29,15 +34,19 @@ from prismgate.core import checks, steering
 from prismgate.core.actions import GenerateAction, PositionRange
 from prismgate.core.budget import RequestBudget
 from prismgate.core.engine import EngineInfo, EngineRequest, ReadoutManifest, VisionTokens
-from prismgate.core.errors import Code, GatewayError, invalid
+from prismgate.core.errors import Code, GatewayError, invalid, quote
 from prismgate.core.events import Done, Event, FinishReason, TokenEvent
+from prismgate.core.fairness import Share
 from prismgate.core.limits import check_fit, max_tokens_for
 from prismgate.core.models import Models
 from prismgate.core.pool import EnginePool
+from prismgate.core.principal import Principal, current
 from prismgate.core.prompts import plan_prompt
+from prismgate.core.quota import LocalQuota, Quota
 from prismgate.core.session import Session
 from prismgate.core.steering import Steering
 from prismgate.core.stores import SessionStore
+from prismgate.core.stores.base import missing
 from prismgate.core.text import TextStream
 from prismgate.core.token_texts import TokenTexts
 from prismgate.core.turns import ChatTurn, Turn
@@ -80,16 +89,37 @@ class _PassThrough:
 
 
 class SessionService:
-    def __init__(self, pool: EnginePool, store: SessionStore, budget: RequestBudget | None = None) -> None:
+    def __init__(
+        self,
+        pool: EnginePool,
+        store: SessionStore,
+        budget: RequestBudget | None = None,
+        quota: Quota | None = None,
+        *,
+        deterministic: bool = False,
+        specials_in_text: bool = False,
+    ) -> None:
         self.pool = pool  # the gateway's (start, drain, metrics); codecs go through the methods below
         self.store = store
-        self.budget = budget or RequestBudget()
-        self.models = Models(pool)
+        self._budget = budget or RequestBudget()
+        self.quota = quota or LocalQuota()
+        self.deterministic = deterministic  # every request's default for GenerateSpec.deterministic
+        self.models = Models(pool, specials_in_text=specials_in_text)
         self._token_texts: dict[str, TokenTexts] = {}
         self.monitor: GenerationMonitor = _PassThrough()
         store.on_release(pool.release)
 
+    @property
+    def budget(self) -> RequestBudget:
+        """The request budget, sized to the models loaded so far (see :meth:`Models.sizes`)."""
+        sizes = self.models.sizes()
+        return self._budget if sizes is None else self._budget.sized(*sizes)
+
     # -- models ----------------------------------------------------------------------
+
+    @property
+    def specials_in_text(self) -> bool:
+        return self.models.specials_in_text
 
     def info(self, model: str | None = None) -> EngineInfo:
         """The model's facts (context, tokenizer, manifest); NOT_FOUND unknown, UNAVAILABLE loading."""
@@ -118,24 +148,49 @@ class SessionService:
     # -- session lifecycle -----------------------------------------------------------
 
     async def open(self, model: str | None = None, *, pinned: bool = False) -> Session:
-        """A new session on ``model`` (the default model when None); the model must be loaded.
+        """A new session on ``model`` (the default model when None), owned by the calling key; the model must be loaded.
 
         ``pinned``: the session lives as long as the connection that opened it (Evergreen).
         """
-        return await self.store.create(self.info(model).model_id, pinned=pinned)
+        principal = current()
+        model_id = self.info(model).model_id
+        principal.check_model(model_id)
+        return await self.store.create(model_id, pinned=pinned, owner=principal.name)
 
     async def close(self, session_id: str) -> None:
+        """Close the caller's session (an admin's: any); another key's is left alone, as an unknown one is."""
+        try:
+            await self._owned(session_id, current())
+        except GatewayError as exc:
+            if exc.code is Code.NOT_FOUND:
+                return
+            raise
         await self.store.close(session_id)
 
     async def fork(self, session_id: str, at_position: int) -> Session:
-        return await self.store.fork(session_id, at_position)
+        """A child of the caller's session, owned by the caller."""
+        principal = current()
+        await self._owned(session_id, principal)
+        return await self.store.fork(session_id, at_position, owner=principal.name)
 
     async def dump(self, session_id: str) -> list[int]:
-        return list((await self.store.get(session_id)).tokens)
+        return list((await self._owned(session_id, current())).tokens)
 
     async def session(self, session_id: str) -> Session:
-        """The session as stored now (from a shared store: a copy)."""
-        return await self.store.get(session_id)
+        """The caller's session as stored now (from a shared store: a copy)."""
+        return await self._owned(session_id, current())
+
+    async def sessions(self) -> dict[str, str]:
+        """Every open session's owner by id: for a key with the admin scope only."""
+        current().check_admin("list sessions")
+        return await self.store.owners()
+
+    async def _owned(self, session_id: str, principal: Principal) -> Session:
+        """The session, when ``principal`` may use it; NOT_FOUND otherwise, exactly as for an unknown id."""
+        session = await self.store.get(session_id)
+        if not principal.owns(session.owner):
+            raise missing(session_id)
+        return session
 
     # -- standing steering -------------------------------------------------------------
 
@@ -147,7 +202,11 @@ class SessionService:
         pack and engine), and saved the way a timeline is, by holding the session: a session
         that is generating now is ABORTED rather than changed under a running turn.
         """
+        principal = current()
+        if entries:
+            principal.check_steer()
         self.budget.check_lists(steering_entries=len(entries))
+        await self._owned(session_id, principal)
         async with self.store.generation(session_id) as session:
             checks.check_steering(self.info(session.model), entries)
             session.standing_steering = entries
@@ -155,7 +214,7 @@ class SessionService:
 
     async def get_steering(self, session_id: str) -> Steering:
         """The session's standing steering (empty: none)."""
-        return (await self.store.get(session_id)).standing_steering
+        return (await self._owned(session_id, current())).standing_steering
 
     # -- chat-shaped turns -------------------------------------------------------------
 
@@ -166,17 +225,20 @@ class SessionService:
         be the session's); without, onto a fresh timeline. Rendering runs in a worker
         thread: it costs time in proportion to the prompt.
         """
+        principal = current()
         if session_id is not None:
-            session = await self.store.get(session_id)
+            session = await self._owned(session_id, principal)
             if model and self.models.resolve(model) != session.model:
                 raise GatewayError(
-                    Code.INVALID_ARGUMENT, f"session {session_id!r} is bound to model {session.model!r}, not {model!r}"
+                    Code.INVALID_ARGUMENT,
+                    f"session {quote(session_id)} is bound to model {session.model!r}, not {quote(model)}",
                 )
             info = self.info(session.model)
             timeline, images = list(session.tokens), list(session.images)
         else:
             info = self.info(model)
             timeline, images = [], []
+        principal.check_model(info.model_id)
         self.budget.check_prompt(turn.prompt, info.max_model_len)
         if turn.readouts:
             self.readouts(info.model_id)
@@ -199,6 +261,7 @@ class SessionService:
             logprob_ranges=horizon if turn.logprobs else (),
             readout_ranges=horizon if turn.readouts else (),
         )
+        principal.check_spec(spec)
         action = GenerateAction(
             append_tokens=append.tokens,
             images=append.images,
@@ -222,26 +285,57 @@ class SessionService:
     def generate(self, session_id: str, action: GenerateAction) -> AsyncGenerator[Event, None]:
         """Run ``action`` on a stored session; the stream ends with exactly one Done."""
         request_id = uuid.uuid4().hex
-        return _reported(
-            self.monitor.watch(action, session_id, request_id, self._generate(session_id, action, request_id))
-        )
+        principal = current()
+        events = self._limited(principal, request_id, self._generate(session_id, action, request_id, principal))
+        return _reported(self.monitor.watch(action, session_id, request_id, events))
 
     def run(self, action: GenerateAction, *, model: str | None = None) -> AsyncGenerator[Event, None]:
         """Run ``action`` on a fresh timeline that is thrown away afterwards."""
         request_id = uuid.uuid4().hex
         session_id = f"ephemeral-{request_id}"
-        events = self._run_ephemeral(session_id, action, model, request_id)
+        principal = current()
+        ephemeral = self._run_ephemeral(session_id, action, model, request_id, principal)
+        events = self._limited(principal, request_id, ephemeral)
         return _reported(self.monitor.watch(action, session_id, request_id, events))
 
-    async def _generate(self, session_id: str, action: GenerateAction, request_id: str) -> AsyncGenerator[Event, None]:
+    async def _limited(
+        self, principal: Principal, request_id: str, events: AsyncGenerator[Event, None]
+    ) -> AsyncGenerator[Event, None]:
+        """``events`` within the key's limits: admitted first, its tokens counted once it ends."""
+        try:
+            await self.quota.admit(principal, request_id)
+        except GatewayError:
+            await events.aclose()
+            raise
+        used = 0
+        try:
+            async for event in events:
+                if isinstance(event, Done):
+                    used = event.prompt_tokens + event.completion_tokens
+                elif not event.is_prefill:
+                    used += 1  # a generation cut short is charged for what it produced
+                yield event
+        finally:
+            await events.aclose()
+            with contextlib.suppress(GatewayError):  # the count must not turn a finished answer into an error
+                await asyncio.shield(self._settle(principal, request_id, used))
+
+    async def _settle(self, principal: Principal, request_id: str, used: int) -> None:
+        await self.quota.release(principal, request_id)
+        await self.quota.charge(principal, used)
+
+    async def _generate(
+        self, session_id: str, action: GenerateAction, request_id: str, principal: Principal
+    ) -> AsyncGenerator[Event, None]:
         done: Done | None = None
+        await self._owned(session_id, principal)  # before the lock: a busy session of another key is not revealed
         async with self.store.generation(session_id) as session:
             action = _standing(session, action)
             before = session.snapshot() if action.atomic else None
             steered_before = session.steering
             finished = False
             try:
-                async for event in self._run(session, action, session.id, request_id):
+                async for event in self._run(session, action, session.id, request_id, principal):
                     if isinstance(event, Done):
                         done = event
                         finished = event.finish_reason is not FinishReason.CANCELLED
@@ -257,19 +351,21 @@ class SessionService:
         yield done
 
     async def _run_ephemeral(
-        self, session_id: str, action: GenerateAction, model: str | None, request_id: str
+        self, session_id: str, action: GenerateAction, model: str | None, request_id: str, principal: Principal
     ) -> AsyncGenerator[Event, None]:
         info = self.info(model)
-        session = Session(id=session_id, model=info.model_id)
-        async for event in self._run(session, action, None, request_id):
+        session = Session(id=session_id, model=info.model_id, owner=principal.name)
+        async for event in self._run(session, action, None, request_id, principal):
             yield event
 
     async def _run(
-        self, session: Session, action: GenerateAction, session_key: str | None, request_id: str
+        self, session: Session, action: GenerateAction, session_key: str | None, request_id: str, principal: Principal
     ) -> AsyncIterator[Event]:
         self.monitor.running(request_id, session.model)
         info = self.info(session.model)
         spec = action.spec
+        principal.check_model(session.model)
+        principal.check_spec(spec)
         old_length = len(session)
         # cheapest first: counts and lengths before anything proportional to the append
         self.budget.check_spec(spec)
@@ -277,6 +373,8 @@ class SessionService:
         base = old_length if action.offset is None else action.offset
         checks.check_readouts(info, spec)
         checks.check_steering(info, spec.steering)
+        spec = checks.resolve_deterministic(info, spec, self.deterministic)
+        spec = replace(spec, steering=steering.effective(spec.steering))
         check_fit(base + len(action.append_tokens), spec.max_tokens, info.max_model_len)
         checks.check_ranges(base + len(action.append_tokens), spec)
         if action.images and info.vision is None:  # say so before the image's tokens fail the vocabulary check
@@ -308,7 +406,7 @@ class SessionService:
             TextStream(info.tokenizer.decode, spec.stop_strings) if (action.detokenize or spec.stop_strings) else None
         )
         generated: list[int] = []
-        stream = self.pool.generate(session.model, request)
+        stream = self.pool.generate(session.model, request, Share(principal.name, principal.weight))
         try:
             async for event in stream:
                 if isinstance(event, TokenEvent):

@@ -52,6 +52,7 @@ class Session:
     # what a generation on this session steers with when its own spec names no steering
     # (set by salience.steering.v1; see SessionService.set_steering)
     standing_steering: Steering = ()
+    owner: str = ""  # the name of the key that opened it (prismgate.core.principal); "" without keys
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -74,11 +75,12 @@ class Session:
     def restore(self, snapshot: tuple[list[int], list[ImageSpan]]) -> None:
         self.tokens, self.images = list(snapshot[0]), list(snapshot[1])
 
-    def forked(self, at_position: int) -> Session:
+    def forked(self, at_position: int, owner: str | None = None) -> Session:
         """A new session (new id) holding this one's first ``at_position`` tokens, whole images and steering.
 
         The child inherits the standing steering too: a fork continues the same conversation,
         so its next turn is steered as the parent's would be until the child sets its own.
+        ``owner``: the key the child belongs to (None: the parent's).
         """
         self.check_boundary(at_position, "fork")
         return Session(
@@ -88,6 +90,7 @@ class Session:
             images=[im for im in self.images if im.end <= at_position],
             steering=clip(self.steering, at_position),
             standing_steering=self.standing_steering,
+            owner=self.owner if owner is None else owner,
         )
 
     def truncate(self, length: int) -> None:

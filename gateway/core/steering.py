@@ -88,6 +88,12 @@ class Positions(enum.Enum):
         return hi > lo
 
 
+def effective(steering: Steering) -> Steering:
+    """The entries that change anything: one of scale 0 adds nothing, so it is left out, and the
+    forward pass is bit for bit the unsteered one (re-adding a zero can round a stream differently)."""
+    return steering if all(entry.scale != 0 for entry in steering) else tuple(e for e in steering if e.scale != 0)
+
+
 @dataclass(frozen=True, slots=True)
 class SteeringEntry:
     """One vector added at one layer: a pack concept by name, or a raw ``direction``."""
@@ -123,10 +129,16 @@ class SteeringEntry:
             )
 
     def unit_direction(self) -> tuple[float, ...]:
-        """The raw direction at unit length (only for entries that carry one)."""
+        """The raw direction at unit length (only for entries that carry one).
+
+        Scaled by its largest magnitude before squaring: the squares of ``1e-200`` underflow
+        to zero and those of ``1e200`` overflow to infinity, yet both are fine directions.
+        """
         assert self.direction is not None
-        norm = math.sqrt(math.fsum(x * x for x in self.direction))
-        return tuple(x / norm for x in self.direction)
+        largest = max(abs(x) for x in self.direction)
+        scaled = [x / largest for x in self.direction]
+        norm = math.sqrt(math.fsum(x * x for x in scaled))
+        return tuple(x / norm for x in scaled)
 
 
 Steering = tuple[SteeringEntry, ...]

@@ -1,15 +1,17 @@
-"""The shared bearer token on every HTTP route and the ``/evergreen`` WebSocket, checked once.
+"""The bearer key on every HTTP route and the ``/evergreen`` WebSocket, checked once.
 
 Routes never see an unauthenticated request: :class:`BearerAuth` refuses it first, in
-the wire's own form (:mod:`prismgate.edge.refusals`). Health, readiness, metrics, the
-playground's static files and the GraphPipe control probes stay open: probes and
-browsers need them before they hold a token. gRPC services check the same token in
-their guard (:func:`prismgate.auth.check_bearer`).
+the wire's own form (:mod:`prismgate.edge.refusals`), and runs the route as the key's
+principal (:func:`prismgate.core.principal.acting_as`), with the key's name in every
+log line. Health, readiness, metrics, the playground's static files and the GraphPipe
+control probes stay open: probes and browsers need them before they hold a token. gRPC
+services check the same keys in their guard (:mod:`prismgate.codecs.grpc_guard`).
 
 A client presents the token as ``Authorization: Bearer <token>``. Browsers cannot set
 headers on a WebSocket, so they may offer it as the subprotocol ``bearer.<token>``
 (it then never appears in a URL, so never in a log); the ``access_token`` query
-parameter still works for older clients.
+parameter still works for older clients, on a WebSocket handshake only: an HTTP client
+can send a header, and a token in a URL ends up in proxies' logs and browser history.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from urllib.parse import parse_qsl
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from prismgate.auth import check_bearer
 from prismgate.core.errors import GatewayError
+from prismgate.core.principal import acting_as
 from prismgate.edge.refusals import refuse
+from prismgate.keys import ring_for
+from prismgate.logs import log_context
 from prismgate.settings import Settings
 
 TOKEN_SUBPROTOCOL = "bearer."
@@ -38,13 +42,15 @@ def open_paths(settings: Settings) -> frozenset[str]:
 
 
 def presented_token(scope: Scope) -> str | None:
-    """The ``Authorization`` value the client sent, or one built from the subprotocol or query carrier."""
+    """The ``Authorization`` value the client sent, or one built from a WebSocket's subprotocol or query carrier."""
     for name, value in scope["headers"]:
         if name == b"authorization":
             return str(value.decode("latin-1"))
     for offered in scope.get("subprotocols", ()):
         if offered.startswith(TOKEN_SUBPROTOCOL):
             return "Bearer " + offered[len(TOKEN_SUBPROTOCOL) :]
+    if scope["type"] != "websocket":
+        return None
     for key, value in parse_qsl(scope.get("query_string", b"").decode("latin-1")):
         if key == "access_token":
             return "Bearer " + value
@@ -52,23 +58,29 @@ def presented_token(scope: Scope) -> str | None:
 
 
 class BearerAuth:
-    """Refuse HTTP requests and WebSockets without the shared token, before any route runs."""
+    """Refuse HTTP requests and WebSockets without a known key, before any route runs; run the rest as its key."""
 
     def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
-        self.token = settings.auth_token
+        self.keys = ring_for(settings)
         self.open = open_paths(settings)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in {"http", "websocket"}:
             await self.app(scope, receive, send)
             return
-        if self.token is not None and scope["path"] not in self.open:
-            try:
-                check_bearer(self.token, presented_token(scope))
-            except GatewayError as exc:
-                await refuse(scope, receive, send, exc)
-                return
+        if not self.keys.enabled or scope["path"] in self.open:
+            await self._next(scope, receive, send)
+            return
+        try:
+            principal = self.keys.authenticate(presented_token(scope))
+        except GatewayError as exc:
+            await refuse(scope, receive, send, exc)
+            return
+        with acting_as(principal), log_context(key=principal.name):
+            await self._next(scope, receive, send)
+
+    async def _next(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
             scope, send = _without_token_subprotocol(scope, send)
         await self.app(scope, receive, send)

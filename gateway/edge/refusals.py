@@ -88,6 +88,8 @@ class Wires:
         response = self._response(protocol, error, request)
         if status_of(error) == 408:  # the body was not read to its end: the connection cannot go on
             response.headers["connection"] = "close"
+        if error.retry_after_s is not None:  # a key over its limits (every HTTP wire, GraphPipe's 200 form too)
+            response.headers["retry-after"] = str(int(error.retry_after_s))
         return response
 
     def _response(self, protocol: str, error: GatewayError, request: Request) -> Response:

@@ -19,9 +19,9 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from prismgate.auth import check_bearer
-from prismgate.codecs.status import http_status
-from prismgate.core.errors import GatewayError
+from prismgate.codecs.status import http_status, http_status_of
+from prismgate.core.errors import GatewayError, denied
+from prismgate.core.principal import current
 from prismgate.core.service import SessionService
 from prismgate.engines.readouts.pack import view_layer
 from prismgate.playground.calibration import scales_for
@@ -108,17 +108,17 @@ def routes(service: SessionService, settings: Settings) -> list[BaseRoute]:
             return JSONResponse({"error": f"no playground file {name!r}"}, status_code=404)
         return FileResponse(STATIC / name, media_type=FILES[name], headers=NO_CACHE)
 
-    def authorize(request: Request) -> None:
-        token = request.query_params.get("access_token")
-        check_bearer(
-            settings.auth_token, request.headers.get("authorization") or (f"Bearer {token}" if token else None)
-        )
+    def authorize(_request: Request) -> None:
+        """The edge has authenticated the key (:mod:`prismgate.edge.auth`); and it must be allowed the playground."""
+        principal = current()
+        if not principal.playground:
+            raise denied(f"key {principal.name!r} may not use the playground")
 
     async def manifest_json(request: Request) -> Response:
         try:
             authorize(request)
         except GatewayError as exc:
-            return JSONResponse({"error": exc.message}, status_code=401)
+            return JSONResponse({"error": exc.message}, status_code=http_status(exc.code))
         return JSONResponse(manifest(service, settings), headers=NO_CACHE)
 
     async def score_json(request: Request) -> Response:
@@ -128,7 +128,7 @@ def routes(service: SessionService, settings: Settings) -> list[BaseRoute]:
             body = await score(service, messages)
             return Response(body, media_type="application/json", headers=NO_CACHE)
         except GatewayError as exc:
-            status = 413 if isinstance(exc, BodyTooLarge) else http_status(exc.code)
+            status = 413 if isinstance(exc, BodyTooLarge) else http_status_of(exc)
             return JSONResponse({"error": exc.message, "code": exc.code.name}, status_code=status)
 
     return [

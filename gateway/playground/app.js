@@ -12,7 +12,8 @@
 // from 0, each question is also sent, with the spec in GenerateConfig `steering`, on a fresh
 // WebSocket of its own: its prompt is the unsteered conversation so far, sent as text, plus the
 // question, so the steered answer never enters the main session and the two answers differ only
-// by the steering. Its readouts shade its tokens like any other answer's.
+// by the steering. Both run deterministic (docs/determinism.md): whatever else the server runs,
+// the unsteered answer is bit for bit the one the conversation gets alone. Its readouts shade its tokens like any other answer's.
 //
 // Shading: value - center (the concept's neutral point), on a fixed scale per concept and
 // layer from the concept pack (`scales`): full colour at twice the scale. A pack without
@@ -67,14 +68,21 @@ function setStatus(text) {
   $("status").textContent = text;
 }
 
+// The token: a header on fetches; in the URL only for WebSockets, which cannot carry headers
+// (the server takes ?access_token= on a WebSocket handshake only).
 function authQuery() {
   const token = $("token").value.trim();
   return token ? `?access_token=${encodeURIComponent(token)}` : "";
 }
 
+function authHeaders() {
+  const token = $("token").value.trim();
+  return token ? { authorization: `Bearer ${token}` } : {};
+}
+
 async function loadManifest() {
   for (let attempt = 0; attempt < 120; attempt++) {
-    const response = await fetch(`/playground/manifest.json${authQuery()}`, { cache: "no-store" });
+    const response = await fetch("/playground/manifest.json", { cache: "no-store", headers: authHeaders() });
     if (response.status === 401) {
       $("model").textContent = "this server needs a token: enter it above, then reload";
       return;
@@ -290,7 +298,11 @@ async function send(prompt) {
     return;
   }
   const ids = outputIds();
-  const config = { maxTokens: Number($("max-tokens").value) || 64, temperature: Number($("temperature").value) || 0, topLogprobs: 5 };
+  // deterministic: the unsteered answer is the answer this conversation gets alone, every time, and
+  // the steered twin differs from it by the steering only (a sampled pair shares one fresh seed)
+  const temperature = Number($("temperature").value) || 0;
+  const config = { maxTokens: Number($("max-tokens").value) || 64, temperature, topLogprobs: 5, deterministic: true };
+  if (temperature > 0) config.seed = Math.floor(Math.random() * 2 ** 31);
   const steering = readoutsManifest() ? steeringSpec() : [];
 
   const userBox = el("div", "turn user");
@@ -321,9 +333,9 @@ async function send(prompt) {
 async function scorePrompt(turn, messages, start) {
   turn.scoring = true;
   try {
-    const response = await fetch(`/playground/score${authQuery()}`, {
+    const response = await fetch("/playground/score", {
       method: "POST",
-      headers: { "content-type": "application/json" },
+      headers: { "content-type": "application/json", ...authHeaders() },
       body: JSON.stringify({ messages }),
     });
     const body = await response.json();

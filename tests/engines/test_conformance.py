@@ -171,6 +171,21 @@ async def test_decode_logprobs_are_consistent_with_rescoring(engine: Any) -> Non
         assert abs(s.logprob - e.logprob) < LOGPROB_TOL
 
 
+async def test_top_k_1_is_greedy_and_its_token_heads_its_own_top_logprobs(engine: Any) -> None:
+    """At any temperature, top_k 1 decodes the greedy tokens, each the first entry of its top logprobs."""
+    p = prompt(engine, "ties")
+    n = len(p)
+    logprobs: dict[str, Any] = {"logprob_ranges": (PositionRange(n, n + 8),), "logprob_top_k": 4}
+    greedy, _ = await run(engine, p, max_tokens=8, ignore_eos=True, **logprobs)
+    for seed in (1, 2):
+        top1, _ = await run(engine, p, max_tokens=8, ignore_eos=True, temperature=1.0, top_k=1, seed=seed, **logprobs)
+        assert decoded(top1) == decoded(greedy)
+        for e in top1:
+            assert e.top_logprobs is not None and e.top_logprobs[0][0] == e.id
+            values = [(-v, i) for i, v in e.top_logprobs]
+            assert values == sorted(values)  # most likely first, the lowest id first among equals
+
+
 async def test_readouts_have_the_manifest_shape_and_match_between_paths(engine: Any) -> None:
     p = prompt(engine, "readouts")
     n = len(p)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
+from prismgate.core import checks
 from prismgate.core.actions import GenerateSpec, PositionRange
 from prismgate.core.engine import EngineRequest
 from prismgate.core.errors import Code, GatewayError
@@ -66,6 +67,14 @@ async def test_info_and_cache_granularity(engine: Any) -> None:
     assert engine.info.engine_name == "vllm"
     assert engine.info.max_model_len == 512  # vLLM itself runs 513: one spare position for the look-ahead step
     assert engine.cache_block_size == 32
+
+
+async def test_vllm_cpu_refuses_deterministic_requests_and_says_where_to_go(engine: Any) -> None:
+    assert engine.info.deterministic is False
+    assert "--engine transformers" in (engine.info.deterministic_off or "")
+    with pytest.raises(GatewayError) as refused:
+        checks.resolve_deterministic(engine.info, GenerateSpec(deterministic=True), default=False)
+    assert refused.value.code is Code.FAILED_PRECONDITION and "VLLM_BATCH_INVARIANT" in refused.value.message
 
 
 async def test_prompt_logprobs_keep_the_prefix_cache(engine: Any) -> None:

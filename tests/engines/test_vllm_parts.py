@@ -95,6 +95,8 @@ def test_ranges_and_vllm_logprob_dicts() -> None:
     entry = {9: Lp(-3.0, 4), 1: Lp(-0.5, 1), 2: Lp(-1.0, 2)}
     assert decode_logprob(entry, 9, 2) == (-3.0, [(1, -0.5), (2, -1.0)])
     assert decode_logprob(entry, 9, 0) == (-3.0, None)
+    tied = {7: Lp(-0.5, 1), 3: Lp(-0.5, 1), 5: Lp(-2.0, 3)}  # vLLM ranks equals alike: the lowest id goes first
+    assert decode_logprob(tied, 7, 3) == (-0.5, [(3, -0.5), (7, -0.5), (5, -2.0)])
 
 
 VISION = VisionTokens(vision_start=VISION_START, image_pad=IMAGE_PAD, vision_end=VISION_END)
@@ -327,3 +329,22 @@ def test_cpu_kv_cache_is_a_share_of_free_memory(tiny_model_dir: Path, monkeypatc
     assert config.CPU_KV_MIN_BYTES <= kv <= config.CPU_KV_CAP_BYTES
     monkeypatch.setenv(config.CPU_KV_ENV, "2")  # vLLM's own knob, set by hand, still wins
     assert config.memory_args(options, on_cpu=True) == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_readout_op_gives_a_row_the_same_bits_in_a_batch_of_any_size(dtype: torch.dtype) -> None:
+    """The same row alone and at every slot of batches of 1 to 16 rows: the same readout bits."""
+    torch.manual_seed(0)
+    hidden_size, concepts = 576, 8
+    directions = torch.randn(hidden_size, concepts)
+    row, residual_row = torch.randn(hidden_size).to(dtype), torch.randn(hidden_size).to(dtype)
+    wanted = torch.ones((), dtype=torch.int64)
+    alone = torch.zeros(32, concepts)
+    capture.readout(row[None], residual_row[None], directions, alone, wanted)
+    for size in range(1, 17):
+        for slot in {0, size // 2, size - 1}:
+            hidden, residual = torch.randn(size, hidden_size).to(dtype), torch.randn(size, hidden_size).to(dtype)
+            hidden[slot], residual[slot] = row, residual_row
+            out = torch.zeros(32, concepts)
+            capture.readout(hidden, residual, directions, out, wanted)
+            assert torch.equal(out[slot], alone[0]), (size, slot)

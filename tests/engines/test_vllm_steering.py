@@ -312,6 +312,29 @@ def test_the_compiled_op_gates_on_the_previous_row_and_on_the_value_carried_betw
         assert torch.equal(gated[q], ungated[q] if q in opened else whole[q]), q
 
 
+def test_a_vector_of_scale_zero_leaves_the_bf16_stream_unwritten() -> None:
+    """hidden and residual come out of a layer as they went in, not re-rounded as hidden + residual."""
+    torch.manual_seed(0)
+    hidden, concepts, rows = 16, 3, 64
+    model = _Model(hidden, 2).eval().to(torch.bfloat16)
+    directions = [np.random.default_rng(1).standard_normal((concepts, hidden)).astype(np.float32)]
+    _, buffers = capture.install(model, directions, [0], rows, steering_rounds=steer.MAX_ROUNDS)
+    writer = SteerWriter(buffers)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    model.model.layers[0].register_forward_hook(lambda _m, _a, out: seen.append((out[0].clone(), out[1].clone())))
+    x = torch.randn(5, hidden).to(torch.bfloat16)
+    with torch.no_grad():
+        writer.plan([], 5)
+        model(x)
+        for scale in (0.0, 4.0):
+            request = SteeredRows(f"scale {scale}", 0, 5, 0, {"n": 5, "e": [[0, 1, scale, 0, "both", None]], "raw": []})
+            writer.plan([request], 5)
+            model(x)
+    (plain_h, plain_r), (zero_h, zero_r), (steered_h, steered_r) = seen
+    assert torch.equal(zero_h, plain_h) and torch.equal(zero_r, plain_r)
+    assert not torch.equal(steered_h, plain_h) and bool((steered_r == 0).all())  # a real vector does write
+
+
 async def test_steering_rounds_bound_the_vectors_at_one_layer(
     engines: Any, tiny_model_dir: Path, tiny_pack: Path
 ) -> None:

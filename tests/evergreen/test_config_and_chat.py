@@ -6,11 +6,14 @@ import pytest
 from google.protobuf import any_pb2, struct_pb2
 
 from prismgate.codecs.evergreen.config import STRUCT_TYPE_URL, parse_configs
+from prismgate.core.budget import RequestBudget
 from prismgate.core.chat import ImagePart, Message, Prompt, TextPart, render
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.prompts import plan_append
 from prismgate.core.session import ImageSpan
 from prismgate.schemas import evergreen_generate_pb2 as gpb
+
+BUDGET = RequestBudget()
 
 
 def packed_struct(values: dict) -> any_pb2.Any:
@@ -26,20 +29,20 @@ def test_binary_and_json_configs_mean_the_same() -> None:
     binary = any_pb2.Any()
     binary.Pack(gpb.GenerateConfig(max_tokens=7, temperature=0.5, stop_strings=["\n"]))
     from_json = packed_struct({"maxTokens": 7, "temperature": 0.5, "stop_strings": ["\n"]})
-    assert parse_configs([binary], "a") == parse_configs([from_json], "a")
-    assert parse_configs([], "a") == gpb.GenerateConfig()
+    assert parse_configs([binary], "a", BUDGET) == parse_configs([from_json], "a", BUDGET)
+    assert parse_configs([], "a", BUDGET) == gpb.GenerateConfig()
 
 
 def test_unknown_config_fields_are_errors() -> None:
     with pytest.raises(GatewayError, match="unknown config field 'maxTokenz'"):
-        parse_configs([packed_struct({"maxTokenz": 1})], "a")
+        parse_configs([packed_struct({"maxTokenz": 1})], "a", BUDGET)
     binary = any_pb2.Any(type_url="type.googleapis.com/prismgate.evergreen.v1.GenerateConfig", value=b"\xa8\x06\x01")
     with pytest.raises(GatewayError, match=r"unknown field numbers \[101\]"):
-        parse_configs([binary], "a")
+        parse_configs([binary], "a", BUDGET)
     with pytest.raises(GatewayError, match="unknown config type"):
-        parse_configs([any_pb2.Any(type_url="type.googleapis.com/foo.Bar")], "a")
+        parse_configs([any_pb2.Any(type_url="type.googleapis.com/foo.Bar")], "a", BUDGET)
     with pytest.raises(GatewayError, match="at most one config"):
-        parse_configs([packed_struct({}), packed_struct({})], "a")
+        parse_configs([packed_struct({}), packed_struct({})], "a", BUDGET)
 
 
 async def test_render_matches_the_chat_template_and_splices_exact_ids(tiny_service) -> None:

@@ -72,7 +72,9 @@ def test_nothing_is_loaded_from_elsewhere() -> None:
 def test_manifest_needs_the_token_when_auth_is_on(server_factory) -> None:
     with server_factory(auth_token="s3cret") as server:
         assert httpx.get(server.http_url + "/playground/manifest.json").status_code == 401
-        ok = httpx.get(server.http_url + "/playground/manifest.json?access_token=s3cret")
+        # the query carrier is for WebSocket handshakes only: an HTTP client sends a header
+        assert httpx.get(server.http_url + "/playground/manifest.json?access_token=s3cret").status_code == 401
+        ok = httpx.get(server.http_url + "/playground/manifest.json", headers={"authorization": "Bearer s3cret"})
         assert ok.status_code == 200 and ok.json()["ready"]
 
 
@@ -297,6 +299,21 @@ def test_score_refuses_bad_bodies(live_server, body: bytes, status: int, message
     assert answer.status_code == status and message in answer.json()["error"], answer.text
 
 
+def test_score_answers_a_context_overflow_with_400_like_v1(live_server) -> None:  # type: ignore[no-untyped-def]
+    """A conversation longer than the context must change; 429 would tell a client to retry it as it is."""
+    context = live_server.service.info().max_model_len
+    messages = [{"role": "user", "content": " ".join(["hello"] * (context + 10))}]
+    answer = httpx.post(live_server.http_url + "/playground/score", json={"messages": messages}, timeout=60)
+    assert answer.status_code == 400 and answer.json()["code"] == "RESOURCE_EXHAUSTED", answer.text
+    assert "context" in answer.json()["error"]
+    v1 = httpx.post(
+        live_server.http_url + "/v1/chat/completions",
+        json={"model": live_server.service.info().model_id, "messages": messages},
+        timeout=60,
+    )
+    assert v1.status_code == 400, v1.text
+
+
 def test_score_refuses_tokens_outside_the_vocabulary(live_server) -> None:  # type: ignore[no-untyped-def]
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "tokens": [10**9]}]
     answer = httpx.post(live_server.http_url + "/playground/score", json={"messages": messages})
@@ -307,7 +324,8 @@ def test_score_needs_the_token_when_auth_is_on(server_factory) -> None:  # type:
     body = {"messages": [{"role": "user", "content": "hi"}]}
     with server_factory(auth_token="s3cret") as server:
         assert httpx.post(server.http_url + "/playground/score", json=body).status_code == 401
-        ok = httpx.post(server.http_url + "/playground/score?access_token=s3cret", json=body)
+        assert httpx.post(server.http_url + "/playground/score?access_token=s3cret", json=body).status_code == 401
+        ok = httpx.post(server.http_url + "/playground/score", json=body, headers={"authorization": "Bearer s3cret"})
         assert ok.status_code == 200 and ok.json()["tokens"]
 
 

@@ -258,7 +258,8 @@ def test_the_token_never_reaches_the_logs(server_factory: Any, caplog: pytest.Lo
         with connect(server.ws_url + "/evergreen", subprotocols=[f"bearer.{secret}"]) as ws:  # type: ignore[list-item]
             ws.send(msg(actions=[generate("p", "r", config={"maxTokens": 1})], fragments=[text_leaf("p", "a")]))
             ws.recv(timeout=30)
-        assert httpx.get(server.http_url + f"/playground/manifest.json?access_token={secret}").status_code == 200
+        auth = {"authorization": f"Bearer {secret}"}
+        assert httpx.get(server.http_url + "/playground/manifest.json", headers=auth).status_code == 200
         assert httpx.get(server.http_url + "/v1/models?access_token=wrong").status_code == 401
     clients = ("httpx", "httpcore", "websockets.client")  # this test's own clients log their URLs
     server_side = [r for r in caplog.records if not r.name.startswith(clients)]
@@ -289,3 +290,16 @@ def test_running_out_of_descriptors_logs_one_line_not_a_flood(tmp_path: Path, ti
     assert len(accept_lines) == 1, accept_lines
     assert "Too many open files" in accept_lines[0]["message"]
     assert "Traceback" not in text and "out of system resource" not in text
+
+
+def test_the_query_token_opens_websocket_handshakes_only(server_factory: Any) -> None:
+    """``?access_token=`` is for browsers' WebSockets (no headers there); on HTTP it would sit in URLs and logs."""
+    secret = "s3cret-query"
+    with server_factory(auth_token=secret) as server:
+        for path in ("/v1/models", "/playground/manifest.json"):
+            assert httpx.get(server.http_url + f"{path}?access_token={secret}").status_code == 401, path
+            auth = {"authorization": f"Bearer {secret}"}
+            assert httpx.get(server.http_url + path, headers=auth).status_code == 200, path
+        with connect(server.ws_url + f"/evergreen?access_token={secret}") as ws:
+            ws.send(msg(actions=[generate("p", "r", config={"maxTokens": 1})], fragments=[text_leaf("p", "a")]))
+            assert ws.recv(timeout=30)

@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from prismgate.codecs.grpc_guard import Guard, add_guarded
 from prismgate.codecs.salience.servicer import SalienceServicer
 from prismgate.core.errors import Code, GatewayError
+from prismgate.keys import KeyRing
 from prismgate.schemas import salience_images_pb2 as images_pb
 from prismgate.schemas import salience_pb2 as pb
 from prismgate.schemas import salience_pb2_grpc
@@ -204,7 +205,7 @@ async def test_exceptions_become_statuses_with_messages(tiny_service: Any) -> No
         server,
         salience_pb2_grpc.add_SalienceServicer_to_server,
         _Failing(tiny_service),
-        Guard(tiny_service, "salience", None),
+        Guard(tiny_service, "salience", KeyRing(None, None)),
     )
     assert name == "salience.v1.Salience"
     port = server.add_insecure_port("127.0.0.1:0")

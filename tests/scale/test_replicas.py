@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from prismgate.schemas import salience_pb2 as pb
@@ -25,10 +26,11 @@ PROMPT = [5, 6, 7, 8]
 
 
 @contextlib.contextmanager
-def replica(tmp_path: Path, model_dir: Path, store_url: str, name: str) -> Iterator[tuple[Served, Client]]:
+def replica(tmp_path: Path, model_dir: Path, store_url: str, name: str, *args: str) -> Iterator[tuple[Served, Client]]:
+    """One ``prismgate serve`` on the shared store (``args``: more flags), and a Salience client to it."""
     folder = tmp_path / name
     folder.mkdir(exist_ok=True)
-    with serve(folder, model_dir, "--session-store", store_url) as served:
+    with serve(folder, model_dir, "--session-store", store_url, *args) as served:
         client = connect(served.grpc_target)
         try:
             yield served, client
@@ -127,11 +129,18 @@ def test_redis_down_is_unavailable_never_a_wrong_answer(
 ) -> None:
     store = start_redis(tmp_path_factory.mktemp("redis-down"))
     try:
-        with replica(tmp_path, long_model_dir, store.url, "a") as (_, a):
+        with replica(tmp_path, long_model_dir, store.url, "a") as (served, a):
             sid = a.open()
             timeline: list[int] = []
             turn(a, sid, timeline, PROMPT, max_tokens=2)
+            assert httpx.get(served.http_url + "/readyz", timeout=10).status_code == 200
+            for bad in (sid + ":lock", sid + ":img"):  # another key of the session in Redis: NOT_FOUND
+                error = rpc_error(lambda bad=bad: a.dump(bad, timeout=20))
+                assert error.code() == grpc.StatusCode.NOT_FOUND, error
             store.stop()
+            time.sleep(1.1)  # readiness asks Redis at most once a second
+            ready = httpx.get(served.http_url + "/readyz", timeout=20)
+            assert ready.status_code == 503 and "session store (Redis)" in ready.json()["reason"], ready.text
             for call in (
                 lambda: a.open(timeout=20),
                 lambda: a.dump(sid, timeout=20),

@@ -211,14 +211,33 @@ async def test_a_generation_whose_lock_was_lost_is_aborted_and_not_saved(redis: 
 async def test_redis_down_is_unavailable() -> None:
     store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", timeout_s=1.0)
     try:
-        calls = [store.create("m"), store.get("x"), store.close("x"), store.reserve(1), store.evict_expired()]
+        sid = "0" * 32  # well formed: a malformed id is NOT_FOUND without asking Redis
+        calls = [store.create("m"), store.get(sid), store.close(sid), store.reserve(1), store.evict_expired()]
         for call in calls:
             with pytest.raises(GatewayError) as e:
                 await call
             assert e.value.code is Code.UNAVAILABLE and "session store (Redis)" in e.value.message
         with pytest.raises(GatewayError) as e:
-            async with store.generation("x"):
+            async with store.generation(sid):
                 pass
         assert e.value.code is Code.UNAVAILABLE
     finally:
         await store.close_all()
+
+
+async def test_an_id_no_session_can_have_is_not_found_never_another_key(store: SessionStore) -> None:
+    """``<S>:lock`` while S generates names S's lock in Redis: NOT_FOUND, never WRONGTYPE/INTERNAL."""
+    session = await seeded(store, [1, 2])
+    async with store.generation(session.id):
+        for bad in (f"{session.id}:lock", f"{session.id}:img", "*", "x" * 1_000_000):
+            for call in (store.get(bad), store.fork(bad, 0)):
+                with pytest.raises(GatewayError) as e:
+                    await call
+                assert e.value.code is Code.NOT_FOUND, e.value
+                assert len(e.value.message) < 400  # a long id is quoted in part
+            with pytest.raises(GatewayError) as e:
+                async with store.generation(bad):
+                    pass
+            assert e.value.code is Code.NOT_FOUND, e.value
+            assert await store.close(bad) is False
+    assert (await store.get(session.id)).tokens == [1, 2]

@@ -10,20 +10,33 @@ which holds the session exclusively and saves what it leaves behind.
 from __future__ import annotations
 
 import abc
+import re
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 
-from prismgate.core.errors import Code, GatewayError, exhausted, invalid, not_found
+from prismgate.core.errors import Code, GatewayError, exhausted, invalid, not_found, quote
 from prismgate.core.session import DEFAULT_TTL_S, Session
+
+SESSION_ID = re.compile(r"[0-9a-f]{32}")
+"""What every store's ids look like (``secrets.token_hex(16)``): anything else names no session."""
+
+
+def well_formed(session_id: str) -> bool:
+    """Whether ``session_id`` could name a session; a shared store checks before building keys from it.
+
+    In Redis a session's keys are ``s:<id>``, ``s:<id>:img`` and ``s:<id>:lock``: an id of
+    ``<S>:lock`` would name another session's lock (WRONGTYPE, an internal error).
+    """
+    return SESSION_ID.fullmatch(session_id) is not None
 
 
 def busy(session_id: str) -> GatewayError:
     """ABORTED: one generation per session, wherever the other one runs."""
-    return GatewayError(Code.ABORTED, f"session {session_id} is busy with another generation")
+    return GatewayError(Code.ABORTED, f"session {quote(session_id)} is busy with another generation")
 
 
 def missing(session_id: str) -> GatewayError:
-    return not_found(f"session {session_id!r} does not exist (closed, evicted after idling, or never opened)")
+    return not_found(f"session {quote(session_id)} does not exist (closed, evicted after idling, or never opened)")
 
 
 def too_many(limit: int) -> GatewayError:
@@ -76,16 +89,22 @@ class SessionStore(abc.ABC):
     # -- sessions -------------------------------------------------------------------------
 
     @abc.abstractmethod
-    async def create(self, model: str, *, pinned: bool = False) -> Session:
-        """A new empty session; ``pinned``: kept while its connection is open, not evicted for idling."""
+    async def create(self, model: str, *, pinned: bool = False, owner: str = "") -> Session:
+        """A new empty session; ``pinned``: kept while its connection is open, not evicted for idling;
+        ``owner``: the name of the key that opens it."""
 
     @abc.abstractmethod
     async def get(self, session_id: str) -> Session:
         """The session (NOT_FOUND when closed, expired or unknown); counts as a use for idle expiry."""
 
     @abc.abstractmethod
-    async def fork(self, session_id: str, at_position: int) -> Session:
-        """A new session holding the first ``at_position`` tokens of another, its images included."""
+    async def fork(self, session_id: str, at_position: int, *, owner: str | None = None) -> Session:
+        """A new session holding the first ``at_position`` tokens of another, its images included;
+        ``owner``: the child's (None: the parent's)."""
+
+    @abc.abstractmethod
+    async def owners(self) -> dict[str, str]:
+        """Every open session's owner by session id (for an admin's listing)."""
 
     @abc.abstractmethod
     async def close(self, session_id: str) -> bool:
@@ -98,6 +117,13 @@ class SessionStore(abc.ABC):
         The body may change the session's timeline; what it leaves is saved on exit (also
         when the body raises: the core restores the turn's snapshot first).
         """
+
+    async def unreachable(self) -> str | None:
+        """Why the store cannot serve sessions now, or None when it can (readiness asks).
+
+        A store in this process always can; a store across the network says so when it is down.
+        """
+        return None
 
     @abc.abstractmethod
     async def reserve(self, extra_tokens: int) -> None:

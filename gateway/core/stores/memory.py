@@ -36,8 +36,8 @@ class InProcessStore(SessionStore):
     def total_tokens(self) -> int:
         return sum(len(s.tokens) for s in self._sessions.values())
 
-    async def create(self, model: str, *, pinned: bool = False) -> Session:
-        return self._add(Session(id=secrets.token_hex(16), model=model, pinned=pinned))
+    async def create(self, model: str, *, pinned: bool = False, owner: str = "") -> Session:
+        return self._add(Session(id=secrets.token_hex(16), model=model, pinned=pinned, owner=owner))
 
     async def get(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
@@ -48,10 +48,14 @@ class InProcessStore(SessionStore):
         session.last_used = self._clock()
         return session
 
-    async def fork(self, session_id: str, at_position: int) -> Session:
-        child = (await self.get(session_id)).forked(at_position)
+    async def fork(self, session_id: str, at_position: int, *, owner: str | None = None) -> Session:
+        child = (await self.get(session_id)).forked(at_position, owner)
         await self.reserve(at_position)
         return self._add(child)
+
+    async def owners(self) -> dict[str, str]:
+        self._evict_now()
+        return {sid: s.owner for sid, s in self._sessions.items()}
 
     async def close(self, session_id: str) -> bool:
         return self._drop(session_id)

@@ -1,7 +1,7 @@
 """Sessions in Redis: shared by every gateway replica and kept across restarts.
 
-A session is three keys under the store's prefix: ``s:<id>`` (a hash: model, tokens as
-little-endian int32, the image spans, the steering record and the standing steering as
+A session is three keys under the store's prefix: ``s:<id>`` (a hash: model, the name of
+the key that owns it, tokens as little-endian int32, the image spans, the steering record and the standing steering as
 JSON), ``s:<id>:img`` (a hash: image bytes by SHA-256) and, while a generation runs,
 ``s:<id>:lock`` (a random token with an expiry). Idle expiry is Redis's own key expiry,
 refreshed by every use. Two more keys serve the store-wide limits and metrics:
@@ -32,21 +32,22 @@ import redis.exceptions
 from prismgate.core.errors import Code, GatewayError, exhausted
 from prismgate.core.session import DEFAULT_TTL_S, ImageSpan, Session
 from prismgate.core.steering import Comparison, Gate, Positions, SteeredSpan, Steering, SteeringEntry
-from prismgate.core.stores.base import SessionStore, busy, missing, over_token_cap, too_many
+from prismgate.core.stores.base import SessionStore, busy, missing, over_token_cap, too_many, well_formed
 
 T = TypeVar("T")
+READINESS_EVERY_S = 1.0  # /readyz asks Redis at most this often; between PINGs it repeats the last answer
 
 # KEYS: session, images, sessions, lengths. ARGV: id, now_ms, ttl_ms, max_sessions, model,
-# tokens, spans, token_count, then digest/bytes pairs. Returns 0 when the cap is reached.
+# tokens, spans, token_count, owner, then digest/bytes pairs. Returns 0 when the cap is reached.
 _CREATE = """
 local gone = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', ARGV[2])
 for _, sid in ipairs(gone) do redis.call('HDEL', KEYS[4], sid) end
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[2])
 if redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[4]) then return 0 end
-redis.call('HSET', KEYS[1], 'model', ARGV[5], 'tokens', ARGV[6], 'spans', ARGV[7])
+redis.call('HSET', KEYS[1], 'model', ARGV[5], 'tokens', ARGV[6], 'spans', ARGV[7], 'owner', ARGV[9])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-if #ARGV > 8 then
-  for i = 9, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+if #ARGV > 9 then
+  for i = 10, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
 end
 redis.call('ZADD', KEYS[3], tonumber(ARGV[2]) + tonumber(ARGV[3]), ARGV[1])
@@ -55,14 +56,14 @@ return 1
 """
 
 # KEYS: session, images, lock, sessions. ARGV: id, ttl_ms, expires_at_ms.
-# Returns nil for a missing session, else {model, tokens, spans, busy, digest, bytes, ...}.
+# Returns nil for a missing session, else {model, tokens, spans, busy, owner, digest, bytes, ...}.
 _LOAD = """
-local fields = redis.call('HMGET', KEYS[1], 'model', 'tokens', 'spans')
+local fields = redis.call('HMGET', KEYS[1], 'model', 'tokens', 'spans', 'owner')
 if not fields[1] then return nil end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
 redis.call('ZADD', KEYS[4], ARGV[3], ARGV[1])
-local out = {fields[1], fields[2], fields[3], redis.call('EXISTS', KEYS[3])}
+local out = {fields[1], fields[2], fields[3], redis.call('EXISTS', KEYS[3]), fields[4] or ''}
 for _, v in ipairs(redis.call('HGETALL', KEYS[2])) do out[#out + 1] = v end
 return out
 """
@@ -189,6 +190,8 @@ class RedisStore(SessionStore):
         }
         self._count = 0
         self._tokens = 0
+        self._checked_at = -READINESS_EVERY_S
+        self._down: str | None = None
 
     def __len__(self) -> int:
         return self._count
@@ -200,7 +203,9 @@ class RedisStore(SessionStore):
     # -- keys and clocks --------------------------------------------------------------------
 
     def _keys(self, session_id: str) -> list[str]:
-        """session, images, lock, sessions index, lengths."""
+        """session, images, lock, sessions index, lengths; NOT_FOUND for an id no session can have."""
+        if not well_formed(session_id):
+            raise missing(session_id)
         base = f"{self._prefix}s:{session_id}"
         return [base, base + ":img", base + ":lock", self._prefix + "sessions", self._prefix + "lengths"]
 
@@ -229,10 +234,10 @@ class RedisStore(SessionStore):
 
     # -- sessions ---------------------------------------------------------------------------
 
-    async def create(self, model: str, *, pinned: bool = False) -> Session:
+    async def create(self, model: str, *, pinned: bool = False, owner: str = "") -> Session:
         # ``pinned`` (an open Evergreen connection) needs no special case here: each of the
         # connection's generations renews the expiry, and a dead gateway's sessions must expire
-        return await self._create(Session(id=secrets.token_hex(16), model=model))
+        return await self._create(Session(id=secrets.token_hex(16), model=model, owner=owner))
 
     async def _create(self, session: Session) -> Session:
         pairs: list[Any] = []
@@ -241,7 +246,7 @@ class RedisStore(SessionStore):
         keys = self._keys(session.id)
         args = [
             session.id, int(time.time() * 1000), self._ttl_ms, self.max_sessions, session.model,
-            _pack(session.tokens), _spans(session), len(session.tokens), *pairs,
+            _pack(session.tokens), _spans(session), len(session.tokens), session.owner, *pairs,
         ]  # fmt: skip
         if not await self._call("create", [keys[0], keys[1], keys[3], keys[4]], args):
             raise too_many(self.max_sessions)
@@ -253,7 +258,7 @@ class RedisStore(SessionStore):
         found = await self._call("load", keys[:4], [session_id, self._ttl_ms, self._expires_at()])
         if found is None:
             raise missing(session_id)
-        model, tokens, spans, locked, *images = found
+        model, tokens, spans, locked, owner, *images = found
         data = dict(zip(images[0::2], images[1::2], strict=True))
         layout = json.loads(spans)
         return Session(
@@ -268,14 +273,28 @@ class RedisStore(SessionStore):
             busy=bool(locked),
             steering=tuple(SteeredSpan(start, end, digest) for start, end, digest in layout["steering"]),
             standing_steering=_standing(layout.get("standing", [])),  # absent: saved before it existed
+            owner=owner.decode(),
         )
 
-    async def fork(self, session_id: str, at_position: int) -> Session:
-        child = (await self.get(session_id)).forked(at_position)
+    async def fork(self, session_id: str, at_position: int, *, owner: str | None = None) -> Session:
+        child = (await self.get(session_id)).forked(at_position, owner)
         await self.reserve(at_position)
         return await self._create(child)
 
+    async def owners(self) -> dict[str, str]:
+        await self._refresh()  # drops index entries past their expiry
+        keys = self._keys("")
+        found = await self._guarded(self._redis.zrange(keys[3], 0, -1))
+        ids = [sid.decode() for sid in found if isinstance(sid, bytes)]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for sid in ids:
+                pipe.hmget(self._keys(sid)[0], "model", "owner")
+            rows = await self._guarded(pipe.execute())
+        return {sid: (owner or b"").decode() for sid, (model, owner) in zip(ids, rows, strict=True) if model}
+
     async def close(self, session_id: str) -> bool:
+        if not well_formed(session_id):
+            return False  # closing an unknown session is not an error
         keys = self._keys(session_id)
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(keys[0], keys[1])
@@ -354,13 +373,25 @@ class RedisStore(SessionStore):
         if self._tokens + extra_tokens > self.max_total_tokens:
             raise over_token_cap(self._tokens, extra_tokens, self.max_total_tokens)
 
+    async def unreachable(self) -> str | None:
+        """A PING, at most one every :data:`READINESS_EVERY_S` (a flood of probes is not a flood of PINGs)."""
+        now = time.monotonic()
+        if now - self._checked_at >= READINESS_EVERY_S:
+            self._checked_at = now
+            try:
+                await self._guarded(self._redis.ping())
+                self._down = None
+            except GatewayError as exc:
+                self._down = exc.message
+        return self._down
+
     async def evict_expired(self) -> list[str]:
         await self._refresh()  # Redis expires the sessions themselves
         return []
 
     async def _refresh(self) -> None:
-        keys = self._keys("")
-        self._count, self._tokens = await self._call("count", keys[3:5], [int(time.time() * 1000)])
+        keys = [self._prefix + "sessions", self._prefix + "lengths"]
+        self._count, self._tokens = await self._call("count", keys, [int(time.time() * 1000)])
 
     async def close_all(self) -> int:
         await self._redis.aclose()  # the sessions stay in Redis for the other replicas and a restart

@@ -1,0 +1,177 @@
+"""Batch-invariant kernels for the transformers engine: a row's bits never depend on its neighbours.
+
+A deterministic request (``GenerateSpec.deterministic``) must give the same token ids,
+logprobs and readouts whatever else shares its forward passes, however its prompt was
+chunked, and whether its keys and values were decoded one by one or prefilled at once. Every
+operation of the forward pass is computed row by row already except two, and this module
+makes those two invariant while the switch is on (docs/determinism.md tells the whole story):
+
+- **Matrix products** (every linear layer, the LM head, the readout projection): a GEMM's
+  kernel depends on its number of rows, so while the switch is on every product runs on at
+  least ``MIN_ROWS`` rows (:mod:`prismgate.engines.invariant_rows` says why that suffices);
+  :func:`install` gives every linear layer a forward that pads its input.
+- **Attention**: the sum over keys is where batching, padding and chunking change the order
+  of additions. :func:`invariant_attention` computes it in one canonical order that depends
+  only on the query's absolute position: keys re-based so that key ``j`` of the sequence
+  is column ``j`` (left padding of a batched decode removed), scores in float32, the softmax
+  max (exact in any order), then sums in fixed blocks of :data:`BLOCK` keys (a fixed-length
+  reduction) combined block after block by a sequential ``cumsum``. Keys a query may not see,
+  padding included, are exact zeros in those sums, and adding zero changes no bits. A query
+  decoded alone, one inside a batch of eight, and the same position inside a prefill chunk
+  of any size therefore add the same numbers in the same order.
+
+The switch costs nothing while off: attention goes to PyTorch's SDPA exactly as before and
+the linear layers run unpadded.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from prismgate.engines.invariant_rows import MIN_ROWS, SWITCH, padded_rows
+
+ATTENTION = "prismgate_invariant"  # the name this module registers with transformers' attention interface
+BLOCK = 64  # keys per fixed-length partial sum
+
+
+def _padding_forward(layer: torch.nn.Linear) -> Any:
+    """``layer``'s forward, on at least ``MIN_ROWS`` rows while this thread's switch is on.
+
+    An instance attribute rather than hooks: while the switch is off it costs one attribute
+    read, and a module without hooks keeps PyTorch's fast call path.
+    """
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if SWITCH.active:
+            flat, n = padded_rows(x)
+            if flat.shape[0] != n:
+                return F.linear(flat, layer.weight, layer.bias)[:n].reshape(*x.shape[:-1], layer.out_features)
+        return F.linear(x, layer.weight, layer.bias)
+
+    return forward
+
+
+class _Geometry(NamedTuple):
+    """Where each query's keys are: the same for every layer of one forward pass, so computed once."""
+
+    width: int  # key columns after re-basing, a whole number of blocks
+    source: torch.Tensor | None  # [batch, 1, width, 1]: the column each re-based key comes from; None: no shift
+    padded: int  # query rows per head after padding the product to MIN_ROWS rows
+    hidden: torch.Tensor  # [batch, 1, 1, padded, width] bool: keys a query may not see
+
+
+class _Memo(threading.local):
+    # this thread's last pass: its mask (held, so that its identity cannot pass to a new tensor),
+    # its shapes, and their geometry
+    last: tuple[torch.Tensor | None, tuple[Any, ...], _Geometry] | None = None
+
+
+_MEMO = _Memo()
+
+
+def _geometry(mask: torch.Tensor | None, batch: int, group: int, queries: int, keys: int, device: Any) -> _Geometry:
+    """The visible keys of a query are one run of columns: the row's left padding before it, the
+    query's future after it (transformers' causal masks with left padding); re-based, key ``j`` of
+    the sequence is column ``j`` and a query at absolute position ``p`` sees columns ``[0, p]``."""
+    key = (batch, group, queries, keys, device)
+    last = _MEMO.last
+    if last is not None and last[0] is mask and last[1] == key:
+        return last[2]
+    if mask is None:  # causal with nothing padded: query i sees keys [0, keys - queries + i]
+        first = torch.zeros(batch, dtype=torch.long, device=device)
+        counts = torch.arange(keys - queries + 1, keys + 1, device=device).expand(batch, queries)
+    else:
+        visible = (mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0).expand(batch, queries, keys)
+        first = torch.argmax(visible[:, -1].to(torch.int8), dim=-1)
+        counts = visible.sum(dim=-1)
+    width = -(-(keys - int(first.min())) // BLOCK) * BLOCK
+    columns = torch.arange(width, device=device)
+    index = (first[:, None] + columns[None, :])[:, None, :, None] if bool((first != 0).any()) else None
+    padded = max(queries, -(-MIN_ROWS // group))
+    if padded > queries:
+        counts = F.pad(counts, (0, padded - queries), value=1)
+    hidden = (columns[None, None, :] >= counts[:, :, None])[:, None, None]
+    geometry = _Geometry(width, index, padded, hidden)
+    _MEMO.last = (mask, key, geometry)
+    return geometry
+
+
+def invariant_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **_kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention in one canonical order (see the module docstring); transformers' interface.
+
+    ``query`` is ``[batch, heads, q, d]``, ``key``/``value`` ``[batch, kv_heads, L, d]``;
+    returns ``[batch, q, heads, d]`` in the query's dtype.
+    """
+    batch, heads, queries, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    scale = dim**-0.5 if scaling is None else scaling
+    width, source, padded, hidden = _geometry(attention_mask, batch, group, queries, keys, query.device)
+
+    # keys and values re-based so that column j holds the sequence's key j, padded to whole blocks
+    k32 = F.pad(key.to(torch.float32), (0, 0, 0, width))
+    v32 = F.pad(value.to(torch.float32), (0, 0, 0, width))
+    if source is not None:
+        k32 = torch.gather(k32, 2, source.expand(batch, kv_heads, width, dim))
+        v32 = torch.gather(v32, 2, source.expand(batch, kv_heads, width, dim))
+    else:
+        k32, v32 = k32[:, :, :width], v32[:, :, :width]
+
+    # every query row of a key head in one product of at least MIN_ROWS rows
+    q32 = query.to(torch.float32).reshape(batch, kv_heads, group, queries, dim)
+    if padded > queries:
+        q32 = F.pad(q32, (0, 0, 0, padded - queries))
+    rows = group * padded
+    scores = torch.matmul(q32.reshape(batch, kv_heads, rows, dim), k32.transpose(-1, -2)) * scale
+    scores = scores.view(batch, kv_heads, group, padded, width).masked_fill(hidden, float("-inf"))
+    weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # keys it may not see: exactly 0
+
+    blocks = width // BLOCK
+    w = weights.view(batch, kv_heads, rows, blocks, BLOCK)
+    total = torch.cumsum(w.sum(dim=-1), dim=-1)[..., -1:]  # [batch, kv_heads, rows, 1], blocks added in order
+    parts = torch.matmul(w.transpose(2, 3), v32.view(batch, kv_heads, blocks, BLOCK, dim))
+    summed = torch.cumsum(parts, dim=2)[:, :, -1]  # [batch, kv_heads, rows, dim], blocks added in order
+    out = (summed / total).view(batch, kv_heads, group, padded, dim)[:, :, :, :queries]
+    return out.reshape(batch, heads, queries, dim).transpose(1, 2).to(query.dtype).contiguous(), None
+
+
+def _dispatch(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kw: Any
+) -> tuple[torch.Tensor, Any]:
+    """The attention transformers calls: the canonical order while the switch is on, else SDPA as before."""
+    if SWITCH.active:
+        return invariant_attention(module, query, key, value, attention_mask, **kw)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+
+
+def install(model: Any) -> bool:
+    """Give ``model`` the switchable kernels; False when its attention does not go through
+    transformers' attention interface as SDPA (then the engine refuses deterministic requests)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    config = model.config.get_text_config()
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", ATTENTION):
+        return False
+    AttentionInterface.register(ATTENTION, _dispatch)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+    model.set_attn_implementation(ATTENTION)
+    for layer in model.modules():
+        if type(layer) is torch.nn.Linear:  # subclasses (quantized layers) have forwards of their own
+            layer.forward = _padding_forward(layer)  # type: ignore[method-assign]
+    return True

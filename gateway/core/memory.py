@@ -1,0 +1,143 @@
+"""Memory is a budget too: what a request may make the server hold, known before it runs.
+
+``max_active`` counts requests, not bytes: eight requests that each report top-20 logprobs
+and readouts at every position of a long prompt hold gigabytes together while each is
+"one request". So every request's worst case is estimated from its spec before admission
+(:func:`request_bytes`): the logprob entries and readout values it will report (held as
+events, then as the wire's encoding until sent) and the one vocabulary row of logits an
+engine keeps for it between steps. The pool admits requests while their estimates fit the
+server's budget (:class:`MemoryBudget`, the ``memory_budget_bytes`` setting), queues the
+rest, and refuses at once (RESOURCE_EXHAUSTED, naming the setting) a request that alone
+would exceed it. A request that fits goes ahead of larger ones waiting (a two-token
+completion must not wait behind a queue of heavy echoes); the large one is not starved for
+long, since a plain request holds a few hundred KB and ``max_active`` bounds how many run.
+
+The per-entry sizes are what CPython and the codecs make of one entry at the peak (the
+event, the response's objects, its JSON text and bytes), not the wire's bytes alone: the
+issue's request (3,532 positions of top-20 logprobs and 2 x 256 readouts, a 21 MB JSON
+answer) was measured at about 200-230 MB of process growth on its own, and is estimated
+here at about 220 MB.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+from collections.abc import AsyncIterator, Sequence
+
+from prismgate.core.actions import GenerateSpec, PositionRange
+from prismgate.core.engine import EngineInfo
+from prismgate.core.errors import Code, GatewayError, exhausted
+
+LOGPROB_ENTRY_BYTES = 400  # one (id, logprob) of a position's list, with its text, as event, objects and JSON
+READOUT_VALUE_BYTES = 104  # one float of a readout: float32 in the event, a Python float, its JSON text and bytes
+LOGITS_VALUE_BYTES = 4  # the float32 vocabulary row an engine keeps to sample a request's next token
+REQUEST_BYTES = 64 << 10  # a request's own bookkeeping (its events' objects, its stream's state)
+AUTO_FRACTION = 100  # the default budget: this fraction of the machine's memory ...
+AUTO_MIN = 64 << 20  # ... at least this ...
+AUTO_MAX = 256 << 20  # ... at most this (the server's growth over idle stays near it, whatever the machine)
+
+
+def covered(ranges: Sequence[PositionRange], horizon: int) -> int:
+    """How many positions in ``[0, horizon)`` the ranges cover (overlaps counted once)."""
+    spans = sorted((max(r.start, 0), min(r.end, horizon)) for r in ranges if min(r.end, horizon) > max(r.start, 0))
+    total, reach = 0, 0
+    for start, end in spans:
+        start = max(start, reach)
+        if end > start:
+            total += end - start
+            reach = end
+    return total
+
+
+def request_bytes(spec: GenerateSpec, prompt_tokens: int, info: EngineInfo) -> int:
+    """The worst case a request holds while it runs, from its spec and the model alone."""
+    horizon = prompt_tokens + spec.max_tokens
+    logprob_positions = covered(spec.logprob_ranges, horizon)
+    readout_positions = covered(spec.readout_ranges, horizon) if info.readouts is not None else 0
+    values_per_readout = len(info.readouts.layers) * len(info.readouts.concepts) if info.readouts else 0
+    return (
+        REQUEST_BYTES
+        + info.vocab_size * LOGITS_VALUE_BYTES
+        + logprob_positions * (spec.logprob_top_k + 1) * LOGPROB_ENTRY_BYTES
+        + readout_positions * values_per_readout * READOUT_VALUE_BYTES
+    )
+
+
+def machine_bytes() -> int:
+    """Physical memory (0 when the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def default_budget() -> int:
+    """The budget when the setting is 0: a fraction of the machine's memory, within bounds."""
+    return min(max(machine_bytes() // AUTO_FRACTION, AUTO_MIN), AUTO_MAX)
+
+
+class MemoryBudget:
+    """Requests hold their estimate while they run; together at most ``limit`` bytes, the rest wait (first fit)."""
+
+    def __init__(self, limit: int, *, max_waiting: int = 1024) -> None:
+        self.limit = limit if limit > 0 else default_budget()
+        self.max_waiting = max_waiting
+        self.used = 0
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for _, f in self._waiters if not f.done())
+
+    @contextlib.asynccontextmanager
+    async def reserve(self, size: int) -> AsyncIterator[None]:
+        """Hold ``size`` bytes of the budget for the body; RESOURCE_EXHAUSTED when ``size`` alone is over it."""
+        if size > self.limit:
+            raise exhausted(
+                f"this request may hold about {size >> 20} MiB (its logprob and readout positions), more than the "
+                f"server's memory budget of {self.limit >> 20} MiB (memory_budget_bytes); report fewer positions "
+                "or fewer top logprobs"
+            )
+        if self.used + size > self.limit:
+            if self.waiting >= self.max_waiting:
+                raise GatewayError(
+                    Code.UNAVAILABLE,
+                    f"server overloaded: {self.waiting} requests wait for memory (memory_budget_bytes "
+                    f"{self.limit >> 20} MiB held by running requests); retry later",
+                )
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append((size, future))
+            try:
+                await future
+            except BaseException:
+                if future.done() and not future.cancelled():
+                    self._free(size)  # granted, but leaving
+                else:
+                    self._grant()  # a smaller request behind this one may fit now
+                raise
+        else:
+            self.used += size
+        try:
+            yield
+        finally:
+            self._free(size)
+
+    def _free(self, size: int) -> None:
+        self.used -= size
+        self._grant()
+
+    def _grant(self) -> None:
+        """Admit every waiter that fits now, oldest first."""
+        kept: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+        for size, future in self._waiters:
+            if future.done():
+                continue
+            if self.used + size <= self.limit:
+                self.used += size
+                future.set_result(None)
+            else:
+                kept.append((size, future))
+        self._waiters = kept

@@ -1,0 +1,169 @@
+"""A fair share of a saturated pool across keys (tokens, weights), and a key's own limits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from prismgate.core.errors import Code, GatewayError
+from prismgate.core.fairness import FairQueue, Share
+from prismgate.core.pool import Admission
+from prismgate.core.principal import Principal
+from prismgate.core.quota import LocalQuota
+
+A, B = Share("a"), Share("b")
+
+
+def future() -> asyncio.Future[None]:
+    return asyncio.get_running_loop().create_future()
+
+
+async def test_the_next_slot_goes_to_the_key_served_fewest_tokens() -> None:
+    queue = FairQueue()
+    a = [future() for _ in range(3)]
+    for f in a:
+        queue.push(A, 0, f)
+    queue.charge(A, 500)  # a's running generations have produced 500 tokens
+    b = future()
+    queue.push(B, 0, b)  # b arrives last, behind three of a's
+    assert queue.pop() is b
+    assert queue.pop() is a[0]
+
+
+async def test_equal_weights_split_tokens_evenly_whatever_the_request_sizes() -> None:
+    """a's requests cost 100 tokens, b's 10: over time each key gets the same tokens, not the same requests."""
+    queue = FairQueue()
+    for _ in range(200):
+        queue.push(A, 0, future())
+        queue.push(B, 0, future())
+    cost = {"a": 100, "b": 10}
+    tokens = {"a": 0, "b": 0}
+    owner = {id(f): k for k, q in queue._queues.items() for _, _, f in q}
+    for _ in range(110):
+        popped = queue.pop()
+        assert popped is not None
+        key = owner[id(popped)]
+        queue.charge(Share(key), cost[key])
+        tokens[key] += cost[key]
+    assert abs(tokens["a"] - tokens["b"]) <= 100  # within one request of each other
+
+
+async def test_weights_divide_the_tokens() -> None:
+    queue = FairQueue()
+    heavy, light = Share("heavy", 3.0), Share("light", 1.0)
+    owner: dict[int, Share] = {}
+    for _ in range(100):
+        for share in (heavy, light):
+            f = future()
+            owner[id(f)] = share
+            queue.push(share, 0, f)
+    tokens = {"heavy": 0, "light": 0}
+    for _ in range(80):
+        popped = queue.pop()
+        assert popped is not None
+        share = owner[id(popped)]
+        queue.charge(share, 10)
+        tokens[share.key] += 10
+    assert tokens["heavy"] == 3 * tokens["light"]
+
+
+async def test_priorities_order_requests_within_a_key() -> None:
+    queue = FairQueue()
+    low, high = future(), future()
+    queue.push(A, 10, low)
+    queue.push(A, 0, high)
+    assert queue.pop() is high and queue.pop() is low and queue.pop() is None
+
+
+async def test_an_idle_key_banks_no_credit() -> None:
+    queue = FairQueue()
+    queue.push(A, 0, future())
+    queue.charge(A, 1000)
+    assert queue.pop() is not None  # a alone: served; the pool's virtual time is now 1000
+    b = [future() for _ in range(3)]
+    for f in b:
+        queue.push(B, 0, f)  # b has been idle: it starts at 1000, not at 0
+    later_a = future()
+    queue.push(A, 0, later_a)
+    queue.charge(B, 1)
+    assert queue.pop() is later_a  # b's one token makes it the more served: b gets no run of three
+
+
+async def test_admission_hands_a_freed_slot_to_the_starved_key() -> None:
+    adm = Admission(max_active=1, max_queued=100)
+    order: list[str] = []
+    gate = asyncio.Event()
+
+    async def job(name: str, share: Share) -> None:
+        async with adm.slot(0, share):
+            adm.fair.charge(share, 50)
+            order.append(name)
+            await gate.wait()
+
+    tasks = [asyncio.create_task(job(f"a{i}", A)) for i in range(4)]
+    await asyncio.sleep(0.01)
+    tasks.append(asyncio.create_task(job("b0", B)))
+    await asyncio.sleep(0.01)
+    gate.set()
+    await asyncio.gather(*tasks)
+    assert order[:2] == ["a0", "b0"]  # b's request is next once a's first frees the slot
+
+
+# -- a key's own limits ----------------------------------------------------------------------------
+
+
+async def test_a_token_rate_refuses_until_the_window_ends_with_a_retry_hint() -> None:
+    now = [120.0]
+    quota = LocalQuota(clock=lambda: now[0])
+    key = Principal("k", tokens_per_minute=100)
+    await quota.admit(key, "r1")
+    await quota.charge(key, 150)  # the generation that crosses the line finishes
+    now[0] = 150.0
+    with pytest.raises(GatewayError) as refused:
+        await quota.admit(key, "r2")
+    assert refused.value.code is Code.RESOURCE_EXHAUSTED and refused.value.retry_after_s == 30
+    assert "retry after 30 s" in refused.value.message
+    now[0] = 180.0  # the next minute
+    await quota.admit(key, "r3")
+
+
+async def test_a_concurrency_limit_counts_running_generations() -> None:
+    quota = LocalQuota()
+    key = Principal("k", max_concurrent=2)
+    await quota.admit(key, "r1")
+    await quota.admit(key, "r2")
+    with pytest.raises(GatewayError) as refused:
+        await quota.admit(key, "r3")
+    assert refused.value.code is Code.RESOURCE_EXHAUSTED and refused.value.retry_after_s == 1
+    await quota.admit(Principal("other", max_concurrent=2), "r3")  # another key has its own
+    await quota.release(key, "r1")
+    await quota.admit(key, "r3")
+
+
+async def test_a_reserved_slot_lets_a_newcomer_start_at_once_while_another_key_fills_the_pool() -> None:
+    adm = Admission(max_active=3, max_queued=100, reserved=1)
+    gates = {name: asyncio.Event() for name in ("a0", "a1", "a2", "b0")}
+    started: list[str] = []
+
+    async def job(name: str, share: Share) -> None:
+        async with adm.slot(0, share):
+            started.append(name)
+            await gates[name].wait()
+
+    a = [asyncio.create_task(job(f"a{i}", A)) for i in range(3)]
+    await asyncio.sleep(0.01)
+    assert started == ["a0", "a1"] and adm.active == 2 and adm.queued == 1  # a may not take the reserved slot
+    b = asyncio.create_task(job("b0", B))
+    await asyncio.sleep(0.01)
+    assert started[-1] == "b0" and adm.active == 3  # b runs nothing: it starts at once, ahead of a's waiter
+    gates["b0"].set()
+    await b
+    assert adm.active == 2 and adm.queued == 1  # the freed reserved slot is kept for the next newcomer
+    gates["a0"].set()
+    await asyncio.sleep(0.01)
+    assert started[-1] == "a2" and adm.active == 2
+    for gate in gates.values():
+        gate.set()
+    await asyncio.gather(*a)
+    assert adm.active == 0

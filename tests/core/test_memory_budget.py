@@ -1,0 +1,93 @@
+"""The memory budget: each request's worst case from its spec, admitted while the sum fits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from prismgate.core.actions import GenerateSpec, PositionRange
+from prismgate.core.engine import EngineInfo, ReadoutManifest
+from prismgate.core.errors import Code, GatewayError
+from prismgate.core.memory import AUTO_MAX, AUTO_MIN, MemoryBudget, covered, default_budget, request_bytes
+
+INFO = EngineInfo(
+    model_id="m",
+    max_model_len=4096,
+    vocab_size=49152,
+    eos_token_ids=(0,),
+    tokenizer=None,  # type: ignore[arg-type]
+    readouts=ReadoutManifest(concepts=tuple(f"c{i}" for i in range(256)), layers=(0, 1), hidden_size=64),
+)
+
+
+def test_covered_counts_each_position_once() -> None:
+    ranges = (PositionRange(0, 10), PositionRange(5, 20), PositionRange(30, 40), PositionRange(90, 200))
+    assert covered(ranges, 100) == 20 + 10 + 10
+    assert covered((), 100) == 0
+
+
+def test_the_estimate_grows_with_what_a_request_reports() -> None:
+    plain = request_bytes(GenerateSpec(max_tokens=16), 3516, INFO)
+    everything = PositionRange(0, 3532)
+    logprobs = GenerateSpec(max_tokens=16, logprob_ranges=(everything,), logprob_top_k=20)
+    both = GenerateSpec(max_tokens=16, logprob_ranges=(everything,), logprob_top_k=20, readout_ranges=(everything,))
+    sizes = [plain, request_bytes(logprobs, 3516, INFO), request_bytes(both, 3516, INFO)]
+    assert sizes == sorted(sizes) and len(set(sizes)) == 3
+    assert sizes[0] < 1 << 20 < 150 << 20 < sizes[2]  # a plain request is small; the issue's request is not
+
+
+def test_the_default_is_sized_to_the_machine() -> None:
+    assert AUTO_MIN <= default_budget() <= AUTO_MAX
+    assert MemoryBudget(0).limit == default_budget() and MemoryBudget(5 << 20).limit == 5 << 20
+
+
+async def test_a_request_over_the_whole_budget_is_refused_naming_the_setting() -> None:
+    budget = MemoryBudget(10 << 20)
+    with pytest.raises(GatewayError) as refused:
+        async with budget.reserve(11 << 20):
+            pass
+    assert refused.value.code is Code.RESOURCE_EXHAUSTED and "memory_budget_bytes" in refused.value.message
+    assert budget.used == 0
+
+
+async def test_requests_wait_until_their_bytes_fit_and_small_ones_go_ahead() -> None:
+    budget = MemoryBudget(10 << 20)
+    order: list[str] = []
+    first_done = asyncio.Event()
+
+    async def run(name: str, size: int, hold: asyncio.Event | None = None) -> None:
+        async with budget.reserve(size):
+            order.append(name)
+            assert budget.used <= budget.limit
+            if hold is not None:
+                await hold.wait()
+
+    first = asyncio.create_task(run("a", 8 << 20, first_done))
+    await asyncio.sleep(0)
+    later = [asyncio.create_task(run(n, s)) for n, s in (("b", 4 << 20), ("c", 1 << 20))]
+    await asyncio.sleep(0.01)
+    assert order == ["a", "c"] and budget.waiting == 1  # c fits beside a; b waits for a
+    first_done.set()
+    await asyncio.gather(first, *later)
+    assert order == ["a", "c", "b"] and budget.used == 0
+
+
+async def test_a_cancelled_waiter_leaves_no_bytes_held() -> None:
+    budget = MemoryBudget(10 << 20)
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        async with budget.reserve(9 << 20):
+            await release.wait()
+
+    holder = asyncio.create_task(hold())
+    await asyncio.sleep(0)
+    waiter = asyncio.create_task(budget.reserve(5 << 20).__aenter__())
+    await asyncio.sleep(0.01)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    release.set()
+    await holder
+    assert budget.used == 0 and budget.waiting == 0
