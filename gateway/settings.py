@@ -530,7 +530,8 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "limits (each checked before the work it would cause)",
         (
-            "max_active", "max_queued", "reserved_slots", "memory_budget_bytes", "max_sessions", "max_session_tokens", "grpc_max_message_bytes",
+            "max_active", "max_queued", "reserved_slots", "memory_budget_bytes", "max_sessions", "max_session_tokens",
+            "grpc_max_message_bytes",
             "openai_max_body_bytes", "graphpipe_max_body_bytes", "graphpipe_max_batch", "max_json_depth",
             "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_position_ranges",
             "prompt_bytes_per_context_token", "max_steering_entries", "evergreen_max_nodes", "evergreen_max_bytes",
