@@ -31,10 +31,20 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def default_model_target() -> Path:
+    """Where the converted default model lives (it may not be converted yet)."""
+    return cache_dir() / "models" / f"{DEFAULT_MODEL_ID}-bf16"
+
+
+def default_model_converted() -> bool:
+    target = default_model_target()
+    return (target / "config.json").exists() and (target / "model.safetensors").exists()
+
+
 def default_model_path() -> Path:
     """The converted default model, converting it on first use."""
-    target = cache_dir() / "models" / f"{DEFAULT_MODEL_ID}-bf16"
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+    target = default_model_target()
+    if default_model_converted():
         return target
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:

@@ -69,7 +69,12 @@ def create_app(
         info = service.info()
         return JSONResponse({"ready": True, "model": info.model_id, "engine": info.engine_name, "models": models})
 
+    async def favicon(_request: Request) -> Response:
+        # browsers ask for it on every page (the playground, /metrics): no icon, and no 404 in the console
+        return Response(status_code=204, headers={"cache-control": "max-age=86400"})
+
     routes: list[BaseRoute] = [
+        Route("/favicon.ico", favicon),
         Route("/healthz", healthz),
         Route("/readyz", readyz),
         Route("/metrics", metrics_endpoint),

@@ -15,6 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["concepts"]:
         from prismgate.engines.readouts.cli import main as concepts_main
+        from prismgate.quiet import quiet_libraries
+
+        quiet_libraries(debug=False)
 
         return concepts_main(argv[1:])
     if argv[:1] == ["keys"]:
@@ -27,7 +30,13 @@ def main(argv: list[str] | None = None) -> int:
         "OpenAI-compatible API over one engine pool, with per-token concept readouts.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="Serve the model over every protocol (HTTP and gRPC).")
+    serve = commands.add_parser(
+        "serve",
+        help="Serve the model over every protocol (HTTP and gRPC).",
+        usage="prismgate serve [--config TOML] [--FLAG VALUE ...]",
+        description="Serve the model over every protocol (HTTP and gRPC). Every flag is also an environment "
+        "variable and a TOML key (README: Configuration); flags win over the environment, which wins over the file.",
+    )
     add_arguments(serve)
     from prismgate.cli_generate import add_parser as add_generate
 

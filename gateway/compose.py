@@ -11,9 +11,15 @@ from prismgate.core.pool import EnginePool
 from prismgate.core.quota import LocalQuota, Quota
 from prismgate.core.service import SessionService
 from prismgate.core.stores import InProcessStore, SessionStore
-from prismgate.engines.models import DEFAULT_MODEL_ID, resolve_model
+from prismgate.engines.models import (
+    DEFAULT_MODEL_ID,
+    default_model_converted,
+    default_model_path,
+    default_model_target,
+    resolve_model,
+)
 from prismgate.engines.readouts.auto import cached_pack_path
-from prismgate.engines.readouts.auto_engine import AutoPackEngine
+from prismgate.engines.readouts.auto_engine import AutoPackEngine, ConvertingEngine
 from prismgate.engines.readouts.pack import DEFAULT_PACKS
 from prismgate.settings import Settings
 
@@ -39,6 +45,16 @@ def concept_pack_for(settings: Settings, served_default: bool) -> Path | None:
 
 
 def build_engine(settings: Settings) -> Engine:
+    if not settings.model and not builds_pack(settings, served_default=True) and not default_model_converted():
+        # the first start: the GGUF conversion runs in the engine's start, after the ports are logged
+        pack = concept_pack_for(settings, served_default=True)
+        model_id = settings.model_name or DEFAULT_MODEL_ID
+        return ConvertingEngine(
+            lambda built: _serving_engine(settings, default_model_target(), model_id, built),
+            default_model_path,
+            model_id=model_id,
+            pack=pack,
+        )
     folder, name = resolve_model(settings.model)
     model_id = settings.model_name or name
     served_default = name == DEFAULT_MODEL_ID and not settings.model

@@ -12,6 +12,9 @@ With JSON logs the stream must hold nothing else, or a log shipper drops or mang
 the libraries' own outputs are routed or silenced (:func:`_json_only`): progress bars are off,
 ``warnings`` become records, and transformers' and vLLM's loggers propagate to ours instead of
 printing text through handlers of their own.
+
+Either way the libraries' noise a user cannot act on stays off the console
+(:func:`prismgate.quiet.quiet_libraries`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from prismgate.quiet import quiet_libraries
 from prismgate.settings import Settings
 
 # LogRecord's own attributes are not fields; uvicorn adds a coloured copy of its message
@@ -113,22 +117,18 @@ def configure(settings: Settings) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(settings.log_level.upper())
+    quiet_libraries(debug=settings.log_level.upper() == "DEBUG")
     if settings.log_json:
         _json_only()
 
 
 def _json_only() -> None:
-    """Keep non-JSON text off the log stream: progress bars off, library logs through our handler."""
-    # Read when huggingface_hub / tqdm / vLLM are first imported, which is after this (the CLI
-    # configures logging before it loads an engine); transformers is told directly below.
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-    os.environ["TQDM_DISABLE"] = "1"
-    os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
+    """Keep non-JSON text off the log stream: library logs and warnings through our handler."""
+    os.environ["VLLM_CONFIGURE_LOGGING"] = "0"  # read when vLLM is first imported
     logging.captureWarnings(True)
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:  # pragma: no cover - transformers is a dependency; vLLM-only images have it too
         return
-    hf_logging.disable_progress_bar()
     hf_logging.disable_default_handler()
     hf_logging.enable_propagation()

@@ -491,19 +491,76 @@ def _read_toml(path: str) -> dict[str, Any]:
     return out
 
 
+# --help's sections: every setting in exactly one (tests/test_settings.py checks it), "limits" last
+HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "server",
+        (
+            "host", "http_port", "grpc_port", "shutdown_grace_s", "port_file", "playground",
+            "session_store", "session_ttl_s", "session_lock_s", "openai_default_max_tokens", "evergreen_max_tokens",
+            "evergreen_file_root", "evergreen_http_refs", "graphpipe_path", "graphpipe_root", "graphpipe_error_status",
+        ),
+    ),
+    (
+        "model and engine",
+        (
+            "engine", "model", "model_name", "concept_pack", "concept_pack_cache", "concept_pack_pairs", "device",
+            "dtype", "threads", "max_model_len", "prefill_chunk", "max_cached_tokens", "replicas", "max_batch",
+            "deterministic",
+        ),
+    ),
+    (
+        "vLLM engine (--engine vllm only)",
+        (
+            "gpu_memory_utilization", "vllm_kv_cache_gb", "vllm_enforce_eager", "tensor_parallel_size",
+            "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend", "vllm_readout_address",
+            "vllm_block_size", "vllm_cache_scope", "vllm_steering_rounds",
+        ),
+    ),
+    (
+        "security (who may call, and what a client may hold open)",
+        (
+            "auth_token", "keys_file", "allow_special_tokens_in_text", "allowed_origins", "max_connections_per_client",
+            "http_keep_alive_s",
+            "http_header_timeout_s", "http_body_timeout_s", "http_send_timeout_s", "http_max_header_bytes",
+            "slow_client_timeout_s", "slow_client_buffer_bytes",
+        ),
+    ),
+    ("observability", ("log_level", "log_json", "log_prompts")),
+    (
+        "limits (each checked before the work it would cause)",
+        (
+            "max_active", "max_queued", "reserved_slots", "memory_budget_bytes", "max_sessions", "max_session_tokens",
+            "grpc_max_message_bytes",
+            "openai_max_body_bytes", "graphpipe_max_body_bytes", "graphpipe_max_batch", "max_json_depth",
+            "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_position_ranges",
+            "prompt_bytes_per_context_token", "max_steering_entries", "evergreen_max_nodes", "evergreen_max_bytes",
+            "evergreen_max_depth", "max_expanded_leaves", "max_actions_in_flight",
+            "evergreen_ref_max_bytes", "evergreen_ref_timeout_s",
+        ),
+    ),
+)  # fmt: skip
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per setting, its help naming the env var and the default."""
+    """One ``--flag`` per setting, its help naming the env var and the default, in :data:`HELP_GROUPS`' sections."""
     parser.add_argument("--config", help=f"TOML file of settings ({ENV_PREFIX}CONFIG).")
-    for f in Settings.fields():
-        flag = "--" + f.name.replace("_", "-")
-        env = ENV_PREFIX + f.name.upper()
-        text = f"{f.metadata['help']} [env {env}; default {f.default!r}]"
-        if _base_type(f) is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text)
-        else:
-            parser.add_argument(
-                flag, dest=f.name, type=_base_type(f), default=None, choices=f.metadata.get("choices"), help=text
-            )
+    fields = {f.name: f for f in Settings.fields()}
+    for title, names in HELP_GROUPS:
+        group = parser.add_argument_group(title)
+        for name in names:
+            _add_flag(group, fields[name])
+
+
+def _add_flag(group: argparse._ArgumentGroup, f: dataclasses.Field[Any]) -> None:
+    flag = "--" + f.name.replace("_", "-")
+    text = f"{f.metadata['help']} [env {ENV_PREFIX + f.name.upper()}; default {f.default!r}]".replace("%", "%%")
+    if _base_type(f) is bool:
+        group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text)
+    else:
+        group.add_argument(
+            flag, dest=f.name, type=_base_type(f), default=None, choices=f.metadata.get("choices"), help=text
+        )
 
 
 def from_arguments(args: argparse.Namespace) -> Settings:

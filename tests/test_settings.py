@@ -67,3 +67,10 @@ def test_every_budget_limit_is_a_setting_and_reaches_the_core() -> None:
     assert (budget.max_stop_strings, budget.max_json_depth) == (2, 5)
     with pytest.raises(GatewayError, match="3 stop strings; the limit is 2"):
         budget.check_lists(stop_strings=["a", "b", "c"])
+
+
+def test_every_setting_is_in_exactly_one_help_section() -> None:
+    from prismgate.settings import HELP_GROUPS
+
+    named = [name for _, names in HELP_GROUPS for name in names]
+    assert sorted(named) == sorted(f.name for f in Settings.fields())

@@ -75,7 +75,9 @@ def from_gateway(exc: GatewayError, *, param: str | None = None, code: str | Non
     429 its clients would retry).
     """
     if isinstance(exc, UnknownModel):
-        return OpenAIError(404, f"The model '{clip(exc.model)}' does not exist", param="model", code="model_not_found")
+        served = ", ".join(f"'{name}'" for name in exc.served)
+        message = f"The model '{clip(exc.model)}' does not exist; this server serves {served}"
+        return OpenAIError(404, message, param="model", code="model_not_found")
     if isinstance(exc, ContextOverflow):
         return OpenAIError(400, _context_message(exc), param=param, code="context_length_exceeded")
     kind, default_code = _TYPES.get(exc.code, ("server_error", None))

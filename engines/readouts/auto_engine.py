@@ -51,6 +51,7 @@ class AutoPackEngine:
         self._pairs, self._dtype, self._device, self._threads = pairs, dtype, device, threads
         self._inner: Engine | None = None
         self._building: str | None = None  # what the build is doing now, while it runs
+        self._preparing: str | None = None  # a step before the build (health's reason, whole), while it runs
         self._closing = False
         self.info: EngineInfo = None  # type: ignore[assignment]  # the wrapped engine's, once started
 
@@ -121,6 +122,8 @@ class AutoPackEngine:
     def health(self) -> Health:
         if self._closing:
             return health.STOPPING
+        if self._preparing is not None:
+            return Health(HealthState.LOADING, self._preparing)
         if self._building is not None:
             return Health(HealthState.LOADING, f"building concept pack: {self._building}")
         if self._inner is None:
@@ -148,3 +151,33 @@ class AutoPackEngine:
 
     def in_flight(self) -> int:
         return 0 if self._inner is None else self._inner.in_flight()
+
+
+class ConvertingEngine(AutoPackEngine):
+    """The embedded default model on its first start: converted from GGUF (15-30 s, once) in :meth:`start`.
+
+    So the conversion runs after the ports are bound and logged, like any model load, with
+    ``/readyz`` answering "converting the default model from GGUF (once)" meanwhile; then the
+    serving engine is made with ``pack`` (the shipped pack, or none) and started.
+    """
+
+    def __init__(self, make: EngineFactory, convert: Callable[[], Path], *, model_id: str, pack: Path | None) -> None:
+        super().__init__(make, model_dir=".", model_id=model_id, pack_path=pack or Path())
+        self._convert = convert
+        self._pack = pack
+
+    async def start(self) -> None:
+        if self._inner is not None:
+            return
+        self._preparing = "converting the default model from GGUF (once)"
+        started = time.perf_counter()
+        try:
+            folder = await asyncio.to_thread(self._convert)
+        finally:
+            self._preparing = None
+        log.info("converted %s to %s in %.1f s", self.model_id, folder, time.perf_counter() - started)
+        if self._closing:
+            return
+        self._inner = self._make(self._pack)
+        await self._inner.start()
+        self.info = self._inner.info

@@ -23,11 +23,12 @@ from prismgate.engines.readouts.build import (
     build_pack_and_report,
 )
 from prismgate.engines.readouts.capture import DEFAULT_BATCH, load_model
-from prismgate.engines.readouts.pack import ConceptPack
+from prismgate.engines.readouts.pack import PREFERRED_VIEW_LAYER, ConceptPack
 from prismgate.engines.readouts.probe import decoder_layers
 from prismgate.engines.readouts.prompt_sets import load_prompt_sets
 from prismgate.engines.readouts.report import DEFAULT_FOLDS
 from prismgate.engines.readouts.show import describe, print_readouts, print_similarity, print_summary
+from prismgate.engines.readouts.table import Columns
 
 
 def _layer_list(text: str) -> list[int] | str:
@@ -113,7 +114,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--model", metavar="PATH", help="check the pack against this model folder ('default': the embedded one)"
     )
-    s.add_argument("--text", help="with --model: print the per-token readouts of this text")
+    s.add_argument(
+        "--text",
+        help="with --model: print the readouts of each token of this text after the first, value - center, "
+        "as prismgate generate --readouts prints them",
+    )
+    s.add_argument(
+        "--layers",
+        metavar="L,L",
+        help=f"with --text: layers to show, from the pack, or 'all' (default: {PREFERRED_VIEW_LAYER} when the pack "
+        "has it, else its middle layer)",
+    )
+    s.add_argument("--concepts", metavar="NAME,NAME", help="with --text: concepts to show, by name (default: all)")
     return parser
 
 
@@ -200,7 +212,12 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
+    if args.text and args.model is None:  # before anything is printed
+        raise invalid("--text needs --model (a model folder, or 'default' for the embedded one)")
+    if (args.layers or args.concepts) and not args.text:
+        raise invalid("--layers and --concepts choose the columns of --text's table: give --text too")
     pack = ConceptPack.load(args.pack)
+    columns = Columns.choose(pack.manifest, args.layers, args.concepts) if args.text else None
     if args.json:
         print(json.dumps(describe(pack), indent=2, ensure_ascii=False))
     else:
@@ -212,10 +229,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
         model, tokenizer = load_model(folder)
         pack.check_model(len(decoder_layers(model)), int(model.config.get_text_config().hidden_size))
         print(f"fits       {folder}")
-        if args.text:
-            print_readouts(model, tokenizer, pack, args.text)
-    elif args.text:
-        raise invalid("--text needs --model")
+        if args.text and columns is not None:
+            print_readouts(model, tokenizer, pack, args.text, columns)
     return 0
 
 

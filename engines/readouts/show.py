@@ -16,6 +16,7 @@ from prismgate.core.errors import invalid
 from prismgate.engines.readouts.capture import deterministic_torch
 from prismgate.engines.readouts.pack import ConceptPack
 from prismgate.engines.readouts.probe import ReadoutProbe
+from prismgate.engines.readouts.table import Columns, ReadoutTable
 
 
 def describe(pack: ConceptPack) -> dict[str, Any]:
@@ -105,13 +106,14 @@ def readouts(model: Any, tokenizer: Any, pack: ConceptPack, text: str) -> tuple[
         probe.remove()
 
 
-def print_readouts(model: Any, tokenizer: Any, pack: ConceptPack, text: str) -> None:
-    """Each token of ``text`` and its readouts at the pack's middle layer."""
+def print_readouts(model: Any, tokenizer: Any, pack: ConceptPack, text: str, columns: Columns) -> None:
+    """Each token of ``text`` after the first, in the table ``prismgate generate --readouts`` prints.
+
+    Position 0 is left out: the attention sink's norm is in the thousands, so its readouts are not
+    comparable with any other position's. The logprob column stays empty (the text is given, not sampled).
+    """
     ids, values = readouts(model, tokenizer, pack, text)
-    layer = len(pack.layers) // 2
-    print(f"readouts at layer {pack.layers[layer]} (position 0 is the attention sink: its values are not comparable)")
-    print(f"{'token':<16}" + "".join(f"{c[:9]:>10}" for c in pack.concepts))
-    for tid, row in zip(ids, values[:, layer], strict=True):
-        print(f"{tokenizer.decode([tid])!r:<16}"[:16] + "".join(f"{v:>10.2f}" for v in row))
-    if pack.centers is not None:
-        print(f"{'(center)':<16}" + "".join(f"{float(v):>10.2f}" for v in pack.centers[layer]))
+    table = ReadoutTable(pack.manifest, columns)
+    print("\n".join(table.header()))
+    for position in range(1, len(ids)):
+        print(table.row(position, tokenizer.decode([ids[position]]), None, values[position]))

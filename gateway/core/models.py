@@ -24,6 +24,7 @@ class UnknownModel(GatewayError):
             f"model {quote(model)} is not served here; this server serves " + ", ".join(repr(m) for m in served),
         )
         self.model = model
+        self.served = list(served)
 
 
 def no_concept_pack(model: str) -> GatewayError:

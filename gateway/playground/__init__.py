@@ -33,11 +33,40 @@ FILES = {"app.js": "text/javascript", "style.css": "text/css"}
 NO_CACHE = {"cache-control": "no-cache"}
 
 
+# The sliders' starting layer and reach for the embedded SmolLM2-135M-Instruct pack, measured with
+# greedy answers through the OpenAI API (docs/evergreen.md#playground has the answers): at layer 4,
+# +16 turns "What is the capital of France?" French and a rainy Monday sunny, fluently; at every
+# layer tried (4, 8, 12, 16) the text degenerates past about 24 ("La la la..."), and at 12 and 16
+# +16 still changes nothing. Any other pack: its view layer and the full range (nothing measured).
+EMBEDDED_STEERING = {"layer": 4, "range": 32}
+UNMEASURED_RANGE = 64
+
+
+# The concept the page shades by until a slider picks one: in a chat it tells the user's question
+# (above its center) from the model's answer (below), so the first screen has both colours; `code`,
+# the first by name, is below its center almost everywhere in prose.
+VIEW_CONCEPT = "question"
+
+
+def view_concept(concepts: tuple[str, ...]) -> int:
+    """Index of the concept the page shades by first: :data:`VIEW_CONCEPT`, else the first."""
+    return concepts.index(VIEW_CONCEPT) if VIEW_CONCEPT in concepts else 0
+
+
+def steering_defaults(layers: tuple[int, ...], *, served_default: bool) -> dict[str, int]:
+    """The steering layer the page starts at and the sliders' reach (+-range)."""
+    if served_default and EMBEDDED_STEERING["layer"] in layers:
+        return dict(EMBEDDED_STEERING)
+    return {"layer": layers[view_layer(layers)], "range": UNMEASURED_RANGE}
+
+
 def manifest(service: SessionService, settings: Settings) -> dict[str, object]:
     """What the page needs to know about the model (readouts: null when no concept pack is loaded).
 
     ``scales`` is ``[layer][concept]`` or null (a pack without them: the page then scales to the
-    conversation's largest value and says so); ``defaultLayer`` is an index into ``layers``.
+    conversation's largest value and says so); ``defaultLayer`` is an index into ``layers`` and
+    ``defaultConcept`` into ``concepts``;
+    ``steering`` the steering layer (a layer number) and the sliders' reach the page starts with.
     """
     if not service.pool.ready:
         return {"ready": False}
@@ -53,6 +82,8 @@ def manifest(service: SessionService, settings: Settings) -> dict[str, object]:
             "centers": None if m.centers is None else [list(row) for row in m.centers],
             "scales": scales_for(settings, m, served_default=settings.model is None),
             "defaultLayer": view_layer(m.layers),
+            "defaultConcept": view_concept(m.concepts),
+            "steering": steering_defaults(m.layers, served_default=settings.model is None),
         }
     return {
         "ready": True,

@@ -117,6 +117,7 @@ function showManifest(m) {
   m.readouts.concepts.forEach((name, i) => concept.add(new Option(name, String(i))));
   m.readouts.layers.forEach((l, i) => layer.add(new Option(`L${l}`, String(i))));
   layer.value = String(m.readouts.defaultLayer ?? m.readouts.layers.length - 1);
+  concept.value = String(m.readouts.defaultConcept ?? 0);
   showSteering(m.readouts);
   renderAll();
 }
@@ -127,17 +128,24 @@ function showSteering(readouts) {
   layer.innerHTML = "";
   sliders.innerHTML = "";
   readouts.layers.forEach((l) => layer.add(new Option(`L${l}`, String(l))));
-  layer.value = String(readouts.layers[readouts.defaultLayer ?? readouts.layers.length - 1]);
+  const steering = readouts.steering ?? { layer: readouts.layers[readouts.defaultLayer ?? 0], range: 64 };
+  layer.value = String(steering.layer);
+  const reach = String(steering.range);
   for (const name of readouts.concepts) {
     const label = el("label");
     const slider = el("input", "steer");
-    Object.assign(slider, { type: "range", min: "-64", max: "64", step: "1", value: "0" });
+    Object.assign(slider, { type: "range", min: `-${reach}`, max: reach, step: "1", value: "0" });
     slider.dataset.concept = name;
     const shown = el("output", "", "0");
     slider.addEventListener("input", () => {
       shown.textContent = slider.value;
       label.classList.toggle("on", Number(slider.value) !== 0);
       summarizeSteering();
+      if (Number(slider.value) !== 0) {
+        // shade by the concept being steered, so the effect shows in the colours too
+        $("concept").value = String(readouts.concepts.indexOf(name));
+        renderAll();
+      }
     });
     label.append(el("span", "", name), slider, shown);
     sliders.appendChild(label);
@@ -178,7 +186,8 @@ function connect() {
     if (typeof event.data === "string") onMessage(JSON.parse(event.data));
   };
   ws.onclose = (event) => {
-    if (state.ws === ws) state.ws = null;
+    if (state.ws !== ws) return; // replaced (New chat closed it on purpose): nothing to report
+    state.ws = null;
     if (event.code !== 1000 && event.code !== 1005) {
       addError(`session ended: ${event.code} ${event.reason || ""}`.trim());
     }
@@ -335,6 +344,11 @@ async function scorePrompt(turn, messages, start) {
     for (const t of body.tokens) {
       if (t.position < start) continue;
       const token = makeToken(turn, "prompt", t);
+      if (!turn.prompt.length && /^\n+$/.test(token.text)) {
+        // a later turn's prompt opens with the template's newline after the last answer's end token
+        token.span.textContent = "\u21b5";
+        token.span.classList.add("special");
+      }
       turn.prompt.push(token);
       turn.userBody.appendChild(token.span);
     }
@@ -540,16 +554,25 @@ function renderLegend({ layer, concept }, { scale, calibrated }) {
   $("legend-title").textContent = `Shading: ${what}, value \u2212 center`;
   const ticks = $("legend-ticks");
   ticks.innerHTML = "";
+  const rows = gridView === "concepts" ? m.concepts.map((_, c) => ({ layer, concept: c }))
+    : gridView === "layers" ? m.layers.map((_, li) => ({ layer: li, concept })) : null;
   for (const k of [-FULL_AT, -1, 0, 1, FULL_AT]) {
     const tick = el("span", "tick");
-    tick.append(el("b", "", k === 0 ? "0" : signed(k * scale, scale >= 10 ? 1 : 2)), el("small", "", k === 0 ? "center" : `${signed(k, 0)} scale`));
+    // a grid's rows each have their own scale: its ticks are in scales, not in one row's units
+    const number = k === 0 ? "0" : rows && calibrated ? `${signed(k, 0)}\u00d7` : signed(k * scale, scale >= 10 ? 1 : 2);
+    tick.append(el("b", "", number), el("small", "", k === 0 ? "center" : `${signed(k, 0)} scale`));
     ticks.appendChild(tick);
   }
   legend.dataset.scale = String(scale);
   legend.dataset.calibrated = calibrated ? "1" : "0";
-  $("legend-note").textContent = calibrated
-    ? `Fixed scale from the concept pack: 1 scale = ${fmt(scale, 2)} for ${name} at L${m.layers[layer]}, half the gap between its positive and negative prompts. ${gridView === "text" ? "" : "Grid cells use each row's own scale."}`
-    : "This concept pack has no scales: shading is relative to the largest value in this conversation.";
+  const perRow = rows && calibrated
+    ? rows.map((row) => `${gridView === "concepts" ? m.concepts[row.concept] : `L${m.layers[row.layer]}`} ${fmt(scaleOf(row).scale, 1)}`).join(", ")
+    : "";
+  $("legend-note").textContent = !calibrated
+    ? "This concept pack has no scales: shading is relative to the largest value in this conversation."
+    : rows
+      ? `Fixed scales from the concept pack, one per row (half the gap between its positive and negative prompts): ${perRow}.`
+      : `Fixed scale from the concept pack: 1 scale = ${fmt(scale, 2)} for ${name} at L${m.layers[layer]}, half the gap between its positive and negative prompts.`;
 }
 
 function renderGrid({ layer, concept }) {
@@ -576,7 +599,12 @@ function renderGrid({ layer, concept }) {
   let previousTurn = null;
   for (const t of tokens) {
     const th = el("th", `tokhead ${t.part}`);
-    th.appendChild(el("span", "", t.text.replace(/\n/g, "\u21b5") || "\u00b7"));
+    const label = el("span", "", t.text.replace(/\n/g, "\u21b5") || (t.part === "prompt" ? "\u00b7" : "end"));
+    if (!t.text && t.part !== "prompt") {
+      th.classList.add("special");
+      th.title = "the end-of-sequence token: it ends the answer and has no text";
+    }
+    th.appendChild(label);
     if (t.turn !== previousTurn) th.classList.add("turn-start");
     previousTurn = t.turn;
     head.appendChild(th);
@@ -622,6 +650,11 @@ function showTip(event, token) {
     const withCenters = Boolean(m.centers);
     tip.appendChild(el("div", "", `readouts at layer L${m.layers[layer]}` + (withCenters ? " (raw, minus the concept's center, in scales):" : ":")));
     const table = el("table");
+    const head = el("tr", "head");
+    head.append(el("th", "", "concept"), el("th", "", "raw"));
+    if (withCenters) head.append(el("th", "", "\u2212 center"));
+    if (withCenters && scaleOf({ layer, concept }).calibrated) head.append(el("th", "", "scales"));
+    table.appendChild(head);
     m.concepts.forEach((name, c) => {
       const row = el("tr", c === concept ? "sel" : "");
       const value = token.values[layer][c];

@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -51,9 +50,8 @@ def _on_ports(code: str, server: Served) -> str:
 
 
 def _env(tiny: tuple[Path, Path] | None) -> dict[str, str]:
+    # the virtualenv's scripts come before the system's: grpcurl and websocat are the dev extras'
     path = [str(HERE / "bin"), str(Path(sys.executable).parent)]
-    if shutil.which("grpcurl") is None:
-        path.insert(1, str(HERE / "grpcurl-bin"))
     env = {
         **os.environ,
         "PATH": os.pathsep.join([*path, os.environ.get("PATH", "")]),

@@ -275,6 +275,8 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
         "param": "model",
         "code": "model_not_found",
     }
+    served = client.models.list().data[0].id
+    assert e.value.body["message"] == f"The model 'gpt-5' does not exist; this server serves '{served}'"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-5", prompt="x", max_tokens=2)
 

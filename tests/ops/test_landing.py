@@ -28,3 +28,8 @@ def test_the_page_needs_no_token_but_graphpipe_still_does(server_factory: Any) -
         page = httpx.get(server.http_url + "/", headers=BROWSER)
         assert page.status_code == 200 and 'href="/playground"' not in page.text
         assert httpx.get(server.http_url + "/").status_code == 401
+
+
+def test_the_favicon_a_browser_asks_for_is_no_404(live_server: Any) -> None:
+    r = httpx.get(live_server.http_url + "/favicon.ico", headers=BROWSER)
+    assert r.status_code == 204 and r.content == b""

@@ -37,6 +37,27 @@ def test_manifest_describes_the_readouts(live_server) -> None:
     assert body["readouts"]["layers"] == list(readouts.layers)
     assert body["readouts"]["scales"] is None  # the tiny pack has none
     assert body["readouts"]["defaultLayer"] == len(readouts.layers) // 2  # no layer 16 in the tiny model
+    assert body["readouts"]["defaultConcept"] == (
+        readouts.concepts.index("question") if "question" in readouts.concepts else 0
+    )
+    # steering: nothing measured for this pack, so its view layer and the full reach
+    assert body["readouts"]["steering"] == {"layer": readouts.layers[len(readouts.layers) // 2], "range": 64}
+
+
+def test_the_embedded_pack_steers_from_its_measured_layer_and_reach() -> None:
+    from prismgate.playground import steering_defaults
+
+    embedded = (4, 8, 12, 16, 19, 22, 25, 28)
+    assert steering_defaults(embedded, served_default=True) == {"layer": 4, "range": 32}
+    assert steering_defaults(embedded, served_default=False) == {"layer": 16, "range": 64}
+
+
+def test_the_page_first_shades_by_question_where_the_pack_has_it() -> None:
+    from prismgate.playground import view_concept
+
+    concepts = ("code", "formality", "french", "numeric", "past_tense", "question", "refusal", "sentiment")
+    assert view_concept(concepts) == 5
+    assert view_concept(("concept0", "concept1")) == 0
 
 
 def test_nothing_is_loaded_from_elsewhere() -> None:
@@ -463,6 +484,47 @@ def test_grids_of_concepts_and_of_layers(calibrated, browser) -> None:  # type: 
         lambda: browser.find_element(By.ID, "tooltip").is_displayed() and browser.find_element(By.ID, "tooltip")
     )
     assert "value \u2212 center" in tip.text and "scales (1 scale =" in tip.text
+
+
+def test_the_small_things_a_new_user_sees(calibrated, browser) -> None:  # type: ignore[no-untyped-def]
+    """Tooltip headers, a second prompt without a blank first line, per-row scales in the grid legend,
+    a legend note that stays readable at 760 px, and New chat reading as idle, not as an error."""
+    from selenium.webdriver import ActionChains
+    from selenium.webdriver.common.by import By
+
+    server, pack = calibrated
+    browser.set_window_size(760, 1000)
+    _, answer = _ask(browser, server, "Tell me about prisms", 4)
+    ActionChains(browser).move_to_element(answer.find_elements(By.CSS_SELECTOR, ".tok")[0]).perform()
+    tip = wait_for(
+        lambda: browser.find_element(By.ID, "tooltip").is_displayed() and browser.find_element(By.ID, "tooltip")
+    )
+    assert [th.text for th in tip.find_elements(By.CSS_SELECTOR, "th")] == ["concept", "raw", "\u2212 center", "scales"]
+
+    second, _ = _ask(browser, server, "And then?", 2, new_chat=False)
+    first = second.find_elements(By.CSS_SELECTOR, ".tok")[0]
+    # no empty first line: the template's newline shows as a mark after an answer that ended with its end
+    # token, and the end token itself opens the prompt after one cut at max_tokens (the tiny model's here)
+    assert first.text in ("\u21b5", "<|im_end|>") and "special" in first.get_attribute("class"), first.text
+
+    note = browser.find_element(By.ID, "legend-note")
+    assert note.size["width"] > 400, note.size  # under the bar, not a sliver beside it
+    browser.find_element(By.CSS_SELECTOR, "#view input[value=concepts]").find_element(By.XPATH, "..").click()
+    text = browser.find_element(By.ID, "legend-note").text
+    assert "one per row" in text and all(name in text for name in pack.concepts), text
+    assert browser.find_elements(By.CSS_SELECTOR, "#legend-ticks b")[-1].text == "+2\u00d7"
+
+    # moving a slider shades by the concept it steers; the sliders reach +-64 (nothing measured for this pack)
+    _steer(browser, pack.concepts[2], 5)
+    assert browser.find_element(By.ID, "concept").get_attribute("value") == "2"
+    slider = browser.find_element(By.CSS_SELECTOR, f"#steer-sliders input[data-concept='{pack.concepts[2]}']")
+    assert (slider.get_attribute("min"), slider.get_attribute("max")) == ("-64", "64")
+    _steer(browser, pack.concepts[2], 0)
+
+    browser.find_element(By.ID, "new-chat").click()
+    time.sleep(0.5)  # the closed socket's close event comes after the click
+    assert browser.find_element(By.ID, "status").text == "idle"
+    assert not browser.find_elements(By.CSS_SELECTOR, ".turn")
 
 
 def test_export_json_and_csv(calibrated, browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

