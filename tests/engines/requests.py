@@ -10,6 +10,14 @@ from prismgate.core.engine import EngineRequest
 from prismgate.core.events import Done, TokenEvent
 
 
+def chat(engine: Any, *messages: str) -> tuple[int, ...]:
+    """The chat template's tokens of alternating user and assistant ``messages``."""
+    roles = ["user", "assistant"]
+    return tuple(
+        engine.info.tokenizer.render_chat([{"role": roles[i % 2], "content": m} for i, m in enumerate(messages)])
+    )
+
+
 async def run(
     engine: Any, tokens: tuple[int, ...], session: str | None = None, **spec: Any
 ) -> tuple[list[TokenEvent], Done]:

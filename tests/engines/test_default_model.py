@@ -11,7 +11,7 @@ import pytest_asyncio
 from prismgate.core.actions import PositionRange
 from prismgate.engines.hf import TransformersEngine
 from prismgate.engines.models import DEFAULT_MODEL_ID, default_model_path
-from tests.engines.requests import run
+from tests.engines.requests import chat, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -22,13 +22,6 @@ async def smol() -> Any:
     await engine.start()
     yield engine
     await engine.close()
-
-
-def chat(engine: Any, *messages: str) -> tuple[int, ...]:
-    roles = ["user", "assistant"]
-    return tuple(
-        engine.info.tokenizer.render_chat([{"role": roles[i % 2], "content": m} for i, m in enumerate(messages)])
-    )
 
 
 async def test_it_knows_the_capital_of_france(smol: Any) -> None:

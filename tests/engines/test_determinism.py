@@ -26,7 +26,7 @@ from prismgate.core.steering import Comparison, Gate, SteeringEntry
 from prismgate.engines.hf import TransformersEngine
 from prismgate.engines.models import DEFAULT_MODEL_ID, default_model_path
 from prismgate.engines.readouts.pack import DEFAULT_PACKS
-from tests.engines.requests import run
+from tests.engines.requests import chat, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -60,13 +60,6 @@ async def smol(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
     assert engine.info.deterministic, engine.info.deterministic_off
     yield engine
     await engine.close()
-
-
-def chat(engine: Any, *messages: str) -> tuple[int, ...]:
-    roles = ["user", "assistant"]
-    return tuple(
-        engine.info.tokenizer.render_chat([{"role": roles[i % 2], "content": m} for i, m in enumerate(messages)])
-    )
 
 
 def target_spec(prompt: tuple[int, ...], **extra: Any) -> dict[str, Any]:
