@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, overload
 
 from prismgate.codecs.openai.errors import bad_request
 
 
-def get_bool(body: Mapping[str, Any], name: str, default: bool, *, path: str | None = None) -> bool:
+@overload
+def get_bool(body: Mapping[str, Any], name: str, default: bool, *, path: str | None = None) -> bool: ...
+
+
+@overload
+def get_bool(body: Mapping[str, Any], name: str, default: None, *, path: str | None = None) -> bool | None: ...
+
+
+def get_bool(body: Mapping[str, Any], name: str, default: bool | None, *, path: str | None = None) -> bool | None:
     value = body.get(name)
     if value is None:
         return default

@@ -121,9 +121,7 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, top_logprobs: int |
     top_p = get_float(body, "top_p", 1.0, lo=0.0, hi=1.0)
     top_k = get_int(body, "top_k", 0, lo=-1)
     seed = get_int(body, "seed", None, lo=-INT64, hi=INT64 - 1)
-    deterministic = body.get("deterministic")
-    if deterministic is not None and not isinstance(deterministic, bool):
-        raise bad_request("'deterministic' must be true, false or null", "deterministic")
+    deterministic = get_bool(body, "deterministic", None)
     if top_p == 0.0:  # OpenAI accepts 0: only the most likely token survives, which is greedy decoding
         temperature, top_p = 0.0, 1.0
     return Common(

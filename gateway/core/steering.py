@@ -91,7 +91,7 @@ class Positions(enum.Enum):
 def effective(steering: Steering) -> Steering:
     """The entries that change anything: one of scale 0 adds nothing, so it is left out, and the
     forward pass is bit for bit the unsteered one (re-adding a zero can round a stream differently)."""
-    return steering if all(entry.scale != 0 for entry in steering) else tuple(e for e in steering if e.scale != 0)
+    return tuple(entry for entry in steering if entry.scale != 0)
 
 
 @dataclass(frozen=True, slots=True)
