@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -62,9 +62,16 @@ def padded_rows(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor,
     return F.pad(flat, (0, 0, 0, rows - n)), n
 
 
+def on_rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``product(x)`` for a row-by-row product over the last dimension, run on a padded matrix
+    when ``x`` has fewer rows than its dtype needs (:func:`padded_rows`)."""
+    flat, n = padded_rows(x)
+    if flat.shape[0] == n:
+        return product(x)
+    out = product(flat)
+    return out[:n].reshape(*x.shape[:-1], out.shape[-1])
+
+
 def matmul_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight`` over the last dimension, each row with the kernel it gets in any batch."""
-    if not SWITCH.active:
-        return x @ weight
-    flat, n = padded_rows(x)
-    return (flat @ weight)[:n].reshape(*x.shape[:-1], weight.shape[-1])
+    return on_rows(x, lambda rows: rows @ weight) if SWITCH.active else x @ weight

@@ -1,11 +1,12 @@
 """The start-up check that the batch-invariant kernels keep their promise on this device.
 
 :mod:`~prismgate.engines.hf.invariant` relies on facts about the matrix-product kernels that
-were measured on CPUs (a row's bits do not depend on the other rows once there are at least
-eight). Another device or library build may break them, so before the engine serves a single
-deterministic request it runs one sequence three ways and compares every bit of the logits and
-of the keys and values: prefilled in one chunk, prefilled in chunks of three and decoded token
-by token, and decoded inside batches of other sequences of other lengths. Any difference and the
+were measured on CPUs (a row's bits do not depend on the other rows once a product has enough
+rows: :mod:`prismgate.engines.invariant_rows`). Another device or library build may break them,
+so before the engine serves a single deterministic request it runs one sequence three ways and
+compares every bit of the logits and of the keys and values: prefilled in one chunk, prefilled in
+chunks of three and decoded token by token, and decoded inside batches of other sequences of
+other lengths. Any difference and the
 engine refuses deterministic requests, saying so, rather than promising what it cannot keep.
 """
 

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from prismgate.engines.invariant_rows import MIN_ROWS, SWITCH, padded_rows
+from prismgate.engines.invariant_rows import MIN_ROWS, SWITCH, on_rows
 
 ATTENTION = "prismgate_invariant"  # the name this module registers with transformers' attention interface
 BLOCK = 64  # keys per fixed-length partial sum
@@ -45,12 +45,11 @@ def _padding_forward(layer: torch.nn.Linear) -> Any:
     read, and a module without hooks keeps PyTorch's fast call path.
     """
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if SWITCH.active:
-            flat, n = padded_rows(x)
-            if flat.shape[0] != n:
-                return F.linear(flat, layer.weight, layer.bias)[:n].reshape(*x.shape[:-1], layer.out_features)
+    def linear(x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return on_rows(x, linear) if SWITCH.active else linear(x)
 
     return forward
 
