@@ -75,10 +75,23 @@ def load(
     return LoadedModel(adapter, probe, steerer, info)
 
 
+# Measured on an H100 (torch 2.11, cuBLAS): with the kernels installed and the start-up check
+# passing, a prompt prefilled in chunks of 3 beside other requests gave readouts whose last bits
+# differ from the prompt prefilled alone (tests/engines/test_determinism.py, mix 0). cuBLAS chooses
+# its GEMM kernel by the whole shape, attention's products included; invariance there needs kernels
+# of fixed reduction order (vLLM's batch-invariant mode has them).
+CPU_ONLY = (
+    "the transformers engine runs deterministic requests on CPU only (on a GPU its matrix products are "
+    "not batch-invariant); on a GPU serve with --engine vllm and VLLM_BATCH_INVARIANT=1"
+)
+
+
 def _invariance(adapter: ModelAdapter) -> str | None:
     """Install the batch-invariant kernels and check them here; None, or why deterministic requests are refused."""
     if adapter.vision_tokens is not None:
         return "the transformers engine runs deterministic requests on text-only models (this one has a vision encoder)"
+    if torch.device(adapter.device).type != "cpu":
+        return CPU_ONLY
     if not invariant.install(adapter.model):
         return "this model's attention does not run through transformers' SDPA interface, which the kernels replace"
     failure = invariance_check.check(adapter)

@@ -73,3 +73,18 @@ def test_with_the_switch_off_the_installed_model_computes_what_it_did_before(tin
             first = adapter.forward(ids[:-1], cache, 0, ids, [], list(range(len(ids) - 1)))
             results.append((first, adapter.forward(ids[-1:], cache, len(ids) - 1, ids, [], [0])))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_the_engine_refuses_deterministic_requests_off_the_cpu(tiny_model_dir: Path) -> None:
+    # On an H100 a chunked prefill gave readouts other bits than a whole one (cuBLAS picks kernels
+    # by shape); the refusal is decided before any kernel is installed, so a CPU-held model
+    # labelled for CUDA shows it here; on the CPU the start-up check decides (on the GPU machine's
+    # CPU, torch 2.11, it refused too: "logits of a prompt prefilled in one chunk and in chunks of 3 differ").
+    from prismgate.engines.hf import loading
+    from prismgate.engines.hf.adapters import ModelAdapter
+
+    adapter = load_adapter(tiny_model_dir, device="cpu", dtype="float32")
+    on_gpu = ModelAdapter(adapter.model, adapter.tokenizer, "cuda:0")
+    assert loading._invariance(on_gpu) == loading.CPU_ONLY
+    assert "VLLM_BATCH_INVARIANT=1" in loading.CPU_ONLY
+    assert loading._invariance(adapter) != loading.CPU_ONLY
