@@ -1,11 +1,13 @@
 """Scheduling: which request the worker thread steps next, on the one thread that runs the model.
 
-Requests are stepped best priority first, then first come, one step each per round, so
-streams interleave. Those whose next step is a plain decode step go together in one
-batched forward pass (:mod:`~prismgate.engines.hf.batched_decode`); the rest take their
-own step (:mod:`~prismgate.engines.hf.steps`). A request whose consumer is slow is skipped
-until it catches up (:mod:`~prismgate.engines.hf.bridge`); a cancelled one ends at its next
-turn. A failing step fails only the requests it was for: the worker keeps serving.
+Requests are stepped best priority first, then first come, one step each per round, so streams
+interleave; within a round, those with no token yet step first, ahead of the batched decode
+step, so that a newcomer's first token waits for nobody else's next one. Those whose next step
+is a plain decode step go together in one batched forward pass
+(:mod:`~prismgate.engines.hf.batched_decode`); the rest take their own step
+(:mod:`~prismgate.engines.hf.steps`). A request whose consumer is slow is skipped until it
+catches up (:mod:`~prismgate.engines.hf.bridge`); a cancelled one ends at its next turn. A
+failing step fails only the requests it was for: the worker keeps serving.
 """
 
 from __future__ import annotations
@@ -125,17 +127,28 @@ class Scheduler:
             for key in released:
                 stepper.caches.forget(key)
             batch = batch_members(self._active, max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens)
+            # a request that has no token yet takes its step before the batched decode step: its
+            # time to first token waits for no other request's token (one step each per round still)
+            rest = [job for job in self._active if job not in batch]
+            fresh = [job for job in rest if job.generated == 0]
+            for job in fresh:
+                self._step_alone(job)
             if batch:
                 self._guarded(batch, functools.partial(decode_batch, stepper, batch))
-            for job in list(self._active):
-                if job in batch:
-                    continue
-                if job.cancelled:
-                    stepper.end(job, FinishReason.CANCELLED)
-                elif not job.channel.paused:
-                    self._guarded([job], functools.partial(stepper.step, job))
+            for job in rest:
+                if job not in fresh:
+                    self._step_alone(job)
             with self._cv:
                 self._active = [job for job in self._active if not job.ended]
+
+    def _step_alone(self, job: Job) -> None:
+        """One step of ``job`` on its own (a prefill chunk, or a decode step outside the batch)."""
+        if job.ended:
+            return
+        if job.cancelled:
+            self.stepper.end(job, FinishReason.CANCELLED)
+        elif not job.channel.paused:
+            self._guarded([job], functools.partial(self.stepper.step, job))
 
     def _guarded(self, jobs: list[Job], work: Callable[[], None]) -> None:
         """Run model work for ``jobs``; a failure fails those requests, never the worker."""

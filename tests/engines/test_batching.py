@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import pytest_asyncio
 
-from prismgate.core.actions import PositionRange
+from prismgate.core.actions import GenerateSpec, PositionRange
+from prismgate.core.engine import EngineRequest
 from prismgate.engines.hf import TransformersEngine
 from tests.engines.requests import run
 
@@ -80,3 +82,45 @@ async def test_a_batch_of_one_is_not_batched(tiny_model_dir: Path) -> None:
         assert eng.stats["batched_steps"] == 0
     finally:
         await eng.close()
+
+
+async def test_a_newcomer_prefills_before_the_batched_decode_step(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The worker's rounds, recorded: "round" when it looks at its requests, "batch" for the batched
+    # decode step, and each request's own steps. A request that arrives while others decode in a
+    # batch takes its first step ahead of that round's batched step: its first token waits for
+    # nobody else's next one.
+    from prismgate.engines.hf import scheduler as scheduling
+
+    log: list[str] = []
+    real_members, real_decode = scheduling.batch_members, scheduling.decode_batch
+
+    def members(*args: Any, **kw: Any) -> Any:
+        log.append("round")
+        return real_members(*args, **kw)
+
+    batched = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def decode(stepper: Any, jobs: Any) -> None:
+        log.append("batch")
+        real_decode(stepper, jobs)
+        if log.count("batch") == 5:  # the three decode together
+            loop.call_soon_threadsafe(batched.set)
+
+    monkeypatch.setattr(scheduling, "batch_members", members)
+    monkeypatch.setattr(scheduling, "decode_batch", decode)
+    stepper = engine._scheduler.stepper
+    real_step = stepper.step
+    monkeypatch.setattr(stepper, "step", lambda job: (log.append(job.request.request_id), real_step(job))[1])
+
+    ps = prompts(engine)
+    running = [asyncio.create_task(run(engine, p, max_tokens=48, ignore_eos=True)) for p in ps[:3]]
+    await asyncio.wait_for(batched.wait(), 60)
+    request = EngineRequest(request_id="newcomer", tokens=ps[3], spec=GenerateSpec(max_tokens=4))
+    async for _ in engine.generate(request):
+        pass
+    await asyncio.gather(*running)
+    first = log.index("newcomer")
+    its_round = max(i for i in range(first) if log[i] == "round")
+    assert "batch" not in log[its_round:first], log[its_round - 2 : first + 3]
+    assert "batch" in log[first:]  # the others' batched step still ran in that round
