@@ -9,7 +9,11 @@ gateway runs in this process, on its own thread, over real loopback sockets). Th
 are bounded in count and time and only ever talk to 127.0.0.1.
 
 The model is the tests' tiny Llama with a 4k context that never stops at EOS and a
-256-concept pack (readouts of kilobytes per token), built once under ``build/bench``.
+256-concept pack (readouts of kilobytes per token), built once under ``build/bench``;
+``--model smollm2`` runs the attacks on the embedded SmolLM2-135M-Instruct and its pack instead
+(the figures issue 23 set its memory target on), with the default memory budget either way.
+
+    python -m bench.hostile --only 10 --model smollm2
 """
 
 from __future__ import annotations
@@ -48,6 +52,11 @@ from tests.reliability.test_slow_readers import grpc_reader, sse_reader, websock
 MODEL = "tiny-llama"
 SLOW_CLIENT_TIMEOUT_S = 2.0
 Attack = Callable[[RunningGateway], None]
+
+
+def model_of(server: RunningGateway) -> str:
+    """The name the gateway serves its model under."""
+    return server.service.models.names[0]
 
 
 def long_model() -> tuple[Path, Path]:
@@ -94,7 +103,7 @@ def million_ranges(server: RunningGateway) -> None:
     """A Salience Generate with a million position ranges, twice."""
     with grpc.insecure_channel(server.grpc_target) as channel:
         stub = salience_pb2_grpc.SalienceStub(channel)
-        sid = stub.OpenSession(spb.OpenSessionRequest(model=MODEL)).session_id
+        sid = stub.OpenSession(spb.OpenSessionRequest(model=model_of(server))).session_id
         ranges = [spb.PositionRange(start=0, end=1)] * 1_000_000
         for _ in range(2):
             with contextlib.suppress(grpc.RpcError):
@@ -103,7 +112,7 @@ def million_ranges(server: RunningGateway) -> None:
 
 def huge_prompt(server: RunningGateway) -> None:
     """A 20 MB chat message, twice."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "a " * (10 << 20)}]}
+    body = {"model": model_of(server), "messages": [{"role": "user", "content": "a " * (10 << 20)}]}
     for _ in range(2):
         httpx.post(server.http_url + "/v1/chat/completions", json=body, timeout=120)
 
@@ -188,7 +197,7 @@ def extreme_directions(server: RunningGateway) -> None:
     hidden = server.gateway.service.info().readouts.hidden_size
     for value in (1e-200, 1.2e154, 1e200):
         steering = [{"direction": [value] * hidden, "layer": 0, "scale": 4}]
-        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "steering": steering}
+        body = {"model": model_of(server), "prompt": "hi", "max_tokens": 2, "steering": steering}
         reply = httpx.post(server.http_url + "/v1/completions", json=body, timeout=120)
         if reply.status_code != 200:
             raise RuntimeError(f"{value}: {reply.status_code} {reply.text[:200]}")
@@ -196,7 +205,7 @@ def extreme_directions(server: RunningGateway) -> None:
 
 def echo_flood(server: RunningGateway) -> None:
     """Eight /v1/completions at once: echo, top-20 logprobs and readouts on a 3,516-token prompt."""
-    body = {"model": MODEL, "prompt": [5 + i % 200 for i in range(3516)], "max_tokens": 16, "echo": True}
+    body = {"model": model_of(server), "prompt": [5 + i % 200 for i in range(3516)], "max_tokens": 16, "echo": True}
     body |= {"logprobs": 20, "readouts": True}
 
     def one() -> int:
@@ -228,12 +237,14 @@ ATTACKS: dict[str, tuple[int, Attack]] = {
 
 
 @contextlib.contextmanager
-def gateway() -> Iterator[RunningGateway]:
-    model_dir, pack = long_model()
+def gateway(model: str = "tiny") -> Iterator[RunningGateway]:
+    if model == "tiny":
+        model_dir, pack = long_model()
+        served: dict[str, Any] = {"model": str(model_dir), "model_name": MODEL, "concept_pack": str(pack)}
+    else:
+        served = {}  # the embedded SmolLM2 and its pack
     values = settings(
-        model=str(model_dir),
-        model_name=MODEL,
-        concept_pack=str(pack),
+        **served,
         max_active=3,
         slow_client_timeout_s=SLOW_CLIENT_TIMEOUT_S,
         slow_client_buffer_bytes=64 << 10,
@@ -244,12 +255,12 @@ def gateway() -> Iterator[RunningGateway]:
         yield server
 
 
-def run(names: list[str]) -> list[dict[str, Any]]:
+def run(names: list[str], model: str = "tiny") -> list[dict[str, Any]]:
     rows = []
-    with gateway() as server:
+    with gateway(model) as server:
         for name in names:
             _, attack = ATTACKS[name]
-            watch = UnderAttack(server.http_url, model=MODEL).start()
+            watch = UnderAttack(server.http_url, model=model_of(server)).start()
             started = time.perf_counter()
             try:
                 watch.wait_for_victims(1, timeout=60)  # the watch is running before the attack starts
@@ -284,12 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated class numbers to run (default: all)")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny", help="the model attacked (tiny)")
     args = parser.parse_args(argv)
     wanted = {int(n) for n in args.only.split(",") if n.strip()}
     names = [name for name, (number, _) in ATTACKS.items() if not wanted or number in wanted]
     print(HEADER)
     print("|---|---|---|---|---|---|")
-    rows = run(names)
+    rows = run(names, args.model)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 1 if any(r["error"] for r in rows) else 0
