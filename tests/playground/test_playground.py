@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -9,6 +10,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -40,16 +42,31 @@ def test_manifest_describes_the_readouts(live_server) -> None:
     assert body["readouts"]["defaultConcept"] == (
         readouts.concepts.index("question") if "question" in readouts.concepts else 0
     )
-    # steering: nothing measured for this pack, so its view layer and the full reach
-    assert body["readouts"]["steering"] == {"layer": readouts.layers[len(readouts.layers) // 2], "range": 64}
+    # steering: nothing measured for this pack, so its view layer, the full reach, every slider at 0
+    assert body["readouts"]["steering"] == {
+        "layer": readouts.layers[len(readouts.layers) // 2],
+        "range": 64,
+        "concept": None,
+        "scale": 0,
+        "concepts": {},
+    }
 
 
-def test_the_embedded_pack_steers_from_its_measured_layer_and_reach() -> None:
-    from prismgate.playground import steering_defaults
+def test_a_measured_pack_starts_steered_where_it_measured(calibrated_factory) -> None:  # type: ignore[no-untyped-def]
+    """The manifest carries the pack's measured steering, and the page starts with its strongest concept steered."""
+    from prismgate.engines.readouts.pack import SteeringRange
 
-    embedded = (4, 8, 12, 16, 19, 22, 25, 28)
-    assert steering_defaults(embedded, served_default=True) == {"layer": 4, "range": 32}
-    assert steering_defaults(embedded, served_default=False) == {"layer": 16, "range": 64}
+    measured = {"concept0": SteeringRange(1, 8.0, 16.0, 0.4), "concept2": SteeringRange(0, 16.0, 32.0, 1.5)}
+    with calibrated_factory(steering=measured) as (server, pack):
+        body = httpx.get(server.http_url + "/playground/manifest.json").json()["readouts"]
+    assert body["steering"] == {
+        "layer": 0,
+        "range": 32.0,
+        "concept": "concept2",
+        "scale": 16.0,
+        "concepts": {c: r.to_json() for c, r in measured.items()},
+    }
+    assert body["defaultConcept"] == pack.concepts.index("concept2")  # shaded by the concept it steers
 
 
 def test_the_page_first_shades_by_question_where_the_pack_has_it() -> None:
@@ -336,22 +353,34 @@ SCREENSHOTS = os.environ.get("PRISMGATE_SCREENSHOTS")  # a folder to keep the sc
 
 
 @pytest.fixture(scope="module")
-def calibrated(tiny_pack: Path, server_factory, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """A live server whose pack has centers and scales, as the pack builder writes them."""
+def calibrated_factory(tiny_pack: Path, server_factory, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """Start a live server whose pack has centers and scales, as the pack builder writes them (and ``overrides``)."""
     from prismgate.engines.readouts.pack import ConceptPack
 
-    base = ConceptPack.load(tiny_pack)
-    shape = (len(base.layers), len(base.concepts))
-    rng = np.random.default_rng(1)
-    pack = dataclasses.replace(
-        base,
-        centers=rng.normal(0, 0.05, shape).astype(np.float32),
-        scales=rng.uniform(0.05, 0.2, shape).astype(np.float32),
-    )
-    path = tmp_path_factory.mktemp("calibrated") / "calibrated.safetensors"
-    pack.save(path)
-    with server_factory(concept_pack=str(path)) as server:
-        yield server, pack
+    @contextlib.contextmanager
+    def start(**overrides: Any):  # type: ignore[no-untyped-def]
+        base = ConceptPack.load(tiny_pack)
+        shape = (len(base.layers), len(base.concepts))
+        rng = np.random.default_rng(1)
+        pack = dataclasses.replace(
+            base,
+            centers=rng.normal(0, 0.05, shape).astype(np.float32),
+            scales=rng.uniform(0.05, 0.2, shape).astype(np.float32),
+            **overrides,
+        )
+        path = tmp_path_factory.mktemp("calibrated") / "calibrated.safetensors"
+        pack.save(path)
+        with server_factory(concept_pack=str(path)) as server:
+            yield server, pack
+
+    return start
+
+
+@pytest.fixture(scope="module")
+def calibrated(calibrated_factory):  # type: ignore[no-untyped-def]
+    """A live server whose pack has centers and scales, as the pack builder writes them."""
+    with calibrated_factory() as started:
+        yield started
 
 
 def _ask(browser, server, prompt: str, max_tokens: int, *, new_chat: bool = True):  # type: ignore[no-untyped-def]
