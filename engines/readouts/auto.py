@@ -34,7 +34,9 @@ from prismgate.engines.readouts.prompt_sets import PromptSet, load_prompt_sets, 
 from prismgate.engines.readouts.report import SeparationReport
 from prismgate.engines.readouts.steering_range import measure_steering
 
-DEFAULT_PAIRS = 8  # per concept: SmolLM2-135M builds in 14 s (+15 s loading) on one thread of a busy 2-core machine
+# per concept: SmolLM2-135M's directions and report take 7 s, then 81 s measuring steering, on one thread of a
+# busy 2-core machine
+DEFAULT_PAIRS = 8
 MAX_LAYERS = 8  # layers a built pack reads after, as many as the embedded pack
 PLATEAU = 0.03  # layers within this much of the best mean token accuracy count as equally good
 RECIPE = 2  # bump when the build below changes what it writes: older cached packs are then rebuilt
