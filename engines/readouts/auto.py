@@ -229,7 +229,10 @@ def build_auto_pack(
     pack = pack_at_layers(pack, layers, note)
     measuring = time.perf_counter()
     say("measuring where each concept steers and how hard")
-    pack, _ = measure_steering(folder, pack, dtype=dtype, device=_device(device), threads=threads, progress=say)
+    try:
+        pack, _ = measure_steering(folder, pack, dtype=dtype, device=_device(device), threads=threads, progress=say)
+    finally:
+        _free_accelerator_memory()  # the measuring engine's weights too
     steered = time.perf_counter()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -697,6 +697,35 @@ def test_a_slider_answers_twice_steered_and_unsteered(calibrated, browser) -> No
     assert [t["tokenId"] for t in again if t["part"] == "answer"] == [t["tokenId"] for t in plain]
 
 
+def test_sliders_start_where_the_pack_measured(calibrated_factory, browser) -> None:  # type: ignore[no-untyped-def]
+    """A measured pack: one slider starts on, each reaches its concept's range, the layer follows the first moved."""
+    from selenium.webdriver.common.by import By
+
+    from prismgate.engines.readouts.pack import SteeringRange
+
+    measured = {"concept0": SteeringRange(1, 4.0, 16.0, 0.4), "concept2": SteeringRange(0, 8.0, 32.0, 1.5)}
+    with calibrated_factory(steering=measured) as (server, pack):
+        browser.get(server.http_url + "/playground")
+        wait_for(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
+        assert browser.find_element(By.ID, "steer-summary").text == "concept2 +8 at L0"
+        assert browser.find_element(By.ID, "concept").get_attribute("value") == str(pack.concepts.index("concept2"))
+        sliders = {s.get_attribute("data-concept"): s for s in browser.find_elements(By.CSS_SELECTOR, "input.steer")}
+        reach = {
+            name: (s.get_attribute("min"), s.get_attribute("max"), s.get_attribute("value"))
+            for name, s in sliders.items()
+        }
+        assert reach == {"concept0": ("-16", "16", "0"), "concept1": ("-32", "32", "0"), "concept2": ("-32", "32", "8")}
+        _steer(browser, "concept2", 0)
+        _steer(browser, "concept0", 5)  # the only slider on: its own measured layer
+        assert browser.find_element(By.ID, "steer-summary").text == "concept0 +5 at L1"
+        _steer(browser, "concept2", 3)  # a second one joins at the layer already chosen
+        assert browser.find_element(By.ID, "steer-summary").text == "concept0 +5, concept2 +3 at L1"
+        browser.find_element(By.ID, "prompt").send_keys("Tell me about prisms")
+        browser.find_element(By.ID, "send").click()
+        wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, ".pair .turn.assistant.done")) == 2)
+        assert not browser.find_elements(By.CSS_SELECTOR, ".turn.error, .turn.failed")
+
+
 def test_steered_turns_leave_the_session_alone(calibrated, browser) -> None:  # type: ignore[no-untyped-def]
     """A steered question then a plain one: the second reuses the session's cache, as without steering."""
     from selenium.webdriver.common.by import By
