@@ -46,10 +46,12 @@ def view_concept(concepts: tuple[str, ...]) -> int:
 
 
 def first_steered(concepts: tuple[str, ...], measured: dict[str, SteeringRange]) -> str | None:
-    """The concept the page opens steered: the one whose measured starting scale moved its readout most."""
-    if not measured:
-        return None
-    return max(measured, key=lambda c: (measured[c].effect, -concepts.index(c)))
+    """The concept the page opens steered: the one whose measured starting scale moved its readout most.
+
+    None when nothing was measured, or nothing moved its readout toward the concept.
+    """
+    moved = [c for c in measured if measured[c].effect > 0]
+    return max(moved, key=lambda c: (measured[c].effect, -concepts.index(c))) if moved else None
 
 
 def steering_defaults(
@@ -63,20 +65,11 @@ def steering_defaults(
     the layer follows the first slider moved from 0).
     """
     first = first_steered(concepts, measured)
-    if first is None:
-        return {
-            "layer": layers[view_layer(layers)],
-            "range": UNMEASURED_RANGE,
-            "concept": None,
-            "scale": 0,
-            "concepts": {},
-        }
-    start = measured[first]
     return {
-        "layer": start.layer,
-        "range": max(r.range for r in measured.values()),
+        "layer": layers[view_layer(layers)] if first is None else measured[first].layer,
+        "range": max((r.range for r in measured.values()), default=UNMEASURED_RANGE),
         "concept": first,
-        "scale": start.scale,
+        "scale": 0 if first is None else measured[first].scale,
         "concepts": {c: measured[c].to_json() for c in concepts if c in measured},
     }
 

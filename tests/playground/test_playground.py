@@ -69,6 +69,21 @@ def test_a_measured_pack_starts_steered_where_it_measured(calibrated_factory) ->
     assert body["defaultConcept"] == pack.concepts.index("concept2")  # shaded by the concept it steers
 
 
+def test_a_pack_whose_concepts_never_moved_starts_unsteered() -> None:
+    from prismgate.engines.readouts.pack import SteeringRange
+    from prismgate.playground import steering_defaults
+
+    layers, concepts = (4, 8, 16), ("code", "question")
+    nothing = {"code": SteeringRange(8, 8.0, 32.0, 0.0), "question": SteeringRange(4, 8.0, 16.0, -0.1)}
+    assert steering_defaults(layers, concepts, nothing) == {
+        "layer": 16,
+        "range": 32.0,
+        "concept": None,
+        "scale": 0,
+        "concepts": {c: r.to_json() for c, r in nothing.items()},
+    }
+
+
 def test_the_page_first_shades_by_question_where_the_pack_has_it() -> None:
     from prismgate.playground import view_concept
 
