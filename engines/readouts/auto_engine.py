@@ -109,11 +109,12 @@ class AutoPackEngine:
             self._building = None
         seconds = time.perf_counter() - started
         log.info(
-            "concept pack: built %s in %.1f s (model load %.1f s, %d prompts); layers %s",
+            "concept pack: built %s in %.1f s (model load %.1f s, %d prompts, steering measured in %.1f s); layers %s",
             self.pack_path,
             seconds,
             stats.load_s,
             stats.prompts,
+            stats.steer_s,
             ",".join(map(str, stats.layers)),
             extra={"pack": str(self.pack_path), "build_s": round(seconds, 3), "prompts": stats.prompts},
         )

@@ -12,7 +12,8 @@ A build is four steps, each in its own module:
    :data:`DEFAULT_LAYERS` were chosen.
 
 Two builds on one machine give identical bits. Rebuild the default pack (about 7 s on one thread
-plus 2 s loading; --report adds a second pass)::
+plus 2 s loading, then 48-74 s measuring where each concept steers, :mod:`.steering_range`, which
+``--no-steering`` skips; --report adds a second pass)::
 
     OMP_NUM_THREADS=1 prismgate concepts build --out engines/readouts/packs/smollm2-135m-instruct.safetensors --report
 

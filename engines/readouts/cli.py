@@ -28,6 +28,7 @@ from prismgate.engines.readouts.probe import decoder_layers
 from prismgate.engines.readouts.prompt_sets import load_prompt_sets
 from prismgate.engines.readouts.report import DEFAULT_FOLDS
 from prismgate.engines.readouts.show import describe, print_readouts, print_similarity, print_summary
+from prismgate.engines.readouts.steering_range import Rung, describe_rungs, measure_steering
 from prismgate.engines.readouts.table import Columns
 
 
@@ -78,6 +79,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--out", required=True, metavar="PACK", help="where to write the pack (.safetensors)")
     b.add_argument("--report", action="store_true", help="print the held-out separation of each concept at each layer")
+    b.add_argument(
+        "--no-steering",
+        action="store_true",
+        help="skip measuring where each concept steers and how hard (the layer, starting scale and fluent range "
+        "that prismgate concepts show prints and the playground starts from)",
+    )
+    b.add_argument(
+        "--steering-report", action="store_true", help="print every steering rung measured: effect, fluency, answers"
+    )
     b.add_argument(
         "--report-layers",
         type=_layer_list,
@@ -194,15 +204,23 @@ def _cmd_build(args: argparse.Namespace) -> int:
         assert report is not None
         pack = pack_at_layers(pack, *select_layers(report, n_layers))
     t2 = time.perf_counter()
+    rungs: list[Rung] = []
+    if not args.no_steering:
+        del model
+        pack, rungs = measure_steering(folder, pack, dtype=args.dtype, device=args.device, threads=args.threads)
+    t3 = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     pack.save(out)
     n_prompts = sum(len(s.positive) + len(s.negative) for s in sets)
     print(
         f"wrote {out}: {len(pack.concepts)} concepts x {len(pack.layers)} layers {list(pack.layers)}, hidden "
-        f"{pack.hidden_size}, from {n_prompts} prompts (load {t1 - t0:.1f} s, build {t2 - t1:.1f} s)",
+        f"{pack.hidden_size}, from {n_prompts} prompts (load {t1 - t0:.1f} s, build {t2 - t1:.1f} s, "
+        f"steering {'not measured' if args.no_steering else f'measured in {t3 - t2:.1f} s'})",
         file=sys.stderr,
     )
+    if args.steering_report and rungs:
+        print(describe_rungs(rungs, tokenizer.decode))
     if report is not None:
         if args.report:
             print(report.table())

@@ -15,6 +15,11 @@ Format (version 1):
   ``m(p) . d`` as the center). ``(value - center) / scale`` is +1 at the typical positive prompt and
   -1 at the typical negative one, the same yardstick for every answer: displays (the playground)
   use it as a fixed colour scale per concept and layer. Packs without it load with ``scales = None``;
+* optional metadata ``steering`` (JSON object, concept -> ``{"layer", "scale", "range", "effect"}``):
+  where each concept steers and how hard, as the builder measured it (:mod:`.steering_range`):
+  the steering layer, a starting scale, the largest scale that kept the text fluent, and how far
+  the starting scale moved the concept's readout (in scales). A concept that never steered
+  fluently is absent. Packs without it load with ``steering = None``;
 * metadata (strings): ``format`` = ``prismgate.concept-pack/1``, ``model_id``,
   ``layers`` and ``concepts`` (JSON lists), ``hidden_size``, ``layer_convention``
   (always "residual stream after decoder layer L"), ``method`` (how the vectors were
@@ -29,6 +34,7 @@ always gives the same bytes.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +59,19 @@ def view_layer(layers: tuple[int, ...]) -> int:
 
 
 @dataclass(frozen=True)
+class SteeringRange:
+    """Where one concept steers, as measured: a layer of the pack, a starting scale, the fluent reach."""
+
+    layer: int
+    scale: float  # the measured rung that moved the concept's readout most while the text stayed fluent
+    range: float  # the largest measured scale at ``layer`` that kept the text fluent (>= scale)
+    effect: float  # how far ``scale`` moved the concept's readout over the answer, in the pack's scales
+
+    def to_json(self) -> dict[str, float | int]:
+        return {"layer": self.layer, "scale": self.scale, "range": self.range, "effect": self.effect}
+
+
+@dataclass(frozen=True)
 class ConceptPack:
     directions: npt.NDArray[np.float32]  # [n_layers, n_concepts, hidden]
     layers: tuple[int, ...]
@@ -62,6 +81,7 @@ class ConceptPack:
     descriptions: dict[str, str] = field(default_factory=dict)
     centers: npt.NDArray[np.float32] | None = None  # [n_layers, n_concepts]; see the module docstring
     scales: npt.NDArray[np.float32] | None = None  # [n_layers, n_concepts], > 0; see the module docstring
+    steering: dict[str, SteeringRange] | None = None  # concept -> where it steers; see the module docstring
 
     def __post_init__(self) -> None:
         d = self.directions
@@ -91,6 +111,11 @@ class ConceptPack:
                 )
             if not np.all(np.isfinite(s) & (s > 0)):
                 raise invalid("concept pack scales must be finite numbers above zero")
+        for concept, r in (self.steering or {}).items():
+            if concept not in self.concepts or r.layer not in self.layers:
+                raise invalid(f"concept pack steering names {concept!r} at layer {r.layer}, not in the pack")
+            if not (math.isfinite(r.effect) and 0 < r.scale <= r.range and math.isfinite(r.range)):
+                raise invalid(f"concept pack steering for {concept!r} needs 0 < scale <= range, finite")
 
     @property
     def hidden_size(self) -> int:
@@ -124,6 +149,8 @@ class ConceptPack:
             "method": self.method,
             "descriptions": json.dumps(self.descriptions, sort_keys=True),
         }
+        if self.steering is not None:
+            metadata["steering"] = json.dumps({c: r.to_json() for c, r in self.steering.items()}, sort_keys=True)
         tensors = {"directions": np.ascontiguousarray(self.directions, dtype="<f4")}
         if self.centers is not None:
             tensors["centers"] = np.ascontiguousarray(self.centers, dtype="<f4")
@@ -155,7 +182,22 @@ class ConceptPack:
             descriptions=json.loads(meta.get("descriptions", "{}")),
             centers=None if centers is None else centers.astype(np.float32),
             scales=None if scales is None else scales.astype(np.float32),
+            steering=_steering(path, meta.get("steering")),
         )
+
+
+def _steering(path: Path, text: str | None) -> dict[str, SteeringRange] | None:
+    """The ``steering`` metadata, or None for a pack built before it existed."""
+    if text is None:
+        return None
+    try:
+        raw = json.loads(text)
+        return {
+            str(c): SteeringRange(int(r["layer"]), float(r["scale"]), float(r["range"]), float(r["effect"]))
+            for c, r in raw.items()
+        }
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise invalid(f"{path}: the pack's steering metadata is malformed ({exc})") from None
 
 
 def _safetensors_bytes(tensors: dict[str, npt.NDArray[np.float32]], metadata: dict[str, str]) -> bytes:

@@ -29,6 +29,7 @@ def describe(pack: ConceptPack) -> dict[str, Any]:
         "shape": list(pack.directions.shape),
         "centers": None if pack.centers is None else [[float(v) for v in row] for row in pack.centers],
         "scales": None if pack.scales is None else [[float(v) for v in row] for row in pack.scales],
+        "steering": None if pack.steering is None else {c: r.to_json() for c, r in pack.steering.items()},
         "method": pack.method,
     }
 
@@ -45,6 +46,7 @@ def print_summary(pack: ConceptPack, source: str | Path) -> None:
         print(f"  {c:<{width}}  {pack.descriptions.get(c, '')}")
     print_centers(pack)
     print_scales(pack)
+    print_steering(pack)
     print(f"method     {pack.method}")
 
 
@@ -68,6 +70,22 @@ def print_scales(pack: ConceptPack) -> None:
         return
     print("scales     half the gap between the positive and negative prompts' mean readout ((value - center) / scale)")
     _print_table(pack, pack.scales)
+
+
+def print_steering(pack: ConceptPack) -> None:
+    """Where each concept steers, as the builder measured it, or a note that the pack was built before it did."""
+    if pack.steering is None:
+        print("steering   not measured (a pack built before steering was measured: rebuild it to get it)")
+        return
+    print("steering   measured: the layer, starting scale and fluent range to steer each concept with, and the effect")
+    width = max(len(c) for c in pack.concepts)
+    print(" " * (width + 2) + f"{'layer':>7}{'scale':>7}{'range':>7}{'effect':>8}")
+    for c in pack.concepts:
+        r = pack.steering.get(c)
+        if r is None:
+            print(f"  {c:<{width}}  never fluent at the smallest scale measured")
+        else:
+            print(f"  {c:<{width}}{'L' + str(r.layer):>7}{r.scale:>+7g}{r.range:>7g}{r.effect:>+8.2f}")
 
 
 def _print_table(pack: ConceptPack, values: npt.NDArray[np.float32]) -> None:

@@ -23,8 +23,8 @@ from prismgate.codecs.status import http_status, http_status_of
 from prismgate.core.errors import GatewayError, denied
 from prismgate.core.principal import current
 from prismgate.core.service import SessionService
-from prismgate.engines.readouts.pack import view_layer
-from prismgate.playground.calibration import scales_for
+from prismgate.engines.readouts.pack import SteeringRange, view_layer
+from prismgate.playground.calibration import scales_for, steering_for
 from prismgate.playground.scoring import BodyTooLarge, parse_messages, read_body, score
 from prismgate.settings import Settings
 
@@ -33,31 +33,45 @@ FILES = {"app.js": "text/javascript", "style.css": "text/css"}
 NO_CACHE = {"cache-control": "no-cache"}
 
 
-# The sliders' starting layer and reach for the embedded SmolLM2-135M-Instruct pack, measured with
-# greedy answers through the OpenAI API (docs/evergreen.md#playground has the answers): at layer 4,
-# +16 turns "What is the capital of France?" French and a rainy Monday sunny, fluently; at every
-# layer tried (4, 8, 12, 16) the text degenerates past about 24 ("La la la..."), and at 12 and 16
-# +16 still changes nothing. Any other pack: its view layer and the full range (nothing measured).
-EMBEDDED_STEERING = {"layer": 4, "range": 32}
+# Sliders of a pack that measured no steering (built before the builder measured it): the view
+# layer, the full reach, every slider at 0, and the page shades by VIEW_CONCEPT until one moves.
 UNMEASURED_RANGE = 64
-
-
-# The concept the page shades by until a slider picks one: in a chat it tells the user's question
-# (above its center) from the model's answer (below), so the first screen has both colours; `code`,
-# the first by name, is below its center almost everywhere in prose.
+# In a chat it tells the user's question (above its center) from the model's answer (below).
 VIEW_CONCEPT = "question"
 
 
 def view_concept(concepts: tuple[str, ...]) -> int:
-    """Index of the concept the page shades by first: :data:`VIEW_CONCEPT`, else the first."""
+    """Index of the concept the page shades by first when nothing is steered: :data:`VIEW_CONCEPT`, else the first."""
     return concepts.index(VIEW_CONCEPT) if VIEW_CONCEPT in concepts else 0
 
 
-def steering_defaults(layers: tuple[int, ...], *, served_default: bool) -> dict[str, int]:
-    """The steering layer the page starts at and the sliders' reach (+-range)."""
-    if served_default and EMBEDDED_STEERING["layer"] in layers:
-        return dict(EMBEDDED_STEERING)
-    return {"layer": layers[view_layer(layers)], "range": UNMEASURED_RANGE}
+def first_steered(concepts: tuple[str, ...], measured: dict[str, SteeringRange]) -> str | None:
+    """The concept the page opens steered: the one whose measured starting scale moved its readout most.
+
+    None when nothing was measured, or nothing moved its readout toward the concept.
+    """
+    moved = [c for c in measured if measured[c].effect > 0]
+    return max(moved, key=lambda c: (measured[c].effect, -concepts.index(c))) if moved else None
+
+
+def steering_defaults(
+    layers: tuple[int, ...], concepts: tuple[str, ...], measured: dict[str, SteeringRange]
+) -> dict[str, object]:
+    """The steering the page starts with, as the pack measured it (:mod:`~prismgate.engines.readouts.steering_range`).
+
+    ``layer``/``range``: the steering layer and the sliders' reach; ``concept``/``scale``: the
+    slider that starts away from 0 (None/0 when nothing was measured); ``concepts``: each measured
+    concept's own layer, starting scale, reach and effect (a slider takes its concept's reach, and
+    the layer follows the first slider moved from 0).
+    """
+    first = first_steered(concepts, measured)
+    return {
+        "layer": layers[view_layer(layers)] if first is None else measured[first].layer,
+        "range": max((r.range for r in measured.values()), default=UNMEASURED_RANGE),
+        "concept": first,
+        "scale": 0 if first is None else measured[first].scale,
+        "concepts": {c: measured[c].to_json() for c in concepts if c in measured},
+    }
 
 
 def manifest(service: SessionService, settings: Settings) -> dict[str, object]:
@@ -65,8 +79,8 @@ def manifest(service: SessionService, settings: Settings) -> dict[str, object]:
 
     ``scales`` is ``[layer][concept]`` or null (a pack without them: the page then scales to the
     conversation's largest value and says so); ``defaultLayer`` is an index into ``layers`` and
-    ``defaultConcept`` into ``concepts``;
-    ``steering`` the steering layer (a layer number) and the sliders' reach the page starts with.
+    ``defaultConcept`` into ``concepts`` (the concept steered first, else :data:`VIEW_CONCEPT`);
+    ``steering`` what :func:`steering_defaults` says.
     """
     if not service.pool.ready:
         return {"ready": False}
@@ -74,6 +88,9 @@ def manifest(service: SessionService, settings: Settings) -> dict[str, object]:
     readouts = None
     if info.readouts is not None:
         m = info.readouts
+        measured = steering_for(settings, m, served_default=settings.model is None)
+        steering = steering_defaults(m.layers, m.concepts, measured)
+        first = first_steered(m.concepts, measured)
         readouts = {
             "concepts": list(m.concepts),
             "layers": list(m.layers),
@@ -82,8 +99,8 @@ def manifest(service: SessionService, settings: Settings) -> dict[str, object]:
             "centers": None if m.centers is None else [list(row) for row in m.centers],
             "scales": scales_for(settings, m, served_default=settings.model is None),
             "defaultLayer": view_layer(m.layers),
-            "defaultConcept": view_concept(m.concepts),
-            "steering": steering_defaults(m.layers, served_default=settings.model is None),
+            "defaultConcept": m.concepts.index(first) if first is not None else view_concept(m.concepts),
+            "steering": steering,
         }
     return {
         "ready": True,

@@ -122,34 +122,49 @@ function showManifest(m) {
   renderAll();
 }
 
+// The sliders start from the pack's measurement (manifest `steering`): the concept steered first
+// sits at its measured starting scale, at its measured layer, so the first question already shows
+// steered and unsteered answers side by side; each slider reaches its concept's measured fluent
+// range, and the layer follows the first slider moved away from 0 to that concept's own layer.
 function showSteering(readouts) {
   const layer = $("steer-layer");
   const sliders = $("steer-sliders");
   layer.innerHTML = "";
   sliders.innerHTML = "";
   readouts.layers.forEach((l) => layer.add(new Option(`L${l}`, String(l))));
-  const steering = readouts.steering ?? { layer: readouts.layers[readouts.defaultLayer ?? 0], range: 64 };
+  const steering = readouts.steering ?? { layer: readouts.layers[readouts.defaultLayer ?? 0], range: 64, concepts: {} };
+  const measured = steering.concepts || {};
   layer.value = String(steering.layer);
-  const reach = String(steering.range);
   for (const name of readouts.concepts) {
     const label = el("label");
     const slider = el("input", "steer");
-    Object.assign(slider, { type: "range", min: `-${reach}`, max: reach, step: "1", value: "0" });
+    const reach = String((measured[name] || steering).range);
+    const start = name === steering.concept ? String(steering.scale) : "0";
+    Object.assign(slider, { type: "range", min: `-${reach}`, max: reach, step: "1", value: start });
     slider.dataset.concept = name;
-    const shown = el("output", "", "0");
+    if (measured[name]) {
+      const m = measured[name];
+      label.title = `measured: steers at L${m.layer}, +${m.scale} moved its readout ${m.effect} scales, fluent up to ${m.range}`;
+    }
+    const shown = el("output", "", start);
+    label.classList.toggle("on", start !== "0");
     slider.addEventListener("input", () => {
+      const wasOff = !steeringSpec().some((e) => e.concept !== name);
       shown.textContent = slider.value;
       label.classList.toggle("on", Number(slider.value) !== 0);
-      summarizeSteering();
       if (Number(slider.value) !== 0) {
+        // the only slider on: steer at the layer measured for its concept
+        if (wasOff && measured[name]) layer.value = String(measured[name].layer);
         // shade by the concept being steered, so the effect shows in the colours too
         $("concept").value = String(readouts.concepts.indexOf(name));
         renderAll();
       }
+      summarizeSteering();
     });
     label.append(el("span", "", name), slider, shown);
     sliders.appendChild(label);
   }
+  summarizeSteering();
   $("steering").hidden = false;
 }
 

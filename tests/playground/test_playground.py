@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -9,6 +10,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -40,16 +42,46 @@ def test_manifest_describes_the_readouts(live_server) -> None:
     assert body["readouts"]["defaultConcept"] == (
         readouts.concepts.index("question") if "question" in readouts.concepts else 0
     )
-    # steering: nothing measured for this pack, so its view layer and the full reach
-    assert body["readouts"]["steering"] == {"layer": readouts.layers[len(readouts.layers) // 2], "range": 64}
+    # steering: nothing measured for this pack, so its view layer, the full reach, every slider at 0
+    assert body["readouts"]["steering"] == {
+        "layer": readouts.layers[len(readouts.layers) // 2],
+        "range": 64,
+        "concept": None,
+        "scale": 0,
+        "concepts": {},
+    }
 
 
-def test_the_embedded_pack_steers_from_its_measured_layer_and_reach() -> None:
+def test_a_measured_pack_starts_steered_where_it_measured(calibrated_factory) -> None:  # type: ignore[no-untyped-def]
+    """The manifest carries the pack's measured steering, and the page starts with its strongest concept steered."""
+    from prismgate.engines.readouts.pack import SteeringRange
+
+    measured = {"concept0": SteeringRange(1, 8.0, 16.0, 0.4), "concept2": SteeringRange(0, 16.0, 32.0, 1.5)}
+    with calibrated_factory(steering=measured) as (server, pack):
+        body = httpx.get(server.http_url + "/playground/manifest.json").json()["readouts"]
+    assert body["steering"] == {
+        "layer": 0,
+        "range": 32.0,
+        "concept": "concept2",
+        "scale": 16.0,
+        "concepts": {c: r.to_json() for c, r in measured.items()},
+    }
+    assert body["defaultConcept"] == pack.concepts.index("concept2")  # shaded by the concept it steers
+
+
+def test_a_pack_whose_concepts_never_moved_starts_unsteered() -> None:
+    from prismgate.engines.readouts.pack import SteeringRange
     from prismgate.playground import steering_defaults
 
-    embedded = (4, 8, 12, 16, 19, 22, 25, 28)
-    assert steering_defaults(embedded, served_default=True) == {"layer": 4, "range": 32}
-    assert steering_defaults(embedded, served_default=False) == {"layer": 16, "range": 64}
+    layers, concepts = (4, 8, 16), ("code", "question")
+    nothing = {"code": SteeringRange(8, 8.0, 32.0, 0.0), "question": SteeringRange(4, 8.0, 16.0, -0.1)}
+    assert steering_defaults(layers, concepts, nothing) == {
+        "layer": 16,
+        "range": 32.0,
+        "concept": None,
+        "scale": 0,
+        "concepts": {c: r.to_json() for c, r in nothing.items()},
+    }
 
 
 def test_the_page_first_shades_by_question_where_the_pack_has_it() -> None:
@@ -336,22 +368,34 @@ SCREENSHOTS = os.environ.get("PRISMGATE_SCREENSHOTS")  # a folder to keep the sc
 
 
 @pytest.fixture(scope="module")
-def calibrated(tiny_pack: Path, server_factory, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """A live server whose pack has centers and scales, as the pack builder writes them."""
+def calibrated_factory(tiny_pack: Path, server_factory, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """Start a live server whose pack has centers and scales, as the pack builder writes them (and ``overrides``)."""
     from prismgate.engines.readouts.pack import ConceptPack
 
-    base = ConceptPack.load(tiny_pack)
-    shape = (len(base.layers), len(base.concepts))
-    rng = np.random.default_rng(1)
-    pack = dataclasses.replace(
-        base,
-        centers=rng.normal(0, 0.05, shape).astype(np.float32),
-        scales=rng.uniform(0.05, 0.2, shape).astype(np.float32),
-    )
-    path = tmp_path_factory.mktemp("calibrated") / "calibrated.safetensors"
-    pack.save(path)
-    with server_factory(concept_pack=str(path)) as server:
-        yield server, pack
+    @contextlib.contextmanager
+    def start(**overrides: Any):  # type: ignore[no-untyped-def]
+        base = ConceptPack.load(tiny_pack)
+        shape = (len(base.layers), len(base.concepts))
+        rng = np.random.default_rng(1)
+        pack = dataclasses.replace(
+            base,
+            centers=rng.normal(0, 0.05, shape).astype(np.float32),
+            scales=rng.uniform(0.05, 0.2, shape).astype(np.float32),
+            **overrides,
+        )
+        path = tmp_path_factory.mktemp("calibrated") / "calibrated.safetensors"
+        pack.save(path)
+        with server_factory(concept_pack=str(path)) as server:
+            yield server, pack
+
+    return start
+
+
+@pytest.fixture(scope="module")
+def calibrated(calibrated_factory):  # type: ignore[no-untyped-def]
+    """A live server whose pack has centers and scales, as the pack builder writes them."""
+    with calibrated_factory() as started:
+        yield started
 
 
 def _ask(browser, server, prompt: str, max_tokens: int, *, new_chat: bool = True):  # type: ignore[no-untyped-def]
@@ -666,6 +710,35 @@ def test_a_slider_answers_twice_steered_and_unsteered(calibrated, browser) -> No
     assert not browser.find_elements(By.CSS_SELECTOR, ".pair, .turn.steered")
     again = json.loads(browser.execute_script("return window.prismgatePlayground.exportJSON()"))["tokens"]
     assert [t["tokenId"] for t in again if t["part"] == "answer"] == [t["tokenId"] for t in plain]
+
+
+def test_sliders_start_where_the_pack_measured(calibrated_factory, browser) -> None:  # type: ignore[no-untyped-def]
+    """A measured pack: one slider starts on, each reaches its concept's range, the layer follows the first moved."""
+    from selenium.webdriver.common.by import By
+
+    from prismgate.engines.readouts.pack import SteeringRange
+
+    measured = {"concept0": SteeringRange(1, 4.0, 16.0, 0.4), "concept2": SteeringRange(0, 8.0, 32.0, 1.5)}
+    with calibrated_factory(steering=measured) as (server, pack):
+        browser.get(server.http_url + "/playground")
+        wait_for(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
+        assert browser.find_element(By.ID, "steer-summary").text == "concept2 +8 at L0"
+        assert browser.find_element(By.ID, "concept").get_attribute("value") == str(pack.concepts.index("concept2"))
+        sliders = {s.get_attribute("data-concept"): s for s in browser.find_elements(By.CSS_SELECTOR, "input.steer")}
+        reach = {
+            name: (s.get_attribute("min"), s.get_attribute("max"), s.get_attribute("value"))
+            for name, s in sliders.items()
+        }
+        assert reach == {"concept0": ("-16", "16", "0"), "concept1": ("-32", "32", "0"), "concept2": ("-32", "32", "8")}
+        _steer(browser, "concept2", 0)
+        _steer(browser, "concept0", 5)  # the only slider on: its own measured layer
+        assert browser.find_element(By.ID, "steer-summary").text == "concept0 +5 at L1"
+        _steer(browser, "concept2", 3)  # a second one joins at the layer already chosen
+        assert browser.find_element(By.ID, "steer-summary").text == "concept0 +5, concept2 +3 at L1"
+        browser.find_element(By.ID, "prompt").send_keys("Tell me about prisms")
+        browser.find_element(By.ID, "send").click()
+        wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, ".pair .turn.assistant.done")) == 2)
+        assert not browser.find_elements(By.CSS_SELECTOR, ".turn.error, .turn.failed")
 
 
 def test_steered_turns_leave_the_session_alone(calibrated, browser) -> None:  # type: ignore[no-untyped-def]

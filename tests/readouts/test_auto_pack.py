@@ -70,6 +70,11 @@ def test_first_start_builds_second_start_reuses(
     built = [r.getMessage() for r in caplog.records if "concept pack: built" in r.getMessage()]
     assert len(built) == 1 and " s (model load " in built[0]
     assert any("pass 2/2: batch" in r.getMessage() for r in caplog.records), "progress is logged"
+    # where each concept steers was measured too (the random tiny model may steer nothing fluently: then {}),
+    # and the playground starts from it
+    assert pack.steering is not None and "steering: per concept" in pack.method
+    assert "steering measured in" in built[0]
+    assert playground["readouts"]["steering"]["concepts"] == {c: r.to_json() for c, r in pack.steering.items()}
 
     mtime = expected.stat().st_mtime_ns
     caplog.clear()

@@ -275,6 +275,7 @@ def test_cli_build_and_show(tiny_model_dir: Path, tmp_path: Path, capsys: pytest
     assert "token accuracy" in captured.out and "wrote" in captured.err
     pack = ConceptPack.load(out)
     assert pack.layers == (0, 1) and pack.concepts == ("colors", "letters")
+    assert pack.steering is not None and "steering measured in" in captured.err  # measured by default
     assert {(r["concept"], r["layer"]) for r in json.loads(report.read_text())["rows"]} == {
         (c, layer) for c in ("colors", "letters") for layer in (0, 1, 2)
     }
@@ -290,7 +291,7 @@ def test_cli_build_and_show(tiny_model_dir: Path, tmp_path: Path, capsys: pytest
     assert "centers    midpoint" in summary
     assert f"{float(pack.centers[0, 0]):.2f}" in summary.split("centers")[1]
     # the scales table: a row per concept, a column per layer, each the pack's own number
-    scales = summary.split("\nscales")[1].split("\nmethod")[0].splitlines()
+    scales = summary.split("\nscales")[1].split("\nsteering")[0].splitlines()
     assert scales[0].startswith("     half the gap") and scales[1].split() == ["L0", "L1"]
     rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in scales[2:]}
     expected = {c: [round(float(v), 2) for v in pack.scales[:, ci]] for ci, c in enumerate(pack.concepts)}

@@ -17,6 +17,7 @@ from prismgate.engines.readouts.build import (
 )
 from prismgate.engines.readouts.pack import ConceptPack
 from prismgate.engines.readouts.prompt_sets import load_prompt_sets
+from prismgate.engines.readouts.steering_range import METHOD as STEERING_METHOD
 
 
 @pytest.mark.slow
@@ -36,7 +37,8 @@ def test_default_pack_rebuilds_and_separates_held_out_prompts() -> None:
 
     # Same inputs (the method records the prompt sets' hash), same layers, same vectors.
     assert (pack.model_id, pack.layers, pack.concepts) == (committed.model_id, committed.layers, committed.concepts)
-    assert pack.method == committed.method, "prompt sets or options changed: rebuild the default pack"
+    # the committed pack also carries its measured steering (tests/steering/test_measured_steering.py)
+    assert committed.method == pack.method + "; " + STEERING_METHOD, "prompt sets or options changed: rebuild it"
     assert pack.descriptions == committed.descriptions
     cosines = np.einsum("lch,lch->lc", pack.directions.astype(np.float64), committed.directions.astype(np.float64))
     assert cosines.min() > 0.999, cosines

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 from prismgate.core.errors import GatewayError
 from prismgate.engines.readouts.cli import main
-from prismgate.engines.readouts.pack import FORMAT, LAYER_CONVENTION, ConceptPack
+from prismgate.engines.readouts.pack import FORMAT, LAYER_CONVENTION, ConceptPack, SteeringRange
 from prismgate.engines.readouts.show import describe
 
 LAYERS = (2, 5)
@@ -145,3 +145,69 @@ def test_bad_scales_are_refused() -> None:
     ):
         with pytest.raises(GatewayError, match=message):
             dataclasses.replace(_pack(_centers()), scales=bad)
+
+
+STEERING = {
+    "alpha": SteeringRange(layer=5, scale=16.0, range=32.0, effect=1.25),
+    "gamma": SteeringRange(2, 8.0, 8.0, -0.5),
+}
+
+
+def test_measured_steering_round_trips_and_is_shown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "p.safetensors"
+    dataclasses.replace(_pack(_centers()), steering=STEERING).save(path)
+    again = ConceptPack.load(path)
+    assert again.steering == STEERING
+    with safe_open(str(path), framework="numpy") as f:
+        stored = json.loads((f.metadata() or {})["steering"])
+    assert stored["alpha"] == {"layer": 5, "scale": 16.0, "range": 32.0, "effect": 1.25}
+    assert describe(again)["steering"] == {c: r.to_json() for c, r in STEERING.items()}
+    assert main(["show", str(path)]) == 0
+    table = capsys.readouterr().out.split("\nsteering")[1].split("\nmethod")[0].splitlines()
+    assert table[1].split() == ["layer", "scale", "range", "effect"]
+    rows = {line.split()[0]: line.split()[1:] for line in table[2:]}
+    assert rows == {
+        "alpha": ["L5", "+16", "32", "+1.25"],
+        "beta": ["never", "fluent", "at", "the", "smallest", "scale", "measured"],
+        "gamma": ["L2", "+8", "8", "-0.50"],
+    }
+
+
+def test_a_pack_without_measured_steering_loads_as_before(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plain, measured = tmp_path / "plain.safetensors", tmp_path / "measured.safetensors"
+    _pack(_centers()).save(plain)
+    dataclasses.replace(_pack(_centers()), steering=STEERING).save(measured)
+    again = ConceptPack.load(plain)
+    assert again.steering is None and describe(again)["steering"] is None
+    with safe_open(str(plain), framework="numpy") as f:
+        assert "steering" not in (f.metadata() or {})  # the bytes of a pack from before steering was measured
+    assert plain.read_bytes() != measured.read_bytes()
+    assert main(["show", str(plain)]) == 0
+    assert "steering   not measured" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("steering", "message"),
+    [
+        ({"delta": SteeringRange(2, 8.0, 8.0, 1.0)}, "not in the pack"),
+        ({"alpha": SteeringRange(3, 8.0, 8.0, 1.0)}, "not in the pack"),
+        ({"alpha": SteeringRange(2, 16.0, 8.0, 1.0)}, "0 < scale <= range"),
+        ({"alpha": SteeringRange(2, 0.0, 8.0, 1.0)}, "0 < scale <= range"),
+    ],
+)
+def test_bad_steering_is_refused(steering: dict[str, SteeringRange], message: str) -> None:
+    with pytest.raises(GatewayError, match=message):
+        dataclasses.replace(_pack(None), steering=steering)
+
+
+def test_malformed_steering_metadata_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "p.safetensors"
+    meta = {
+        "format": FORMAT,
+        "layer_convention": LAYER_CONVENTION,
+        "layers": "[2, 5]",
+        "concepts": json.dumps(CONCEPTS),
+    }
+    save_file({"directions": _directions()}, str(path), metadata={**meta, "steering": '{"alpha": {"layer": 2}}'})
+    with pytest.raises(GatewayError, match="steering metadata is malformed"):
+        ConceptPack.load(path)
