@@ -22,12 +22,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from prismgate.codecs.openai.errors import OpenAIError
 from prismgate.codecs.openai.generation import Piece, Token
 from prismgate.codecs.openai.plan import Plan
-from prismgate.codecs.openai.readouts import values, values_json
+from prismgate.codecs.openai.readouts import ReadoutAxes
 from prismgate.core.events import Done, FinishReason
 
 # one encoder for every payload: json.dumps with options builds a new one per call
@@ -59,25 +57,24 @@ def usage(done: Done) -> dict[str, Any]:
     }
 
 
-def _readouts(tokens: Sequence[Token]) -> list[dict[str, Any]]:
+def _readouts(axes: ReadoutAxes, tokens: Sequence[Token]) -> list[dict[str, Any]]:
     return [
-        {"position": t.position, "id": t.id, "token": t.text, "values": values(t.readout)}
+        {"position": t.position, "id": t.id, "token": t.text, "values": axes.values(t.readout)}
         for t in tokens
         if t.readout is not None
     ]
 
 
-def _readouts_json(tokens: Sequence[Token]) -> str | None:
-    """``dumps(_readouts(tokens))``, or None when a value has no JSON form (the general path refuses it)."""
+def _readouts_json(axes: ReadoutAxes, tokens: Sequence[Token]) -> str | None:
+    """``dumps(_readouts(axes, tokens))``, or None when a value has no JSON form (the general path refuses it)."""
     items = []
     for t in tokens:
         if t.readout is None:
             continue
-        if not np.isfinite(t.readout).all():
+        values = axes.values_json(t.readout)
+        if values is None:
             return None
-        items.append(
-            f'{{"position":{t.position:d},"id":{t.id:d},"token":{dumps(t.text)},"values":{values_json(t.readout)}}}'
-        )
+        items.append(f'{{"position":{t.position:d},"id":{t.id:d},"token":{dumps(t.text)},"values":{values}}}')
     return "[" + ",".join(items) + "]"
 
 
@@ -127,7 +124,7 @@ class Format:
 
     def choice_extension(self, choice: dict[str, Any], tokens: Sequence[Token]) -> dict[str, Any]:
         if self.plan.axes is not None:
-            choice["prismgate"] = {"readouts": _readouts(tokens)}
+            choice["prismgate"] = {"readouts": _readouts(self.plan.axes, tokens)}
         return choice
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -156,7 +153,7 @@ class Format:
         parts every chunk repeats; anything else goes the general way.
         """
         if not self.plan.want_logprobs:
-            readouts = None if self.plan.axes is None else _readouts_json(piece.tokens)
+            readouts = None if self.plan.axes is None else _readouts_json(self.plan.axes, piece.tokens)
             if self.plan.axes is None or readouts is not None:
                 fields = self._choice_fields(piece)
                 if readouts is not None:

@@ -21,6 +21,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from prismgate.codecs.binary_numbers import BadEncoding, read_encoding
 from prismgate.codecs.openai.errors import bad_request
 from prismgate.codecs.openai.fields import get_bool, get_float, get_int, get_object, get_str
 from prismgate.core.actions import MAX_TOP_LOGPROBS
@@ -36,10 +39,14 @@ _DATA_URL = re.compile(r"^data:(image/[A-Za-z0-9.+-]+);base64,(.*)$", re.DOTALL)
 
 @dataclass(frozen=True, slots=True)
 class ReadoutRequest:
-    """``"readouts"``: which manifest layers (model layer numbers) and concepts (names); None means all."""
+    """``"readouts"``: which manifest layers (model layer numbers) and concepts (names); None means all.
+
+    ``binary``: the dtype of the base64 form (``encoding_format: "base64"``), None for JSON numbers.
+    """
 
     layers: tuple[int, ...] | None
     concepts: tuple[str, ...] | None
+    binary: np.dtype | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,10 +199,21 @@ def _readouts(value: Any) -> ReadoutRequest | None:
     concepts = value.get("concepts")
     if concepts is not None and (not isinstance(concepts, list) or not all(isinstance(x, str) for x in concepts)):
         raise bad_request("'readouts.concepts' must be an array of concept names", "readouts.concepts")
-    unknown = sorted(set(value) - {"layers", "concepts"})
+    unknown = sorted(set(value) - {"layers", "concepts", "encoding_format", "dtype"})
     if unknown:
-        raise bad_request(f"'readouts' has unknown keys {unknown}; it takes 'layers' and 'concepts'", "readouts")
-    return ReadoutRequest(None if layers is None else tuple(layers), None if concepts is None else tuple(concepts))
+        raise bad_request(
+            f"'readouts' has unknown keys {unknown}; it takes 'layers', 'concepts', 'encoding_format' and 'dtype'",
+            "readouts",
+        )
+    try:
+        binary = read_encoding(
+            value.get("encoding_format"), value.get("dtype"), "readouts.encoding_format", "readouts.dtype"
+        )
+    except BadEncoding as exc:
+        raise bad_request(exc.message, exc.field) from None
+    return ReadoutRequest(
+        None if layers is None else tuple(layers), None if concepts is None else tuple(concepts), binary
+    )
 
 
 def _messages(value: Any) -> tuple[Message, ...]:
