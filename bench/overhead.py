@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -251,8 +252,11 @@ READOUT_COLUMNS = (
 
 def main_readouts(args: argparse.Namespace) -> int:
     engine = NullEngine(readouts=READOUT_SHAPE, readout_values="random")
-    with serve(settings(model_name="null"), engine) as server:
+    load = [os.getloadavg()[0]]
+    # 256 streams are 256 connections from one address: past the default cap of 128
+    with serve(settings(model_name="null", max_connections_per_client=0), engine) as server:
         rows = asyncio.run(measure_readouts(server, args))
+    load.append(os.getloadavg()[0])
     path = write_results(
         args.results or "overhead_readouts",
         {
@@ -260,6 +264,7 @@ def main_readouts(args: argparse.Namespace) -> int:
             "reps": args.reps,
             "streams_per_cell": args.streams_per_cell,
             "readout_shape": list(READOUT_SHAPE),
+            "load_average": load,
             "rows": rows,
         },
     )

@@ -23,7 +23,8 @@ from prismgate.core.errors import Code, GatewayError
 TEXT = "float"  # the default encoding_format: JSON numbers
 BASE64 = "base64"
 ENCODINGS = (TEXT, BASE64)
-DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
+DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
+INT32 = np.dtype("<i4")  # token ids beside base64 logprobs
 
 
 class BadEncoding(GatewayError):
@@ -50,7 +51,8 @@ def read_encoding(encoding: object, dtype: object, encoding_field: str, dtype_fi
         if dtype is not None:
             raise BadEncoding(dtype_field, f"'{dtype_field}' applies only with '{encoding_field}': 'base64'")
         return None
-    return DTYPES[dtype or "float32"]
+    chosen: np.dtype = DTYPES["float32" if dtype is None else str(dtype)]
+    return chosen
 
 
 def dtype_name(dtype: np.dtype) -> str:

@@ -226,3 +226,105 @@ def test_tiny_model_base64_completions_decode_to_the_text_values(live_server: Li
     assert len(t_entries) == len(b_entries) > 4  # the echoed prompt's tokens too
     for t, b in zip(t_entries, b_entries, strict=True):
         assert np.array_equal(decode(b["values"], "<f4", shape), np.array(t["values"], np.float32))
+
+
+# -- logprobs as base64 (OpenAI) -------------------------------------------------------------------
+
+
+def chat_chunks(server: LiveServer, **extra: Any) -> list[dict[str, Any]]:
+    body = {
+        "model": server.service.pool.default_model,
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+        "logprobs": True,
+        "top_logprobs": 3,
+        **extra,
+    }
+    with httpx.stream("POST", server.http_url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+
+
+def test_base64_logprobs_are_the_text_logprobs(live_server: LiveServer) -> None:
+    text = chat_chunks(live_server)
+    b32 = chat_chunks(live_server, logprobs_encoding_format="base64", readouts=True)
+    f16 = chat_chunks(live_server, logprobs_encoding_format="base64", logprobs_dtype="float16")
+    head = b32[0]["prismgate"]["logprobs"]
+    assert head == {"encoding_format": "base64", "dtype": "float32", "top_logprobs": 3}
+    assert "prismgate" not in text[0]  # nothing new for a client that asks nothing new
+
+    def listed(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+
+    def joined(chunks: list[dict[str, Any]], key: str, dtype: str) -> np.ndarray:
+        return np.concatenate(
+            [np.frombuffer(base64.b64decode(c["prismgate"]["logprobs"][key]), dtype) for c in listed(chunks)]
+        )
+
+    content = [e for c in listed(text) for e in c["logprobs"]["content"]]
+    assert all(c["logprobs"] is None for c in listed(b32))  # the OpenAI form is replaced, not repeated
+    want = np.array([e["logprob"] for e in content])
+    want_top = np.array([[t["logprob"] for t in e["top_logprobs"]] for e in content])
+    assert np.array_equal(joined(b32, "logprobs", "<f4"), want.astype(np.float32))
+    assert np.array_equal(joined(b32, "top_logprobs", "<f4").reshape(-1, 3), want_top.astype(np.float32))
+    assert np.array_equal(joined(f16, "logprobs", "<f2"), want.astype(np.float16))
+    ids = joined(b32, "ids", "<i4")
+    readout_ids = [e["id"] for c in listed(b32) for e in c["prismgate"]["readouts"]]
+    assert ids.tolist() == readout_ids and len(ids) == len(content) > 3
+    assert joined(b32, "top_ids", "<i4").reshape(-1, 3)[:, 0].tolist() == ids.tolist()  # greedy: the best one
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "says"),
+    [
+        ({"logprobs_encoding_format": "b64"}, "logprobs_encoding_format", "'float' or 'base64', got 'b64'"),
+        ({"logprobs_encoding_format": "base64", "logprobs_dtype": 16}, "logprobs_dtype", "'float32' or 'float16'"),
+        ({"logprobs_dtype": "float16"}, "logprobs_dtype", "applies only with 'logprobs_encoding_format'"),
+        (
+            {"logprobs": False, "top_logprobs": 0, "logprobs_encoding_format": "base64"},
+            "logprobs_encoding_format",
+            "needs logprobs",
+        ),
+    ],
+)
+def test_bad_logprob_encodings_are_400_naming_the_field(
+    live_server: LiveServer, extra: dict[str, Any], param: str, says: str
+) -> None:
+    body = {
+        "model": live_server.service.pool.default_model,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 2,
+        "logprobs": True,
+        **extra,
+    }
+    r = httpx.post(live_server.http_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == param and says in error["message"]
+
+
+def test_base64_completion_logprobs_with_echo_mark_the_first_prompt_token_nan(live_server: LiveServer) -> None:
+    def ask(**extra: Any) -> dict[str, Any]:
+        body = {
+            "model": live_server.service.pool.default_model,
+            "prompt": "Hello there",
+            "max_tokens": 3,
+            "temperature": 0,
+            "echo": True,
+            "logprobs": 2,
+            **extra,
+        }
+        r = httpx.post(live_server.http_url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    text, b32 = ask(), ask(logprobs_encoding_format="base64")
+    assert b32["logprobs"] is None
+    got = np.frombuffer(base64.b64decode(b32["prismgate"]["logprobs"]["logprobs"]), "<f4")
+    want = text["logprobs"]["token_logprobs"]
+    assert want[0] is None and np.isnan(got[0]) and len(got) == len(want) > 3
+    assert np.array_equal(got[1:], np.array(want[1:], np.float32))
+    top = np.frombuffer(base64.b64decode(b32["prismgate"]["logprobs"]["top_logprobs"]), "<f4").reshape(-1, 2)
+    assert np.isnan(top[0]).all() and not np.isnan(top[1:]).any()

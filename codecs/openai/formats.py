@@ -17,11 +17,15 @@ concepts) and the session's id and length.
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
+from prismgate.codecs.binary_numbers import BASE64, INT32, b64, dtype_name
 from prismgate.codecs.openai.errors import OpenAIError
 from prismgate.codecs.openai.generation import Piece, Token
 from prismgate.codecs.openai.plan import Plan
@@ -78,6 +82,26 @@ def _readouts_json(axes: ReadoutAxes, tokens: Sequence[Token]) -> str | None:
     return "[" + ",".join(items) + "]"
 
 
+def _logprobs_base64(tokens: Sequence[Token], k: int, dtype: np.dtype) -> dict[str, str]:
+    """The tokens' logprobs as base64 (``prismgate.logprobs``): ids and logprobs, and ``[token][k]`` alternatives.
+
+    Ids are little-endian int32; a missing logprob (an echoed prompt's first token) is NaN,
+    a missing alternative id -1 with a NaN logprob.
+    """
+    ids = np.array([t.id for t in tokens], dtype=INT32)
+    logprobs = np.array([math.nan if t.logprob is None else t.logprob for t in tokens], dtype=np.float64)
+    out = {"ids": b64(ids, INT32), "logprobs": b64(logprobs, dtype)}
+    if k:
+        top_ids = np.full((len(tokens), k), -1, dtype=INT32)
+        top = np.full((len(tokens), k), math.nan)
+        for i, t in enumerate(tokens):
+            for j, (tid, entry) in enumerate(zip(t.top_ids or (), t.top or (), strict=False)):
+                if j < k:
+                    top_ids[i, j], top[i, j] = tid, entry[2]
+        out.update(top_ids=b64(top_ids, INT32), top_logprobs=b64(top, dtype))
+    return out
+
+
 class Format:
     """What chat and completions share: ids, timestamps, the prismgate block, usage chunks."""
 
@@ -105,6 +129,12 @@ class Format:
         ext: dict[str, Any] = {}
         if self.plan.axes is not None:
             ext["readouts"] = self.plan.axes.describe()
+        if self.plan.logprobs_binary is not None:
+            ext["logprobs"] = {
+                "encoding_format": BASE64,
+                "dtype": dtype_name(self.plan.logprobs_binary),
+                "top_logprobs": self.plan.top_logprobs,
+            }
         if self.plan.session_id is not None:
             ext["session_id"] = self.plan.session_id
             if session_length is not None:
@@ -123,8 +153,13 @@ class Format:
         return out
 
     def choice_extension(self, choice: dict[str, Any], tokens: Sequence[Token]) -> dict[str, Any]:
+        ext: dict[str, Any] = {}
         if self.plan.axes is not None:
-            choice["prismgate"] = {"readouts": _readouts(self.plan.axes, tokens)}
+            ext["readouts"] = _readouts(self.plan.axes, tokens)
+        if self.plan.logprobs_binary is not None:
+            ext["logprobs"] = _logprobs_base64(tokens, self.plan.top_logprobs, self.plan.logprobs_binary)
+        if ext:
+            choice["prismgate"] = ext
         return choice
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -182,7 +217,7 @@ class ChatFormat(Format):
     id_prefix = "chatcmpl-"
 
     def _logprobs(self, tokens: Sequence[Token]) -> dict[str, Any] | None:
-        if not self.plan.want_logprobs:
+        if not self.plan.want_logprobs or self.plan.logprobs_binary is not None:
             return None
         content = [
             {
@@ -264,7 +299,7 @@ class CompletionFormat(Format):
                 else:
                     top_logprobs.append({t.text: t.logprob})
             self.text_offset = end
-        if not self.plan.want_logprobs:
+        if not self.plan.want_logprobs or self.plan.logprobs_binary is not None:
             return None
         return {
             "tokens": tokens,

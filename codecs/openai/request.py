@@ -64,6 +64,7 @@ class Common:
     deterministic: bool | None  # None: the server's default
     stop: tuple[str, ...]
     top_logprobs: int | None  # None: no logprobs; otherwise how many alternatives per token
+    logprobs_binary: np.dtype | None  # logprobs as base64 of this dtype (prismgate.logprobs); None: OpenAI's form
     readouts: ReadoutRequest | None
     session_id: str | None
     steering: Any  # the raw "steering" list: read in the plan, against the service's request budget
@@ -129,6 +130,7 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, top_logprobs: int |
     top_k = get_int(body, "top_k", 0, lo=-1)
     seed = get_int(body, "seed", None, lo=-INT64, hi=INT64 - 1)
     deterministic = get_bool(body, "deterministic", None)
+    logprobs_binary = _logprobs_encoding(body, top_logprobs)
     if top_p == 0.0:  # OpenAI accepts 0: only the most likely token survives, which is greedy decoding
         temperature, top_p = 0.0, 1.0
     return Common(
@@ -143,6 +145,7 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, top_logprobs: int |
         deterministic=deterministic,
         stop=_stop(body.get("stop")),
         top_logprobs=top_logprobs,
+        logprobs_binary=logprobs_binary,
         readouts=_readouts(body.get("readouts")),
         session_id=get_str(body, "session_id"),
         steering=body.get("steering"),
@@ -182,6 +185,21 @@ def _stop(value: Any) -> tuple[str, ...]:
     if any(s == "" for s in items):
         raise bad_request("'stop' strings must not be empty", "stop")
     return tuple(items)
+
+
+def _logprobs_encoding(body: Mapping[str, Any], top_logprobs: int | None) -> np.dtype | None:
+    """``logprobs_encoding_format`` / ``logprobs_dtype``: base64 logprobs, for a request that asks for logprobs."""
+    try:
+        encoding, dtype = body.get("logprobs_encoding_format"), body.get("logprobs_dtype")
+        binary = read_encoding(encoding, dtype, "logprobs_encoding_format", "logprobs_dtype")
+    except BadEncoding as exc:
+        raise bad_request(exc.message, exc.field) from None
+    if binary is not None and top_logprobs is None:
+        raise bad_request(
+            "'logprobs_encoding_format': 'base64' needs logprobs ('logprobs': true in chat, a number in completions)",
+            "logprobs_encoding_format",
+        )
+    return binary
 
 
 def _readouts(value: Any) -> ReadoutRequest | None:
