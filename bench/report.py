@@ -231,7 +231,15 @@ def readout_wire_section(after: dict[str, Any], before: dict[str, Any] | None) -
                 "after: ratio to off": spread(r, "ratio_to_off", "ratio_low", "ratio_high", 2),
             }
         )
-    build = f" before: {before['build']}," if before and "build" in before else ""
+    build = f" of {before['build']}" if before and "build" in before else ""
+
+    def ranges(data: dict[str, Any] | None) -> str:
+        found: dict[tuple[str, str], list[float]] = {}
+        for r in (data or {}).get("rows", []):
+            if r["readouts"] != "off":
+                found.setdefault((r["protocol"], r["readouts"]), []).append(r["ratio_to_off"])
+        return "; ".join(f"{p} {m} {min(v):.2f}-{max(v):.2f}" for (p, m), v in found.items())
+
     return [
         "### Readouts on the wire: front-end CPU per streamed token",
         "",
@@ -243,7 +251,8 @@ def readout_wire_section(after: dict[str, Any], before: dict[str, Any] | None) -
         "less the client thread) per streamed token, median (lowest-highest) over rounds, and the median",
         "(lowest-highest) of each round's ratio to the same round's `off`. `every`: JSON numbers (Salience:",
         "protobuf floats); `base64`: `encoding_format: base64` (OpenAI), `readoutEncodingFormat: base64`",
-        f"(Evergreen). Before:{build} the same benchmark on the codecs as they were, run just before.",
+        "(Evergreen). Before: the same command with `--readouts off,every --results overhead_readouts_before`,",
+        f"run just before on `codecs/` and `schemas/`{build} (the benchmark and the rest as they are now).",
         *([machine_load(after["load_average"])] if "load_average" in after else []),
         *(
             ["Before: " + machine_load(before["load_average"])[0].lower() + machine_load(before["load_average"])[1:]]
@@ -253,6 +262,10 @@ def readout_wire_section(after: dict[str, Any], before: dict[str, Any] | None) -
         "The machine is shared (other jobs ran beside both runs), so compare the ratios, each measured within one run.",
         "",
         table(rows, list(rows[0])),
+        "",
+        "Median ratios to off over the concurrencies, "
+        + (f"before: {ranges(before)}; " if before else "")
+        + f"after: {ranges(after)}.",
         "",
     ]
 
