@@ -209,6 +209,9 @@ def frontend_section(after: dict[str, Any], before: dict[str, Any] | None) -> li
     ]
 
 
+CORES_FOR = 20_000  # tokens/s of an engine the front-end must keep up with (a GPU serving an 8B model)
+
+
 def readout_wire_section(after: dict[str, Any], before: dict[str, Any] | None) -> list[str]:
     """``bench/overhead.py --readouts``: front-end CPU per streamed token, readouts on every token vs off."""
 
@@ -229,6 +232,8 @@ def readout_wire_section(after: dict[str, Any], before: dict[str, Any] | None) -
                 "before: ratio to off": spread(b, "ratio_to_off", "ratio_low", "ratio_high", 2) if b else "",
                 "after: us/token": spread(r, "cpu_us_per_token", "cpu_us_low", "cpu_us_high", 0),
                 "after: ratio to off": spread(r, "ratio_to_off", "ratio_low", "ratio_high", 2),
+                "after: tokens/s": f"{r['tokens_per_s']:.3g}",
+                f"after: cores for {CORES_FOR:,} tokens/s": f"{CORES_FOR / r['tokens_per_cpu_s']:.1f}",
             }
         )
     build = f" of {before['build']}" if before and "build" in before else ""
@@ -262,6 +267,12 @@ def readout_wire_section(after: dict[str, Any], before: dict[str, Any] | None) -
         "The machine is shared (other jobs ran beside both runs), so compare the ratios, each measured within one run.",
         "",
         table(rows, list(rows[0])),
+        "",
+        f"`tokens/s`: tokens the gateway streamed per second of wall time (its clients, in the same process,\n"
+        f"share the 2 cores); `cores for {CORES_FOR:,} tokens/s`: {CORES_FOR:,} over the tokens streamed per\n"
+        "gateway CPU-second, the front-end cores an engine of that throughput would keep busy if front-end\n"
+        "processes scaled linearly (one process measured here; several processes are not built yet). Salience's\n"
+        "CPU includes the gRPC client's own C threads (they run in the gateway's process), so it reads high.",
         "",
         "Median ratios to off over the concurrencies, "
         + (f"before: {ranges(before)}; " if before else "")
