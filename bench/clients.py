@@ -104,8 +104,12 @@ class Salience:
         await self.channel.close()
 
 
-def evergreen(ws_url: str, decode: Callable[[Sequence[int]], str]) -> Client:
-    """Evergreen over WebSocket, JSON text frames: one connection (session) per generation."""
+def evergreen(ws_url: str, decode: Callable[[Sequence[int]], str], readouts: dict[str, Any] | None = None) -> Client:
+    """Evergreen over WebSocket, JSON text frames: one connection (session) per generation.
+
+    ``readouts``: ask for the ``readouts`` output, with these extra config fields
+    (``{}``: the default text form; ``{"readoutEncodingFormat": "base64"}``, say).
+    """
     import base64
 
     import websockets
@@ -118,11 +122,17 @@ def evergreen(ws_url: str, decode: Callable[[Sequence[int]], str]) -> Client:
                     {
                         "name": "GENERATE",
                         "inputs": [{"name": "prompt", "id": "p"}],
-                        "outputs": [{"name": "response", "id": "r"}, {"name": "usage", "id": "u"}],
+                        "outputs": [{"name": "response", "id": "r"}, {"name": "usage", "id": "u"}]
+                        + ([{"name": "readouts", "id": "ro"}] if readouts is not None else []),
                         "configs": [
                             {
                                 "@type": STRUCT,
-                                "value": {"maxTokens": max_tokens, "temperature": 0, "chatTemplate": False},
+                                "value": {
+                                    "maxTokens": max_tokens,
+                                    "temperature": 0,
+                                    "chatTemplate": False,
+                                    **(readouts or {}),
+                                },
                             }
                         ],
                     }

@@ -40,13 +40,17 @@ class NullEngine:
         max_model_len: int = 1 << 20,
         readouts: tuple[int, int] | None = (2, 3),
         yield_every: int = 1,
+        readout_values: str = "zeros",
     ) -> None:
+        """``readout_values``: ``zeros``, or ``random`` (a cycle of 64 seeded normal arrays x 10,
+        float32 values with full-length decimals, as a real model's: what printing them costs)."""
         from tests.tiny_model import build_tokenizer
 
         self.model_id = model_id
         self._hf = build_tokenizer()
         self._max_model_len = max_model_len
         self._readout_shape = readouts
+        self._readout_values = readout_values
         self.yield_every = max(1, yield_every)
         self._active = 0
         self.info: EngineInfo = None  # type: ignore[assignment]  # set by start()
@@ -73,6 +77,14 @@ class NullEngine:
             engine_name="null",
         )
 
+    def _readouts(self, shape: tuple[int, ...] | None) -> list[np.ndarray]:
+        if shape is None:
+            return []
+        if self._readout_values == "zeros":
+            return [np.zeros(shape, dtype=np.float32)]
+        rng = np.random.default_rng(0)
+        return [(rng.standard_normal(shape) * 10).astype(np.float32) for _ in range(64)]
+
     async def close(self) -> None:
         return None
 
@@ -92,7 +104,8 @@ class NullEngine:
         spec = request.spec
         n = len(request.tokens)
         shape = self.info.readouts.shape if self.info.readouts is not None else None
-        readout = np.zeros(shape, dtype=np.float32) if shape is not None else None
+        readouts = self._readouts(shape)
+        readout = readouts[0] if readouts else None
         self._active += 1
         self.stats["prefilled_tokens"] += n
         generated = 0
@@ -118,7 +131,7 @@ class NullEngine:
                     if spec.logprob_top_k:
                         event.top_logprobs = [(token, -1.0)] * spec.logprob_top_k
                 if readout is not None and covered(spec.readout_ranges, position):
-                    event.readout = readout
+                    event.readout = readouts[position % len(readouts)]
                 generated += 1
                 self.stats["decoded_tokens"] += 1
                 yield event

@@ -18,12 +18,23 @@ its ceiling in tokens/s per core of gateway CPU) and ``tiny`` (the tests' tiny r
 on the transformers engine, one worker thread).
 
 Results: a table on stdout and bench/results/overhead.json.
+
+``--readouts off,every,base64`` measures instead what readouts cost the front-end, on the
+null engine with an 8 x 8 readout (the default pack's 64 values, random full-length
+float32s) on every generated token: Salience (protobuf floats), Evergreen and OpenAI SSE
+(JSON numbers, or base64 of float32 with ``base64``), readouts off beside them. Every
+(protocol, readouts) cell runs once per round, in an order that rotates from round to
+round; a round's ratio is its CPU per token over the same round's ``off`` of that
+protocol; the medians and the spread (lowest, highest) over ``--reps`` rounds go to
+bench/results/overhead_readouts.json (``--results NAME`` to write another name, e.g. a
+baseline run on older code with ``--readouts off,every``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -38,6 +49,8 @@ from bench.common import CpuMeter, Server, median, model_settings, percentile, s
 from bench.null_engine import NullEngine
 
 PROTOCOLS = ("inproc", "salience", "evergreen", "graphpipe", "openai")
+READOUT_MODES = ("off", "every", "base64")
+READOUT_SHAPE = (8, 8)  # the default pack's layers x concepts
 
 
 async def run_cell(
@@ -147,6 +160,118 @@ async def measure_engine(name: str, server: Server, args: argparse.Namespace) ->
     return rows
 
 
+def readout_client(server: Server, proto: str, mode: str) -> clients.Client | None:
+    """``proto``'s client asking for readouts ``mode`` on every generated token; None where it has no such form."""
+    info = server.service.info()
+    if proto == "salience":
+        if mode == "base64":  # protobuf floats are binary already
+            return None
+        every = None if mode == "off" else (lambda n, m: [(n, n + m)])
+        return clients.Salience(server.grpc_target, info.model_id, every)
+    if proto == "evergreen":
+        config = {"off": None, "every": {}, "base64": {"readoutEncodingFormat": "base64"}}[mode]
+        return clients.evergreen(server.ws_url, info.tokenizer.decode, config)
+    if proto == "openai":
+        extra = {"off": None, "every": {"readouts": True}, "base64": {"readouts": {"encoding_format": "base64"}}}[mode]
+        return clients.openai_sse(server.http_url, info.model_id, extra)
+    raise ValueError(f"no readouts client for {proto!r}")
+
+
+async def measure_readouts(server: Server, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """CPU per streamed token, readouts off / every token / every token as base64, per protocol."""
+    max_tokens = args.max_tokens
+    prompt = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(find_prompt(server, max_tokens), server.loop))
+    protocols = [p for p in ("salience", "evergreen", "openai") if p in args.protocols]
+    cells: dict[tuple[str, str], clients.Client] = {}
+    for proto in protocols:
+        for mode in args.readouts:
+            client = readout_client(server, proto, mode)
+            if client is not None:
+                cells[(proto, mode)] = client
+    order = list(cells)
+    for key in order:  # warm up every path
+        await run_cell(cells[key], prompt, max_tokens, 2, 1)
+    rows: list[dict[str, Any]] = []
+    for streams in args.concurrency:
+        rounds = max(1, args.streams_per_cell // streams)
+        per_token: dict[tuple[str, str], list[float]] = {key: [] for key in order}
+        rates: dict[tuple[str, str], list[float]] = {key: [] for key in order}
+        sizes: dict[tuple[str, str], list[float]] = {key: [] for key in order}
+        for rep in range(args.reps):
+            shift = rep % len(order)
+            for key in order[shift:] + order[:shift]:
+                with CpuMeter() as cpu:
+                    results, wall = await run_cell(cells[key], prompt, max_tokens, streams, rounds)
+                tokens = sum(r.tokens for r in results)
+                per_token[key].append(cpu.server_s / tokens * 1e6)
+                rates[key].append(tokens / wall)
+                sizes[key].append(median([r.received_bytes / max(1, r.tokens) for r in results]))
+        for proto, mode in order:
+            ratios = [a / b for a, b in zip(per_token[(proto, mode)], per_token[(proto, "off")], strict=True)]
+            rows.append(
+                {
+                    "streams": streams,
+                    "protocol": proto,
+                    "readouts": mode,
+                    "cpu_us_per_token": median(per_token[(proto, mode)]),
+                    "cpu_us_low": min(per_token[(proto, mode)]),
+                    "cpu_us_high": max(per_token[(proto, mode)]),
+                    "tokens_per_cpu_s": 1e6 / median(per_token[(proto, mode)]),
+                    "tokens_per_s": median(rates[(proto, mode)]),
+                    "bytes_per_token": median(sizes[(proto, mode)]),
+                    "ratio_to_off": median(ratios),
+                    "ratio_low": min(ratios),
+                    "ratio_high": max(ratios),
+                }
+            )
+        print(table([r for r in rows if r["streams"] == streams], READOUT_COLUMNS), flush=True)
+    for client in cells.values():
+        close = getattr(client, "close", None)
+        if close is not None:
+            await close()
+        http = getattr(client, "client", None)
+        if http is not None:
+            await http.aclose()
+    return rows
+
+
+READOUT_COLUMNS = (
+    "streams",
+    "protocol",
+    "readouts",
+    "cpu_us_per_token",
+    "cpu_us_low",
+    "cpu_us_high",
+    "tokens_per_cpu_s",
+    "bytes_per_token",
+    "ratio_to_off",
+    "ratio_low",
+    "ratio_high",
+)
+
+
+def main_readouts(args: argparse.Namespace) -> int:
+    engine = NullEngine(readouts=READOUT_SHAPE, readout_values="random")
+    load = [os.getloadavg()[0]]
+    # 256 streams are 256 connections from one address: past the default cap of 128
+    with serve(settings(model_name="null", max_connections_per_client=0), engine) as server:
+        rows = asyncio.run(measure_readouts(server, args))
+    load.append(os.getloadavg()[0])
+    path = write_results(
+        args.results or "overhead_readouts",
+        {
+            "max_tokens": args.max_tokens,
+            "reps": args.reps,
+            "streams_per_cell": args.streams_per_cell,
+            "readout_shape": list(READOUT_SHAPE),
+            "load_average": load,
+            "rows": rows,
+        },
+    )
+    print(f"results: {path}")
+    return 0
+
+
 COLUMNS = (
     "engine",
     "streams",
@@ -170,12 +295,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per generation (64; quick 32)")
     parser.add_argument("--reps", type=int, default=None, help="interleaved repetitions per cell (3; quick 1)")
     parser.add_argument("--streams-per-cell", type=int, default=None, help="generations per cell per rep (32; quick 8)")
+    parser.add_argument("--readouts", default=None, help="measure readouts instead: modes of off, every, base64")
+    parser.add_argument("--results", default=None, help="results file name for --readouts (overhead_readouts)")
     args = parser.parse_args(argv)
     args.max_tokens = args.max_tokens or (32 if args.quick else 64)
     args.reps = args.reps or (1 if args.quick else 3)
     args.streams_per_cell = args.streams_per_cell or (8 if args.quick else 32)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.protocols = args.protocols.split(",")
+    if args.readouts is not None:
+        args.readouts = args.readouts.split(",")
+        if "off" not in args.readouts or not set(args.readouts) <= set(READOUT_MODES):
+            parser.error(f"--readouts: off and any of {READOUT_MODES[1:]}")
+        return main_readouts(args)
 
     rows: list[dict[str, Any]] = []
     for name in args.engines.split(","):

@@ -2,7 +2,8 @@
 
     .venv/bin/python -m bench.report
 
-Reads bench/results/{overhead,vs_vllm,vs_vllm_frontend,sessions,readouts,steering,steering_vllm}.json
+Reads bench/results/{overhead,overhead_readouts,vs_vllm,vs_vllm_frontend,sessions,readouts,steering,
+steering_vllm}.json
 (whichever exist), draws one PNG per benchmark with matplotlib, and writes docs/benchmarks.md: ratios first, since only
 ratios measured side by side in one run compare across these noisy machines.
 """
@@ -208,6 +209,78 @@ def frontend_section(after: dict[str, Any], before: dict[str, Any] | None) -> li
     ]
 
 
+CORES_FOR = 20_000  # tokens/s of an engine the front-end must keep up with (a GPU serving an 8B model)
+
+
+def readout_wire_section(after: dict[str, Any], before: dict[str, Any] | None) -> list[str]:
+    """``bench/overhead.py --readouts``: front-end CPU per streamed token, readouts on every token vs off."""
+
+    def spread(r: dict[str, Any], key: str, low: str, high: str, digits: int) -> str:
+        return f"{r[key]:.{digits}f} ({r[low]:.{digits}f}-{r[high]:.{digits}f})"
+
+    earlier = {(r["streams"], r["protocol"], r["readouts"]): r for r in (before or {}).get("rows", [])}
+    rows = []
+    for r in after["rows"]:
+        b = earlier.get((r["streams"], r["protocol"], r["readouts"]))
+        rows.append(
+            {
+                "streams": r["streams"],
+                "protocol": r["protocol"],
+                "readouts": r["readouts"],
+                "bytes_per_token": f"{r['bytes_per_token']:.0f}",
+                "before: us/token": spread(b, "cpu_us_per_token", "cpu_us_low", "cpu_us_high", 0) if b else "",
+                "before: ratio to off": spread(b, "ratio_to_off", "ratio_low", "ratio_high", 2) if b else "",
+                "after: us/token": spread(r, "cpu_us_per_token", "cpu_us_low", "cpu_us_high", 0),
+                "after: ratio to off": spread(r, "ratio_to_off", "ratio_low", "ratio_high", 2),
+                "after: tokens/s": f"{r['tokens_per_s']:.3g}",
+                f"after: cores for {CORES_FOR:,} tokens/s": f"{CORES_FOR / r['tokens_per_cpu_s']:.1f}",
+            }
+        )
+    build = f" of {before['build']}" if before and "build" in before else ""
+
+    def ranges(data: dict[str, Any] | None) -> str:
+        found: dict[tuple[str, str], list[float]] = {}
+        for r in (data or {}).get("rows", []):
+            if r["readouts"] != "off":
+                found.setdefault((r["protocol"], r["readouts"]), []).append(r["ratio_to_off"])
+        return "; ".join(f"{p} {m} {min(v):.2f}-{max(v):.2f}" for (p, m), v in found.items())
+
+    return [
+        "### Readouts on the wire: front-end CPU per streamed token",
+        "",
+        "`.venv/bin/python -m bench.overhead --readouts off,every,base64 --concurrency 32,64,256 "
+        f"--reps {after['reps']} --streams-per-cell {after['streams_per_cell']} --max-tokens {after['max_tokens']}`:",
+        "one gateway process on the null engine with an 8 x 8 readout (the default pack's 64 values, random",
+        "full-length float32s) on every generated token, readouts off beside it. Every (protocol, readouts)",
+        f"cell runs once per round, the order rotating, {after['reps']} rounds; CPU of the gateway (the process",
+        "less the client thread) per streamed token, median (lowest-highest) over rounds, and the median",
+        "(lowest-highest) of each round's ratio to the same round's `off`. `every`: JSON numbers (Salience:",
+        "protobuf floats); `base64`: `encoding_format: base64` (OpenAI), `readoutEncodingFormat: base64`",
+        "(Evergreen). Before: the same command with `--readouts off,every --results overhead_readouts_before`,",
+        f"run just before on `codecs/` and `schemas/`{build} (the benchmark and the rest as they are now).",
+        *([machine_load(after["load_average"])] if "load_average" in after else []),
+        *(
+            ["Before: " + machine_load(before["load_average"])[0].lower() + machine_load(before["load_average"])[1:]]
+            if before and "load_average" in before
+            else []
+        ),
+        "The machine is shared (other jobs ran beside both runs), so compare the ratios, each measured within one run.",
+        "",
+        table(rows, list(rows[0])),
+        "",
+        f"`tokens/s`: tokens the gateway streamed per second of wall time (its clients, in the same process,\n"
+        f"share the 2 cores); `cores for {CORES_FOR:,} tokens/s`: {CORES_FOR:,} over the tokens streamed per\n"
+        "gateway CPU-second, the front-end cores an engine of that throughput would keep busy if front-end\n"
+        "processes scaled linearly (one process measured here; several processes are not built yet). Salience's\n"
+        "CPU includes the gRPC client's own C threads (they run in the gateway's process), so it reads high.",
+        "",
+        "Median ratios to off over the concurrencies, "
+        + (f"before: {ranges(before)}; " if before else "")
+        + f"after: {ranges(after)}.",
+        "",
+    ]
+
+
 def steering_section(data: dict[str, Any], engine: str) -> list[str]:
     compiled = " (its default compiled path, steering inside the graph)" if engine == "vLLM" else ""
     return [
@@ -285,6 +358,9 @@ def main() -> int:
     frontend = load("vs_vllm_frontend")
     if frontend:
         parts += frontend_section(frontend, load("vs_vllm_frontend_before"))
+    wire = load("overhead_readouts")
+    if wire:
+        parts += readout_wire_section(wire, load("overhead_readouts_before"))
     sessions = load("sessions")
     if sessions:
         parts += [

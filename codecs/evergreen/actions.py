@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from prismgate.codecs.binary_numbers import BadEncoding, read_encoding
 from prismgate.codecs.evergreen.config import parse_configs
 from prismgate.codecs.evergreen.outputs import EXTRA_OUTPUTS, TEXT_OUTPUTS
 from prismgate.codecs.steering import entry_from_message
@@ -31,6 +34,7 @@ class GenerateCall:
     config: gpb.GenerateConfig
     sampling: GenerateSpec
     target: str  # the model the client named ("" when none)
+    readout_binary: np.dtype | None = None  # the readouts' values as base64 of this dtype; None: JSON numbers
 
     @property
     def max_tokens(self) -> int | None:
@@ -64,7 +68,16 @@ def read_generate(action: pb.Action, label: str, budget: RequestBudget) -> Gener
     if len(set(outputs.values())) != len(outputs):
         raise invalid(f"{label}: two outputs share one node id")
     config = parse_configs(action.configs, label, budget)
-    return GenerateCall(inputs[0][1], outputs, config, sampling(config, budget), action.target_spec.id)
+    try:
+        binary = read_encoding(
+            config.readout_encoding_format or None,
+            config.readout_dtype or None,
+            "config.readout_encoding_format",
+            "config.readout_dtype",
+        )
+    except BadEncoding as exc:
+        raise invalid(f"{label}: {exc.message}") from None
+    return GenerateCall(inputs[0][1], outputs, config, sampling(config, budget), action.target_spec.id, binary)
 
 
 def read_ids(action: pb.Action, label: str, what: str) -> list[str]:

@@ -68,7 +68,8 @@ class Generation:
         self.usage.update(outputs.planned_usage(turn))
         info = service.info(turn.model)
         if "readouts" in outs:
-            emit([outs["readouts"].chunk(outputs.readout_header(info.model_id, service.readouts(info.model_id)))])
+            header = outputs.readout_header(info.model_id, service.readouts(info.model_id), call.readout_binary)
+            emit([outs["readouts"].chunk(header)])
         generated: list[int] = []
         text_node = outs["text"].id
         async for event in service.run_turn(turn):
@@ -83,7 +84,7 @@ class Generation:
                 if event.text:
                     fragments.append(outs["text"].chunk(event.text.encode()))
                 if "readouts" in outs and event.readout is not None:
-                    fragments.append(outs["readouts"].chunk(outputs.readout_line(index, event)))
+                    fragments.append(outs["readouts"].chunk(outputs.readout_line(index, event, call.readout_binary)))
                 if "logprobs" in outs and event.logprob is not None:
                     fragments.append(outs["logprobs"].chunk(outputs.logprob_line(index, event, info.tokenizer)))
                 if fragments:

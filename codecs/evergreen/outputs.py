@@ -7,9 +7,13 @@ line per generated token (readouts after a header line describing the manifest);
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
+import numpy as np
+
+from prismgate.codecs.binary_numbers import BASE64, b64, dtype_name
 from prismgate.codecs.evergreen.fragments import NodeWriter
 from prismgate.core.engine import ReadoutManifest, Tokenizer
 from prismgate.core.events import Done, TokenEvent
@@ -37,25 +41,49 @@ def writers(outputs: dict[str, str]) -> dict[str, NodeWriter]:
     return {key: NodeWriter(node_id, *_MIMES[key]) for key, node_id in outputs.items()}
 
 
-def readout_header(model: str, manifest: ReadoutManifest) -> bytes:
-    return line(
-        {
-            "model": model,
-            "concepts": list(manifest.concepts),
-            "layers": list(manifest.layers),
-            "layerConvention": manifest.layer_convention,
-            "shape": ["layers", "concepts"],
-            "centers": None if manifest.centers is None else [[number(v) for v in row] for row in manifest.centers],
-        }
-    )
+def readout_header(model: str, manifest: ReadoutManifest, binary: np.dtype | None = None) -> bytes:
+    header: dict[str, Any] = {
+        "model": model,
+        "concepts": list(manifest.concepts),
+        "layers": list(manifest.layers),
+        "layerConvention": manifest.layer_convention,
+        "shape": ["layers", "concepts"],
+        "centers": None if manifest.centers is None else [[number(v) for v in row] for row in manifest.centers],
+    }
+    if binary is not None:  # said only to a client that asked: the text form's bytes stay as they were
+        header.update(encodingFormat=BASE64, dtype=dtype_name(binary))
+    return line(header)
 
 
-def readout_line(index: int, event: TokenEvent) -> bytes:
+def readout_line(index: int, event: TokenEvent, binary: np.dtype | None = None) -> bytes:
+    """One token's line: ``line()`` of its dict, printed without building it (a stream writes one per token)."""
     assert event.readout is not None
-    values = [[number(v) for v in row] for row in event.readout.tolist()]
-    return line(
-        {"index": index, "position": event.position, "tokenId": event.id, "text": event.text or "", "values": values}
-    )
+    values = '"' + b64(event.readout, binary) + '"' if binary is not None else numbers_json(event.readout)
+    return (
+        f'{{"index":{index:d},"position":{event.position:d},"tokenId":{event.id:d},'
+        f'"text":{_text(event.text or "")},"values":{values}}}\n'
+    ).encode()
+
+
+def numbers_json(readout: np.ndarray) -> str:
+    """``[[number(v) for v in row] for row in readout]`` as JSON text, formatted in one go.
+
+    ``%.6g`` of a value is what ``number`` prints whenever it holds a point and no exponent
+    (a decimal of at most 6 digits is the shortest repr of the double it parses to, and both
+    print positionally there); integers (``3``, ``-0``), exponents and non-finite values
+    (``nan``, ``inf``) are the rare rest, printed the general way.
+    """
+    count = readout.size
+    text = _number_format(readout.shape) % tuple(readout.ravel().tolist())
+    if text.count(".") == count and "e" not in text and "n" not in text:
+        return text
+    return _text([[number(v) for v in row] for row in readout.tolist()])
+
+
+@functools.lru_cache(maxsize=16)
+def _number_format(shape: tuple[int, ...]) -> str:
+    layers, concepts = shape
+    return "[" + ",".join(["[" + ",".join(["%.6g"] * concepts) + "]"] * layers) + "]"
 
 
 def logprob_line(index: int, event: TokenEvent, tokenizer: Tokenizer) -> bytes:
@@ -102,7 +130,11 @@ def usage_bytes(usage: dict[str, Any]) -> bytes:
 
 
 def line(obj: Any) -> bytes:
-    return (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
+    return (_text(obj) + "\n").encode()
+
+
+# json.dumps with these options, without building an encoder per call
+_text = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
 def number(value: float) -> float | None:

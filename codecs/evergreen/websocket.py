@@ -23,6 +23,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from prismgate.codecs import json_input
 from prismgate.codecs.evergreen.errors import close_reason
+from prismgate.codecs.evergreen.json_frames import to_json
 from prismgate.codecs.evergreen.session import EvergreenSession, Options
 from prismgate.codecs.outflow import SlowReader, reader_deadline
 from prismgate.codecs.status import close_code
@@ -63,7 +64,7 @@ def _parse_json(text: str) -> pb.SessionMessage:
 
 def encode(message: pb.SessionMessage, as_json: bool) -> str | bytes:
     if as_json:
-        return json_format.MessageToJson(message, indent=None)
+        return to_json(message)
     return message.SerializeToString()
 
 

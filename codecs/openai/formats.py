@@ -17,6 +17,7 @@ concepts) and the session's id and length.
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 from collections.abc import Sequence
@@ -24,10 +25,11 @@ from typing import Any
 
 import numpy as np
 
+from prismgate.codecs.binary_numbers import BASE64, INT32, b64, dtype_name
 from prismgate.codecs.openai.errors import OpenAIError
 from prismgate.codecs.openai.generation import Piece, Token
 from prismgate.codecs.openai.plan import Plan
-from prismgate.codecs.openai.readouts import values, values_json
+from prismgate.codecs.openai.readouts import ReadoutAxes
 from prismgate.core.events import Done, FinishReason
 
 # one encoder for every payload: json.dumps with options builds a new one per call
@@ -59,26 +61,45 @@ def usage(done: Done) -> dict[str, Any]:
     }
 
 
-def _readouts(tokens: Sequence[Token]) -> list[dict[str, Any]]:
+def _readouts(axes: ReadoutAxes, tokens: Sequence[Token]) -> list[dict[str, Any]]:
     return [
-        {"position": t.position, "id": t.id, "token": t.text, "values": values(t.readout)}
+        {"position": t.position, "id": t.id, "token": t.text, "values": axes.values(t.readout)}
         for t in tokens
         if t.readout is not None
     ]
 
 
-def _readouts_json(tokens: Sequence[Token]) -> str | None:
-    """``dumps(_readouts(tokens))``, or None when a value has no JSON form (the general path refuses it)."""
+def _readouts_json(axes: ReadoutAxes, tokens: Sequence[Token]) -> str | None:
+    """``dumps(_readouts(axes, tokens))``, or None when a value has no JSON form (the general path refuses it)."""
     items = []
     for t in tokens:
         if t.readout is None:
             continue
-        if not np.isfinite(t.readout).all():
+        values = axes.values_json(t.readout)
+        if values is None:
             return None
-        items.append(
-            f'{{"position":{t.position:d},"id":{t.id:d},"token":{dumps(t.text)},"values":{values_json(t.readout)}}}'
-        )
+        items.append(f'{{"position":{t.position:d},"id":{t.id:d},"token":{dumps(t.text)},"values":{values}}}')
     return "[" + ",".join(items) + "]"
+
+
+def _logprobs_base64(tokens: Sequence[Token], k: int, dtype: np.dtype) -> dict[str, str]:
+    """The tokens' logprobs as base64 (``prismgate.logprobs``): ids and logprobs, and ``[token][k]`` alternatives.
+
+    Ids are little-endian int32; a missing logprob (an echoed prompt's first token) is NaN,
+    a missing alternative id -1 with a NaN logprob.
+    """
+    ids = np.array([t.id for t in tokens], dtype=INT32)
+    logprobs = np.array([math.nan if t.logprob is None else t.logprob for t in tokens], dtype=np.float64)
+    out = {"ids": b64(ids, INT32), "logprobs": b64(logprobs, dtype)}
+    if k:
+        top_ids = np.full((len(tokens), k), -1, dtype=INT32)
+        top = np.full((len(tokens), k), math.nan)
+        for i, t in enumerate(tokens):
+            for j, (tid, entry) in enumerate(zip(t.top_ids or (), t.top or (), strict=False)):
+                if j < k:
+                    top_ids[i, j], top[i, j] = tid, entry[2]
+        out.update(top_ids=b64(top_ids, INT32), top_logprobs=b64(top, dtype))
+    return out
 
 
 class Format:
@@ -108,6 +129,12 @@ class Format:
         ext: dict[str, Any] = {}
         if self.plan.axes is not None:
             ext["readouts"] = self.plan.axes.describe()
+        if self.plan.logprobs_binary is not None:
+            ext["logprobs"] = {
+                "encoding_format": BASE64,
+                "dtype": dtype_name(self.plan.logprobs_binary),
+                "top_logprobs": self.plan.top_logprobs,
+            }
         if self.plan.session_id is not None:
             ext["session_id"] = self.plan.session_id
             if session_length is not None:
@@ -126,8 +153,13 @@ class Format:
         return out
 
     def choice_extension(self, choice: dict[str, Any], tokens: Sequence[Token]) -> dict[str, Any]:
+        ext: dict[str, Any] = {}
         if self.plan.axes is not None:
-            choice["prismgate"] = {"readouts": _readouts(tokens)}
+            ext["readouts"] = _readouts(self.plan.axes, tokens)
+        if self.plan.logprobs_binary is not None:
+            ext["logprobs"] = _logprobs_base64(tokens, self.plan.top_logprobs, self.plan.logprobs_binary)
+        if ext:
+            choice["prismgate"] = ext
         return choice
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -156,7 +188,7 @@ class Format:
         parts every chunk repeats; anything else goes the general way.
         """
         if not self.plan.want_logprobs:
-            readouts = None if self.plan.axes is None else _readouts_json(piece.tokens)
+            readouts = None if self.plan.axes is None else _readouts_json(self.plan.axes, piece.tokens)
             if self.plan.axes is None or readouts is not None:
                 fields = self._choice_fields(piece)
                 if readouts is not None:
@@ -185,7 +217,7 @@ class ChatFormat(Format):
     id_prefix = "chatcmpl-"
 
     def _logprobs(self, tokens: Sequence[Token]) -> dict[str, Any] | None:
-        if not self.plan.want_logprobs:
+        if not self.plan.want_logprobs or self.plan.logprobs_binary is not None:
             return None
         content = [
             {
@@ -267,7 +299,7 @@ class CompletionFormat(Format):
                 else:
                     top_logprobs.append({t.text: t.logprob})
             self.text_offset = end
-        if not self.plan.want_logprobs:
+        if not self.plan.want_logprobs or self.plan.logprobs_binary is not None:
             return None
         return {
             "tokens": tokens,

@@ -36,6 +36,7 @@ class Token:
     bytes: list[int]
     logprob: float | None = None
     top: list[tuple[str, list[int], float]] | None = None
+    top_ids: list[int] | None = None  # the ids of ``top``, in order
     readout: npt.NDArray[np.float32] | None = None  # the requested layers x concepts
 
 
@@ -122,6 +123,7 @@ class Generation:
             token.logprob = None if event.logprob is None else _finite(event.logprob)
             if event.top_logprobs is not None:
                 token.top = [(*self.texts.get(i), _finite(lp)) for i, lp in event.top_logprobs]
+                token.top_ids = [i for i, _ in event.top_logprobs]
         if self.plan.axes is not None and event.readout is not None:
             token.readout = self.plan.axes.take(event.readout)
         return token

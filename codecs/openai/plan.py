@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from prismgate.codecs.openai.errors import from_gateway
 from prismgate.codecs.openai.readouts import ReadoutAxes, as_readouts_param, readout_axes
 from prismgate.codecs.openai.request import ChatRequest, Common, CompletionRequest
@@ -36,6 +38,8 @@ class Plan:
     echo_text: str | None  # completions with echo: the prompt as text
     axes: ReadoutAxes | None
     want_logprobs: bool
+    logprobs_binary: np.dtype | None = None  # base64 logprobs (prismgate.logprobs) instead of OpenAI's form
+    top_logprobs: int = 0  # alternatives per token
 
 
 async def plan_chat(service: SessionService, settings: Settings, req: ChatRequest) -> Plan:
@@ -107,4 +111,6 @@ async def _plan(
         echo_text=None,
         axes=axes,
         want_logprobs=common.top_logprobs is not None,
+        logprobs_binary=common.logprobs_binary,
+        top_logprobs=common.top_logprobs or 0,
     )

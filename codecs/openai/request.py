@@ -21,6 +21,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from prismgate.codecs.binary_numbers import BadEncoding, read_encoding
 from prismgate.codecs.openai.errors import bad_request
 from prismgate.codecs.openai.fields import get_bool, get_float, get_int, get_object, get_str
 from prismgate.core.actions import MAX_TOP_LOGPROBS
@@ -36,10 +39,14 @@ _DATA_URL = re.compile(r"^data:(image/[A-Za-z0-9.+-]+);base64,(.*)$", re.DOTALL)
 
 @dataclass(frozen=True, slots=True)
 class ReadoutRequest:
-    """``"readouts"``: which manifest layers (model layer numbers) and concepts (names); None means all."""
+    """``"readouts"``: which manifest layers (model layer numbers) and concepts (names); None means all.
+
+    ``binary``: the dtype of the base64 form (``encoding_format: "base64"``), None for JSON numbers.
+    """
 
     layers: tuple[int, ...] | None
     concepts: tuple[str, ...] | None
+    binary: np.dtype | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +64,7 @@ class Common:
     deterministic: bool | None  # None: the server's default
     stop: tuple[str, ...]
     top_logprobs: int | None  # None: no logprobs; otherwise how many alternatives per token
+    logprobs_binary: np.dtype | None  # logprobs as base64 of this dtype (prismgate.logprobs); None: OpenAI's form
     readouts: ReadoutRequest | None
     session_id: str | None
     steering: Any  # the raw "steering" list: read in the plan, against the service's request budget
@@ -122,6 +130,7 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, top_logprobs: int |
     top_k = get_int(body, "top_k", 0, lo=-1)
     seed = get_int(body, "seed", None, lo=-INT64, hi=INT64 - 1)
     deterministic = get_bool(body, "deterministic", None)
+    logprobs_binary = _logprobs_encoding(body, top_logprobs)
     if top_p == 0.0:  # OpenAI accepts 0: only the most likely token survives, which is greedy decoding
         temperature, top_p = 0.0, 1.0
     return Common(
@@ -136,6 +145,7 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, top_logprobs: int |
         deterministic=deterministic,
         stop=_stop(body.get("stop")),
         top_logprobs=top_logprobs,
+        logprobs_binary=logprobs_binary,
         readouts=_readouts(body.get("readouts")),
         session_id=get_str(body, "session_id"),
         steering=body.get("steering"),
@@ -177,6 +187,21 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _logprobs_encoding(body: Mapping[str, Any], top_logprobs: int | None) -> np.dtype | None:
+    """``logprobs_encoding_format`` / ``logprobs_dtype``: base64 logprobs, for a request that asks for logprobs."""
+    try:
+        encoding, dtype = body.get("logprobs_encoding_format"), body.get("logprobs_dtype")
+        binary = read_encoding(encoding, dtype, "logprobs_encoding_format", "logprobs_dtype")
+    except BadEncoding as exc:
+        raise bad_request(exc.message, exc.field) from None
+    if binary is not None and top_logprobs is None:
+        raise bad_request(
+            "'logprobs_encoding_format': 'base64' needs logprobs ('logprobs': true in chat, a number in completions)",
+            "logprobs_encoding_format",
+        )
+    return binary
+
+
 def _readouts(value: Any) -> ReadoutRequest | None:
     if value is None or value is False:
         return None
@@ -192,10 +217,21 @@ def _readouts(value: Any) -> ReadoutRequest | None:
     concepts = value.get("concepts")
     if concepts is not None and (not isinstance(concepts, list) or not all(isinstance(x, str) for x in concepts)):
         raise bad_request("'readouts.concepts' must be an array of concept names", "readouts.concepts")
-    unknown = sorted(set(value) - {"layers", "concepts"})
+    unknown = sorted(set(value) - {"layers", "concepts", "encoding_format", "dtype"})
     if unknown:
-        raise bad_request(f"'readouts' has unknown keys {unknown}; it takes 'layers' and 'concepts'", "readouts")
-    return ReadoutRequest(None if layers is None else tuple(layers), None if concepts is None else tuple(concepts))
+        raise bad_request(
+            f"'readouts' has unknown keys {unknown}; it takes 'layers', 'concepts', 'encoding_format' and 'dtype'",
+            "readouts",
+        )
+    try:
+        binary = read_encoding(
+            value.get("encoding_format"), value.get("dtype"), "readouts.encoding_format", "readouts.dtype"
+        )
+    except BadEncoding as exc:
+        raise bad_request(exc.message, exc.field) from None
+    return ReadoutRequest(
+        None if layers is None else tuple(layers), None if concepts is None else tuple(concepts), binary
+    )
 
 
 def _messages(value: Any) -> tuple[Message, ...]:

@@ -8,6 +8,7 @@ a session, the usage option, and text that JSON must escape.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
@@ -20,6 +21,8 @@ from prismgate.codecs.openai.plan import Plan
 from prismgate.codecs.openai.readouts import ReadoutAxes, values_json
 
 AXES = ReadoutAxes(layers=(4, 8), concepts=("code", "formality", "french"), layer_index=(0, 1), concept_index=(0, 1, 2))
+# the base64 forms (float32, float16) take the same fast path
+B64 = [dataclasses.replace(AXES, binary=np.dtype(t)) for t in ("<f4", "<f2")]
 TEXTS = ["Hello", " wörld", 'quote " and \\ back', "tab\tnew\nline \u2028", "", "\U0001f600"]
 
 
@@ -56,7 +59,9 @@ def twins(kind: type[Format], p: Plan, include_usage: bool) -> tuple[Format, For
 @pytest.mark.parametrize(
     ("kind", "axes", "session", "include_usage", "scale"),
     list(
-        itertools.product([ChatFormat, CompletionFormat], [None, AXES], [None, "s-1"], [False, True], [1.0, 1e-6, 3e7])
+        itertools.product(
+            [ChatFormat, CompletionFormat], [None, AXES, *B64], [None, "s-1"], [False, True], [1.0, 1e-6, 3e7]
+        )
     ),
 )
 def test_streamed_chunks_are_the_general_encoding(
