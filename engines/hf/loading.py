@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +14,9 @@ from prismgate.engines.hf import invariance_check, invariant
 from prismgate.engines.hf.adapters import ModelAdapter, load_adapter
 from prismgate.engines.hf.steering import Steerer
 from prismgate.engines.readouts.pack import ConceptPack
-from prismgate.engines.readouts.probe import ReadoutProbe
+from prismgate.engines.readouts.probe import ReadoutProbe, decoder_layers
+from prismgate.engines.sae.encode import SaeEncoder
+from prismgate.engines.sae.files import load_for_model
 from prismgate.engines.tokenizer import HFTokenizer
 
 log = logging.getLogger(__name__)
@@ -25,6 +28,7 @@ class LoadedModel:
     probe: ReadoutProbe | None  # hooks that read the residual stream, when a concept pack is loaded
     steerer: Steerer | None  # hooks that add to it (registered ahead of the probe's), with the same pack
     info: EngineInfo
+    saes: tuple[SaeEncoder, ...] = ()  # sparse autoencoders, one per layer, on the model's device
 
 
 def load(
@@ -35,6 +39,7 @@ def load(
     device: str,
     dtype: str,
     max_model_len: int | None,
+    saes: Sequence[tuple[Path, Path | None]] = (),
 ) -> LoadedModel:
     """Load on ``device`` ("auto": CUDA when there is one). Slow: call it off the event loop."""
     if device == "auto":
@@ -49,9 +54,14 @@ def load(
         probe = ReadoutProbe(model, pack)
         steerer = Steerer(model, pack, probe.project)
         manifest = pack.manifest
+    config = model.config.get_text_config()
+    # SAEs are checked before the slower start-up work: a wrong file stops the start at once
+    encoders = tuple(
+        SaeEncoder(sae, next(model.parameters()).device)
+        for sae in load_for_model(saes, len(decoder_layers(model)), int(config.hidden_size))
+    )
     deterministic_off = _invariance(adapter)
     tokenizer = adapter.tokenizer
-    config = model.config.get_text_config()
     limit = max_model_len or int(getattr(config, "max_position_embeddings", 4096))
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos_ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
@@ -72,7 +82,7 @@ def load(
         deterministic_off=deterministic_off,
     )
     log.info("loaded %s on %s (%s)", model_id, device, model.dtype)
-    return LoadedModel(adapter, probe, steerer, info)
+    return LoadedModel(adapter, probe, steerer, info, encoders)
 
 
 def _invariance(adapter: ModelAdapter) -> str | None:
