@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 
 from prismgate.codecs.openai.errors import OpenAIError
+from prismgate.codecs.openai.features import describe as describe_features
+from prismgate.codecs.openai.features import features_of
 from prismgate.codecs.openai.generation import Piece, Token
 from prismgate.codecs.openai.plan import Plan
 from prismgate.codecs.openai.readouts import values, values_json
@@ -108,6 +110,8 @@ class Format:
         ext: dict[str, Any] = {}
         if self.plan.axes is not None:
             ext["readouts"] = self.plan.axes.describe()
+        if self.plan.features is not None:
+            ext["features"] = describe_features(self.plan.features)
         if self.plan.session_id is not None:
             ext["session_id"] = self.plan.session_id
             if session_length is not None:
@@ -126,8 +130,13 @@ class Format:
         return out
 
     def choice_extension(self, choice: dict[str, Any], tokens: Sequence[Token]) -> dict[str, Any]:
+        ext: dict[str, Any] = {}
         if self.plan.axes is not None:
-            choice["prismgate"] = {"readouts": _readouts(tokens)}
+            ext["readouts"] = _readouts(tokens)
+        if self.plan.features is not None:
+            ext["features"] = features_of(tokens, self.plan.feature_manifest)
+        if ext:
+            choice["prismgate"] = ext
         return choice
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -155,7 +164,7 @@ class Format:
         Without logprobs the chunk is the same text as ``dumps(chunk)`` assembled from the
         parts every chunk repeats; anything else goes the general way.
         """
-        if not self.plan.want_logprobs:
+        if not self.plan.want_logprobs and self.plan.features is None:
             readouts = None if self.plan.axes is None else _readouts_json(piece.tokens)
             if self.plan.axes is None or readouts is not None:
                 fields = self._choice_fields(piece)

@@ -17,6 +17,7 @@ from prismgate.codecs.openai.request import ChatRequest, Common, CompletionReque
 from prismgate.codecs.steering import read_steering
 from prismgate.core.actions import GenerateSpec
 from prismgate.core.errors import Code, GatewayError
+from prismgate.core.features import FeatureManifest, FeatureSpec
 from prismgate.core.models import UnknownModel
 from prismgate.core.prompts import Messages, Placement, PromptSource, Text, Tokens
 from prismgate.core.service import SessionService
@@ -36,6 +37,8 @@ class Plan:
     echo_text: str | None  # completions with echo: the prompt as text
     axes: ReadoutAxes | None
     want_logprobs: bool
+    features: FeatureSpec | None = None  # as planned by the core: its layers filled in
+    feature_manifest: FeatureManifest | None = None  # labels, by layer
 
 
 async def plan_chat(service: SessionService, settings: Settings, req: ChatRequest) -> Plan:
@@ -84,6 +87,7 @@ async def _plan(
             stop_strings=common.stop,
             logprob_top_k=common.top_logprobs or 0,
             steering=steering,
+            features=common.features,
         ),
         max_tokens=common.max_tokens,
         default_max_tokens=settings.openai_default_max_tokens,
@@ -99,7 +103,10 @@ async def _plan(
     except GatewayError as exc:
         if exc.code is Code.NOT_FOUND and common.session_id is not None:
             raise from_gateway(exc, param="session_id", code="session_not_found") from None
+        if exc.code is Code.INVALID_ARGUMENT and common.features is not None and "feature" in exc.message:
+            raise from_gateway(exc, param="features") from None
         raise
+    features = planned.action.spec.features
     return Plan(
         model=common.model,
         turn=planned,
@@ -107,4 +114,6 @@ async def _plan(
         echo_text=None,
         axes=axes,
         want_logprobs=common.top_logprobs is not None,
+        features=features,
+        feature_manifest=service.info(planned.model).features if features is not None else None,
     )

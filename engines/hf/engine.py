@@ -96,6 +96,7 @@ class TransformersEngine:
             self._sessions,
             self.stats,
             prefill_chunk=self.prefill_chunk,
+            features=loaded.features,
         )
         self._scheduler = Scheduler(
             stepper,

@@ -17,6 +17,7 @@ from prismgate.engines.readouts.pack import ConceptPack
 from prismgate.engines.readouts.probe import ReadoutProbe, decoder_layers
 from prismgate.engines.sae.encode import SaeEncoder
 from prismgate.engines.sae.files import load_for_model
+from prismgate.engines.sae.probe import FeatureProbe, feature_manifest
 from prismgate.engines.tokenizer import HFTokenizer
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ class LoadedModel:
     steerer: Steerer | None  # hooks that add to it (registered ahead of the probe's), with the same pack
     info: EngineInfo
     saes: tuple[SaeEncoder, ...] = ()  # sparse autoencoders, one per layer, on the model's device
+    features: FeatureProbe | None = None  # hooks that encode the stream with them (after the steerer's)
 
 
 def load(
@@ -60,6 +62,7 @@ def load(
         SaeEncoder(sae, next(model.parameters()).device)
         for sae in load_for_model(saes, len(decoder_layers(model)), int(config.hidden_size))
     )
+    features = FeatureProbe(model, encoders) if encoders else None
     deterministic_off = _invariance(adapter)
     tokenizer = adapter.tokenizer
     limit = max_model_len or int(getattr(config, "max_position_embeddings", 4096))
@@ -80,9 +83,10 @@ def load(
         steering_gates=steerer is not None,
         deterministic=deterministic_off is None,
         deterministic_off=deterministic_off,
+        features=feature_manifest(encoders),
     )
     log.info("loaded %s on %s (%s)", model_id, device, model.dtype)
-    return LoadedModel(adapter, probe, steerer, info, encoders)
+    return LoadedModel(adapter, probe, steerer, info, encoders, features)
 
 
 def _invariance(adapter: ModelAdapter) -> str | None:

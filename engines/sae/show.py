@@ -17,12 +17,10 @@ def top_features(
     """(token text, [(feature id, activation), ...] largest first, active ones only) for each token of ``text``."""
     ids = tokenizer(text)["input_ids"]
     encoder = SaeEncoder(sae)
-    tap = LayerTap(model, sae.layer)
+    tap = LayerTap(model, sae.layer, stop=True)
     try:
         with torch.inference_mode():
-            model(input_ids=torch.tensor([ids]))
-            assert tap.captured is not None
-            feature_ids, values = encoder.top(tap.captured[0], top)
+            feature_ids, values = encoder.top(tap.run(model, input_ids=torch.tensor([ids]))[0], top)
     finally:
         tap.remove()
     rows = []

@@ -24,6 +24,7 @@ clean loss and against the layer's output zero-ablated (so ``loss recovered`` ca
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -122,17 +123,36 @@ def _kept(hidden: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return keep & (norms <= OUTLIER_FACTOR * median[:, None])
 
 
-class LayerTap:
-    """A forward hook on decoder layer L that keeps its output, or replaces it (splice, zero)."""
+class _Stop(Exception):
+    """Raised by a tap that has what it needs: the layers above it, and the logits, are never computed."""
 
-    def __init__(self, model: Any, layer: int) -> None:
+
+class LayerTap:
+    """A forward hook on decoder layer L that keeps its output, or replaces it (splice, zero).
+
+    With ``stop`` the pass ends right after layer L (:meth:`run` catches it): a capture of a
+    middle layer costs half a forward pass, not a whole one with its logits.
+    """
+
+    def __init__(self, model: Any, layer: int, *, stop: bool = False) -> None:
         self.captured: torch.Tensor | None = None
         self.replace: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.stop = stop
         self._handle = decoder_layers(model)[layer].register_forward_hook(self._hook)
+
+    def run(self, model: Any, **inputs: Any) -> torch.Tensor:
+        """The layer's output for one forward pass of ``inputs``."""
+        self.captured = None
+        with contextlib.suppress(_Stop):
+            model(**inputs)
+        assert self.captured is not None
+        return self.captured
 
     def _hook(self, _module: Any, _args: Any, output: Any) -> Any:
         hidden = output[0] if isinstance(output, tuple) else output
         self.captured = hidden
+        if self.stop:
+            raise _Stop
         if self.replace is None:
             return None
         new = self.replace(hidden)
@@ -144,15 +164,13 @@ class LayerTap:
 
 def capture(model: Any, tokenizer: Any, texts: Sequence[str], layer: int) -> torch.Tensor:
     """The kept tokens' residual stream after ``layer``: float32 ``[tokens, hidden]``, in a fixed order."""
-    tap = LayerTap(model, layer)
+    tap = LayerTap(model, layer, stop=True)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     parts = []
     try:
         for batch in _batches(_encode_texts(tokenizer, texts)):
             ids, valid = _padded(batch, pad)
-            model(input_ids=ids, attention_mask=valid.long())
-            assert tap.captured is not None
-            hidden = tap.captured
+            hidden = tap.run(model, input_ids=ids, attention_mask=valid.long())
             parts.append(hidden[_kept(hidden, valid)].float())
     finally:
         tap.remove()
