@@ -13,8 +13,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from prismgate.core.errors import GatewayError, invalid
+from prismgate.core.errors import invalid
 from prismgate.engines.readouts.capture import load_model
+from prismgate.engines.readouts.cli import resolve_model_arg, run_command
 from prismgate.engines.readouts.probe import decoder_layers
 from prismgate.engines.sae.auto import SHIPPED, cached_sae_root, layer_dir, sae_folders
 from prismgate.engines.sae.corpus import corpus, split
@@ -75,20 +76,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """``prismgate sae {train,show} ...``; returns the exit status."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        if args.command == "train":
-            return _cmd_train(args)
-        return _cmd_show(args)
-    except GatewayError as e:
-        print(f"prismgate sae {args.command}: error: {e.message}", file=sys.stderr)
-        return 2
-
-
-def _resolve(path: str | None) -> tuple[Path, str]:
-    from prismgate.engines.models import resolve_model
-
-    folder, model_id = resolve_model(None if path in (None, "", "default") else path)
-    return folder, model_id
+    return run_command("prismgate sae", args, {"train": _cmd_train, "show": _cmd_show})
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -97,7 +85,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise invalid(f"--{name} must be >= 1")
     if args.k > args.features:
         raise invalid(f"--k ({args.k}) must not exceed --features ({args.features})")
-    folder, model_id = _resolve(args.model)
+    folder, model_id, _ = resolve_model_arg(args.model)
     t0 = time.perf_counter()
     model, tokenizer = load_model(folder, dtype=args.dtype)
     n_layers = len(decoder_layers(model))
@@ -145,7 +133,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if args.text:
         from prismgate.engines.sae.show import print_features
 
-        model, tokenizer = load_model(_resolve(args.model)[0])
+        model, tokenizer = load_model(resolve_model_arg(args.model)[0])
         sae.check_model(len(decoder_layers(model)), int(model.config.get_text_config().hidden_size))
         print_features(model, tokenizer, sae, args.text, args.top)
     return 0

@@ -170,3 +170,8 @@ def server_stats(server: LiveServer) -> int:
     """Decode passes the tiny model's engine has run for several requests at once."""
     engine = server.service.pool.replicas(TINY_MODEL_ID).engines[0]
     return int(engine.stats["batched_steps"])  # type: ignore[attr-defined]
+
+
+def test_the_models_list_names_the_saes(server: LiveServer) -> None:
+    models = httpx.get(server.http_url + "/v1/models", timeout=10).json()["data"]
+    assert models[0]["prismgate"]["features"] == {"layers": [0, 1], "features": [256, 256], "labelled": [128, 0]}
