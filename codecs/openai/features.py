@@ -18,40 +18,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from prismgate.codecs.features import read_features
 from prismgate.codecs.openai.errors import bad_request
 from prismgate.core.errors import GatewayError
 from prismgate.core.features import FeatureManifest, Features, FeatureSpec
 
-_KEYS = ("top_k", "layers", "ids")
-
-
-def _ints(value: Any, name: str) -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-        raise bad_request(f"'features.{name}' must be an array of integers", f"features.{name}")
-    return tuple(value)
-
 
 def parse_features(value: Any) -> FeatureSpec | None:
     """The request's ``features`` field; every number it holds is checked here, before any work."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        return FeatureSpec()
-    if not isinstance(value, dict):
-        raise bad_request(
-            '\'features\' must be true or an object {"top_k": 8, "layers": [...], "ids": [...]}', "features"
-        )
-    unknown = sorted(set(value) - set(_KEYS))
-    if unknown:
-        raise bad_request(f"'features' has unknown keys {unknown}; it takes {', '.join(_KEYS)}", "features")
-    top_k = value.get("top_k", 8 if "ids" not in value else 0)
-    if not isinstance(top_k, int) or isinstance(top_k, bool):
-        raise bad_request("'features.top_k' must be an integer", "features.top_k")
-    layers, ids = _ints(value.get("layers"), "layers"), _ints(value.get("ids"), "ids")
     try:
-        return FeatureSpec(top_k=top_k, layers=layers or (), ids=ids or ())
+        return read_features(value)
     except GatewayError as exc:
         raise bad_request(exc.message, "features") from None
 

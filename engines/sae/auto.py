@@ -30,22 +30,31 @@ def default_cache_dir() -> Path:
     return Path(base) / "prismgate" / "saes"
 
 
-def recipe(config: TrainConfig, dtype: str) -> str:
-    fields = ",".join(f"{k}={v}" for k, v in sorted(asdict(config).items()) if k not in ("threads", "layer"))
-    return f"prismgate.sae|recipe {RECIPE}|{fields}|dtype {dtype}|corpus {corpus_digest(corpus())}"
+def recipe(dtype: str) -> str:
+    """What names the cache folder besides the model: the recipe's version, the model's dtype, the text.
+
+    The SAE's own settings (layer, width, k, epochs) are not in it: one SAE per layer lives
+    under it, its settings in its cfg.json (:func:`train_settings`).
+    """
+    return f"prismgate.sae|recipe {RECIPE}|dtype {dtype}|corpus {corpus_digest(corpus())}"
+
+
+def train_settings(config: TrainConfig) -> dict[str, object]:
+    """The settings a trained SAE records (thread count aside: it changes the time, not the SAE's recipe)."""
+    return {k: v for k, v in asdict(config).items() if k != "threads"}
 
 
 def layer_dir(root: Path, layer: int) -> Path:
     return root / f"layer{layer}"
 
 
-def cached_sae_root(cache_dir: str | Path | None, folder: str | Path, config: TrainConfig, dtype: str) -> Path:
+def cached_sae_root(cache_dir: str | Path | None, folder: str | Path, dtype: str) -> Path:
     """The folder under which ``prismgate sae train`` puts the SAEs of the model in ``folder``, one per layer."""
     folder = Path(folder).resolve()
     if not (folder / "config.json").exists():
         raise invalid(f"{folder}: not a Hugging Face model folder (no config.json)")
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    return cache / model_digest(folder, recipe(config, dtype))
+    return cache / model_digest(folder, recipe(dtype))
 
 
 def sae_folders(root: Path) -> list[Path]:
@@ -58,7 +67,7 @@ def auto_saes(cache_dir: str | Path | None, folder: str | Path, served_default: 
     """The folders ``sae = "auto"`` loads; refused, with the command that makes one, when there are none."""
     if served_default and sae_folders(SHIPPED):
         return sae_folders(SHIPPED)
-    root = cached_sae_root(cache_dir, folder, TrainConfig(layer=0), dtype)
+    root = cached_sae_root(cache_dir, folder, dtype)
     found = sae_folders(root)
     if not found:
         raise invalid(

@@ -17,7 +17,7 @@ from prismgate.core.errors import invalid
 from prismgate.engines.readouts.capture import load_model
 from prismgate.engines.readouts.cli import resolve_model_arg, run_command
 from prismgate.engines.readouts.probe import decoder_layers
-from prismgate.engines.sae.auto import SHIPPED, cached_sae_root, layer_dir, sae_folders
+from prismgate.engines.sae.auto import SHIPPED, cached_sae_root, layer_dir, sae_folders, train_settings
 from prismgate.engines.sae.corpus import corpus, split
 from prismgate.engines.sae.files import CFG_FILE, load_sae
 from prismgate.engines.sae.train import TrainConfig, save, train_and_evaluate
@@ -93,8 +93,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if not 0 <= layer < n_layers:
         raise invalid(f"--layer {layer}: the model has layers 0-{n_layers - 1}")
     config = TrainConfig(layer=layer, d_sae=args.features, k=args.k, epochs=args.epochs, threads=args.threads)
-    out = Path(args.out) if args.out else layer_dir(cached_sae_root(args.sae_cache, folder, config, args.dtype), layer)
+    out = Path(args.out) if args.out else layer_dir(cached_sae_root(args.sae_cache, folder, args.dtype), layer)
     if (out / CFG_FILE).is_file() and not args.force:
+        held = json.loads((out / CFG_FILE).read_text()).get("metadata", {}).get("train_config")
+        if held != train_settings(config):
+            raise invalid(f"{out} holds an SAE trained with {held}, not {train_settings(config)}: --force replaces it")
         print(f"{out}: already trained (--force trains again)", file=sys.stderr)
         return 0
     train_texts, held_texts = split(corpus())
@@ -105,7 +108,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     weights, quality, times = train_and_evaluate(model, tokenizer, train_texts, held_texts, config, progress=say)
     times = {"load_s": load_s, **times}
-    extra = {"quality": quality.to_json(), "texts": [len(train_texts), len(held_texts)]}
+    extra = {
+        "quality": quality.to_json(),
+        "texts": [len(train_texts), len(held_texts)],
+        "train_config": train_settings(config),
+    }
     save(out, weights, config, model_name=model_id, extra=extra)
     print(
         f"wrote {out}: {config.d_sae} features, k={config.k}, layer {layer} of {n_layers}, "

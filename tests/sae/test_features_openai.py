@@ -9,7 +9,6 @@ top ids in order, their activations, and the watched ids' activations.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,26 +16,11 @@ import httpx
 import pytest
 import torch
 
-from tests.conftest import TINY_MODEL_ID, LiveServer, run_server, tiny_settings
-from tests.sae.saes import write_sae
+from tests.conftest import TINY_MODEL_ID, LiveServer
 
 sae_lens = pytest.importorskip("sae_lens", reason="sae-lens is a dev dependency: make setup installs it")
 PROMPT = [1, 17, 42, 99, 7, 3, 250, 11]
 WATCHED = [3, 200]
-
-
-@pytest.fixture(scope="module")
-def saes(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    root = tmp_path_factory.mktemp("saes")
-    a = write_sae(root / "a", layer=0, k=6, seed=5)
-    (a / "labels.json").write_text(json.dumps({str(i): f"feature {i}" for i in range(0, 256, 2)}))
-    return [a, write_sae(root / "b", layer=1, k=6, seed=6)]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tiny_pack: Path, saes: list[Path]) -> Iterator[LiveServer]:
-    with run_server(tiny_settings(tiny_model_dir, tiny_pack, sae=",".join(map(str, saes)))) as srv:
-        yield srv
 
 
 def complete(server: LiveServer, **body: Any) -> httpx.Response:
