@@ -68,4 +68,4 @@ def test_the_shipped_sae_matches_sae_lens_on_the_models_own_stream(tmp_path: Pat
     assert tap.captured is not None
     stream = tap.captured[0, 1:].float().clone()  # position 0, the attention sink, is not what it was trained on
     acts, recon = compare(folder, stream)
-    assert acts <= TOLERANCE and recon <= TOLERANCE * 10  # the reconstruction sums 32 terms of a larger scale
+    assert acts <= TOLERANCE and recon <= TOLERANCE
