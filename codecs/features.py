@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from prismgate.core.errors import GatewayError, invalid
-from prismgate.core.features import FeatureSpec
+from prismgate.core.features import FeatureManifest, Features, FeatureSpec
 
 KEYS = ("top_k", "layers", "ids")
 
@@ -42,3 +42,23 @@ def read_features(value: Any, where: str = "features") -> FeatureSpec | None:
         return FeatureSpec(top_k=top_k, layers=layers, ids=ids)
     except GatewayError as exc:
         raise invalid(exc.message if where == "features" else f"{where}: {exc.message}") from None
+
+
+def token_features(
+    position: int, token_id: int, text: str, features: Features, manifest: FeatureManifest | None
+) -> dict[str, Any]:
+    layers = []
+    for i, layer in enumerate(features.layers):
+        index = manifest.layers.index(layer) if manifest is not None else -1
+        top = []
+        for f, v in zip(features.ids[i].tolist(), features.values[i].tolist(), strict=True):
+            item: dict[str, Any] = {"id": f, "activation": v}
+            label = manifest.label(index, f) if manifest is not None else None
+            if label is not None:
+                item["label"] = label
+            top.append(item)
+        entry: dict[str, Any] = {"layer": layer, "top": top}
+        if features.watched is not None:
+            entry["watched"] = features.watched[i].tolist()
+        layers.append(entry)
+    return {"position": position, "id": token_id, "token": text, "layers": layers}

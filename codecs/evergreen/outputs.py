@@ -2,7 +2,8 @@
 
 ``response`` holds the generated text; ``readouts`` and ``logprobs`` hold one NDJSON
 line per generated token (readouts after a header line describing the manifest);
-``usage`` holds one JSON object once the action ends. docs/evergreen.md is the reference.
+``features`` one NDJSON line per generated token after a header line (SAE features,
+docs/sae.md); ``usage`` holds one JSON object once the action ends. docs/evergreen.md is the reference.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import json
 from typing import Any
 
 from prismgate.codecs.evergreen.fragments import NodeWriter
+from prismgate.codecs.features import token_features
 from prismgate.core.engine import ReadoutManifest, Tokenizer
 from prismgate.core.events import Done, TokenEvent
+from prismgate.core.features import FeatureManifest, FeatureSpec
 from prismgate.core.turns import Turn
 
 TEXT_MIME = "text/plain"
@@ -20,15 +23,17 @@ OUTPUT_ROLE = "assistant"
 READOUTS_MIME = "application/x-ndjson; schema=prismgate.readouts.v1"
 LOGPROBS_MIME = "application/x-ndjson; schema=prismgate.logprobs.v1"
 USAGE_MIME = "application/json; schema=prismgate.usage.v1"
+FEATURES_MIME = "application/x-ndjson; schema=prismgate.features.v1"
 
 TEXT_OUTPUTS = ("response", "text")
-EXTRA_OUTPUTS = ("readouts", "logprobs", "usage")
+EXTRA_OUTPUTS = ("readouts", "logprobs", "features", "usage")
 
 _MIMES = {
     "text": (TEXT_MIME, OUTPUT_ROLE),
     "readouts": (READOUTS_MIME, ""),
     "logprobs": (LOGPROBS_MIME, ""),
     "usage": (USAGE_MIME, ""),
+    "features": (FEATURES_MIME, ""),
 }
 
 
@@ -55,6 +60,20 @@ def readout_line(index: int, event: TokenEvent) -> bytes:
     values = [[number(v) for v in row] for row in event.readout.tolist()]
     return line(
         {"index": index, "position": event.position, "tokenId": event.id, "text": event.text or "", "values": values}
+    )
+
+
+def features_header(model: str, spec: FeatureSpec) -> bytes:
+    return line({"model": model, "layers": list(spec.layers), "topK": spec.top_k, "ids": list(spec.ids)})
+
+
+def features_line(index: int, event: TokenEvent, manifest: FeatureManifest | None) -> bytes:
+    """One token's features, as the OpenAI extension writes them (ids, activations, labels; watched ids)."""
+    assert event.features is not None
+    entry = token_features(event.position, event.id, event.text or "", event.features, manifest)
+    layers = entry["layers"]
+    return line(
+        {"index": index, "position": event.position, "tokenId": event.id, "text": entry["token"], "layers": layers}
     )
 
 

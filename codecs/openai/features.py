@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from prismgate.codecs.features import read_features
+from prismgate.codecs.features import read_features, token_features
 from prismgate.codecs.openai.errors import bad_request
 from prismgate.core.errors import GatewayError
-from prismgate.core.features import FeatureManifest, Features, FeatureSpec
+from prismgate.core.features import FeatureManifest, FeatureSpec
 
 
 def parse_features(value: Any) -> FeatureSpec | None:
@@ -35,26 +35,6 @@ def parse_features(value: Any) -> FeatureSpec | None:
 def describe(spec: FeatureSpec) -> dict[str, Any]:
     """What the numbers mean, once per response (the first chunk of a stream)."""
     return {"layers": list(spec.layers), "top_k": spec.top_k, "ids": list(spec.ids)}
-
-
-def token_features(
-    position: int, token_id: int, text: str, features: Features, manifest: FeatureManifest | None
-) -> dict[str, Any]:
-    layers = []
-    for i, layer in enumerate(features.layers):
-        index = manifest.layers.index(layer) if manifest is not None else -1
-        top = []
-        for f, v in zip(features.ids[i].tolist(), features.values[i].tolist(), strict=True):
-            item: dict[str, Any] = {"id": f, "activation": v}
-            label = manifest.label(index, f) if manifest is not None else None
-            if label is not None:
-                item["label"] = label
-            top.append(item)
-        entry: dict[str, Any] = {"layer": layer, "top": top}
-        if features.watched is not None:
-            entry["watched"] = features.watched[i].tolist()
-        layers.append(entry)
-    return {"position": position, "id": token_id, "token": text, "layers": layers}
 
 
 def features_of(tokens: Sequence[Any], manifest: FeatureManifest | None) -> list[dict[str, Any]]:
