@@ -32,6 +32,9 @@ def feature_manifest(encoders: Sequence[SaeEncoder]) -> FeatureManifest | None:
     )
 
 
+_Reduced = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # top ids, their values, watched activations
+
+
 class Captured:
     """One forward pass's features: per SAE layer, top ids and values ``[batch, tokens, k]``, watched ``[.., w]``."""
 
@@ -65,7 +68,7 @@ class FeatureProbe:
         self._k = 0
         self._watched: list[int] = []
         self._watch_index: torch.Tensor | None = None
-        self._captured: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None] = [None] * len(encoders)
+        self._captured: list[_Reduced | None] = [None] * len(encoders)
         blocks = decoder_layers(model)
         self._handles = [blocks[e.layer].register_forward_hook(self._hook(i)) for i, e in enumerate(encoders)]
 
@@ -91,14 +94,32 @@ class FeatureProbe:
             if not self.armed:
                 return
             hidden = output[0] if isinstance(output, tuple) else output
-            encoder = self.encoders[index]
-            acts = encoder.encode(hidden)
-            k = min(max(self._k, 1), acts.shape[-1])
-            values, ids = torch.topk(acts, k, dim=-1, sorted=True)
-            watched = acts.index_select(-1, self._watch_index) if self._watch_index is not None else None
-            self._captured[index] = (ids, values, watched)
+            self._captured[index] = self._reduce(self.encoders[index], hidden)
 
         return hook
+
+    def _reduce(
+        self, encoder: SaeEncoder, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Top ids and values (largest first) and the watched activations of ``hidden``'s rows.
+
+        A TopK SAE's active features are the top ``k`` of its pre-activations (through relu), so
+        its top features come from one top-k of ``pre`` and the dense activations are never built.
+        """
+        sae = encoder.sae
+        if sae.architecture == "topk" and sae.k is not None:
+            values, ids = torch.topk(encoder.pre_activations(hidden), sae.k, dim=-1, sorted=True)
+            values = values.relu()
+            k = min(max(self._k, 1), sae.k)
+            watched = None
+            if self._watch_index is not None:  # an id's activation: its value where it is among the active ones
+                hit = ids.unsqueeze(-1) == self._watch_index
+                watched = (hit * values.unsqueeze(-1)).sum(dim=-2)
+            return ids[..., :k], values[..., :k], watched
+        acts = encoder.encode(hidden)
+        values, ids = torch.topk(acts, min(max(self._k, 1), acts.shape[-1]), dim=-1, sorted=True)
+        watched = acts.index_select(-1, self._watch_index) if self._watch_index is not None else None
+        return ids, values, watched
 
     def take(self) -> Captured:
         """The features of the last pass (every armed layer's hook must have fired)."""
