@@ -1,4 +1,4 @@
-"""The ``prismgate`` command: serve, generate, concepts, keys."""
+"""The ``prismgate`` command: serve, generate, concepts, sae, keys."""
 
 from __future__ import annotations
 
@@ -20,6 +20,13 @@ def main(argv: list[str] | None = None) -> int:
         quiet_libraries(debug=False)
 
         return concepts_main(argv[1:])
+    if argv[:1] == ["sae"]:
+        from prismgate.engines.sae.cli import main as sae_main
+        from prismgate.quiet import quiet_libraries
+
+        quiet_libraries(debug=False)
+
+        return sae_main(argv[1:])
     if argv[:1] == ["keys"]:
         from prismgate.keys_cli import main as keys_main
 
@@ -42,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_generate(commands)
     commands.add_parser("concepts", help="Build or inspect concept packs (prismgate concepts --help).")
+    commands.add_parser("sae", help="Train or inspect sparse autoencoders (prismgate sae --help).")
     commands.add_parser("keys", help="Make named API keys for the keys file (prismgate keys --help).")
     args = parser.parse_args(argv)
     try:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from prismgate.core.budget import RequestBudget
 from prismgate.core.engine import Engine
+from prismgate.core.errors import invalid
 from prismgate.core.pool import EnginePool
 from prismgate.core.quota import LocalQuota, Quota
 from prismgate.core.service import SessionService
@@ -21,6 +22,7 @@ from prismgate.engines.models import (
 from prismgate.engines.readouts.auto import cached_pack_path
 from prismgate.engines.readouts.auto_engine import AutoPackEngine, ConvertingEngine
 from prismgate.engines.readouts.pack import DEFAULT_PACKS
+from prismgate.engines.sae.auto import auto_saes
 from prismgate.settings import Settings
 
 DEFAULT_PACK = DEFAULT_PACKS / "smollm2-135m-instruct.safetensors"
@@ -44,13 +46,38 @@ def concept_pack_for(settings: Settings, served_default: bool) -> Path | None:
     return DEFAULT_PACK
 
 
+def sae_specs(settings: Settings, folder: Path, served_default: bool) -> tuple[tuple[Path, Path | None], ...]:
+    """(SAE folder, labels file or None) for each SAE the engine loads: ``sae``'s folders, or ``auto``'s."""
+    if not settings.sae:
+        return ()
+    items = [x.strip() for x in settings.sae.split(",") if x.strip()]
+    labels = [x.strip() for x in (settings.sae_labels or "").split(",")]
+    if settings.sae_labels and len(labels) > len(items):
+        raise invalid(f"sae_labels names {len(labels)} files for {len(items)} SAEs in sae")
+    folders: list[Path] = []
+    for item in items:
+        if item.lower() == "auto":
+            folders += auto_saes(settings.sae_cache, folder, served_default, settings.dtype)
+        else:
+            folders.append(Path(item).expanduser())
+    if settings.sae_labels and len(folders) != len(items):
+        raise invalid(
+            "sae_labels cannot be matched to sae = 'auto' (it may load several layers): "
+            "put labels.json files in the SAE folders"
+        )
+    return tuple(
+        (f, Path(labels[i]).expanduser() if i < len(labels) and labels[i] else None) for i, f in enumerate(folders)
+    )
+
+
 def build_engine(settings: Settings) -> Engine:
     if not settings.model and not builds_pack(settings, served_default=True) and not default_model_converted():
         # the first start: the GGUF conversion runs in the engine's start, after the ports are logged
         pack = concept_pack_for(settings, served_default=True)
         model_id = settings.model_name or DEFAULT_MODEL_ID
+        saes = sae_specs(settings, default_model_target(), served_default=True)
         return ConvertingEngine(
-            lambda built: _serving_engine(settings, default_model_target(), model_id, built),
+            lambda built: _serving_engine(settings, default_model_target(), model_id, built, saes),
             default_model_path,
             model_id=model_id,
             pack=pack,
@@ -59,9 +86,10 @@ def build_engine(settings: Settings) -> Engine:
     model_id = settings.model_name or name
     served_default = name == DEFAULT_MODEL_ID and not settings.model
     pack = concept_pack_for(settings, served_default=served_default)
+    saes = sae_specs(settings, folder, served_default)
     if pack is not None and builds_pack(settings, served_default):
         return AutoPackEngine(
-            lambda built: _serving_engine(settings, folder, model_id, built),
+            lambda built: _serving_engine(settings, folder, model_id, built, saes),
             model_dir=folder,
             model_id=model_id,
             pack_path=pack,
@@ -70,10 +98,12 @@ def build_engine(settings: Settings) -> Engine:
             device=settings.device,
             threads=settings.threads or 1,  # one thread unless told: torch threads on a busy machine slow a build down
         )
-    return _serving_engine(settings, folder, model_id, pack)
+    return _serving_engine(settings, folder, model_id, pack, saes)
 
 
-def _serving_engine(settings: Settings, folder: Path, model_id: str, pack: Path | None) -> Engine:
+def _serving_engine(
+    settings: Settings, folder: Path, model_id: str, pack: Path | None, saes: tuple[tuple[Path, Path | None], ...]
+) -> Engine:
     if settings.engine == "vllm":
         from prismgate.engines.vllm import VLLMEngine  # optional: only in the vLLM environment
 
@@ -108,6 +138,7 @@ def _serving_engine(settings: Settings, folder: Path, model_id: str, pack: Path 
         prefill_chunk=settings.prefill_chunk,
         max_cached_tokens=settings.max_cached_tokens,
         max_batch=settings.max_batch,
+        saes=saes,
     )
 
 

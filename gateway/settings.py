@@ -42,7 +42,7 @@ class ModelConfig:
     """One ``[[models]]`` table: a served model, its engine and that engine's own options.
 
     Keys: ``name`` (what clients ask for), ``model`` (a local folder; absent: the embedded
-    default model), ``engine``, ``concept_pack`` and any of :data:`ENGINE_OPTIONS`; what an
+    default model), ``engine``, ``concept_pack``, ``sae``, ``sae_labels`` and any of :data:`ENGINE_OPTIONS`; what an
     entry leaves out comes from the top-level settings.
     """
 
@@ -50,6 +50,8 @@ class ModelConfig:
     model: str | None = None
     engine: str | None = None
     concept_pack: str | None = None
+    sae: str | None = None
+    sae_labels: str | None = None
     options: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
@@ -60,7 +62,7 @@ class ModelConfig:
         name = entry.pop("name", None)
         if not isinstance(name, str) or not name.strip() or "/" in name:
             raise invalid(f"{where}: 'name' must be a non-empty string without '/', got {name!r}")
-        plain = {key: entry.pop(key, None) for key in ("model", "engine", "concept_pack")}
+        plain = {key: entry.pop(key, None) for key in ("model", "engine", "concept_pack", "sae", "sae_labels")}
         for key, value in plain.items():
             if value is not None and not isinstance(value, str):
                 raise invalid(f"{where} ({name}): {key!r} must be a string")
@@ -68,9 +70,17 @@ class ModelConfig:
         if unknown:
             raise invalid(
                 f"{where} ({name}): unknown key(s) {', '.join(unknown)}; a model takes name, model, engine, "
-                f"concept_pack and the engine options {', '.join(ENGINE_OPTIONS)}"
+                f"concept_pack, sae, sae_labels and the engine options {', '.join(ENGINE_OPTIONS)}"
             )
-        return cls(name, plain["model"], plain["engine"], plain["concept_pack"], tuple(sorted(entry.items())))
+        return cls(
+            name,
+            plain["model"],
+            plain["engine"],
+            plain["concept_pack"],
+            plain["sae"],
+            plain["sae_labels"],
+            tuple(sorted(entry.items())),
+        )
 
     def apply(self, base: Settings) -> Settings:
         """``base`` with this model's choices in place of the top-level engine settings."""
@@ -80,6 +90,8 @@ class ModelConfig:
             model_name=self.name,
             engine=self.engine or base.engine,
             concept_pack=self.concept_pack,
+            sae=self.sae,
+            sae_labels=self.sae_labels,
             models=(),
             **dict(self.options),
         )
@@ -138,6 +150,22 @@ class Settings:
         "Concept pack (.safetensors) for readouts; 'auto' builds one for the served model on first start and "
         "caches it (see concept_pack_cache); 'none' disables. Default: the embedded pack for the default model, "
         "else 'auto'.",
+    )
+    sae: str | None = setting(
+        None,
+        "Sparse autoencoders to load (docs/sae.md): SAELens folders (cfg.json + sae_weights.safetensors), "
+        "comma-separated, one or several layers; 'auto': the one 'prismgate sae train' made for the served model "
+        "(shipped for the embedded model); unset: none. transformers engine only.",
+    )
+    sae_labels: str | None = setting(
+        None,
+        "Labels for the SAEs in sae: JSON files of feature id -> label, comma-separated in the same order (an "
+        "empty item: none). Default: each SAE folder's labels.json, when there is one.",
+    )
+    sae_cache: str | None = setting(
+        None,
+        "Folder of SAEs trained by 'prismgate sae train', one per model digest (default: "
+        "$XDG_CACHE_HOME/prismgate/saes, else ~/.cache/prismgate/saes).",
     )
     device: str = setting("auto", "transformers engine: cpu, cuda, cuda:N or auto.")
     dtype: str = setting("auto", "Weights dtype.", choices=("auto", "bfloat16", "float16", "float32"))
@@ -423,6 +451,10 @@ class Settings:
                 f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                 f"got {self.distributed_executor_backend!r}"
             )
+        if self.sae and self.engine == "vllm":
+            raise invalid("sae: SAEs are read by the transformers engine only (the vLLM engine does not load them yet)")
+        if self.sae_labels and not self.sae:
+            raise invalid("sae_labels names labels for the SAEs in sae: give sae too")
         if self.vllm_steering_rounds < 0:  # the vLLM engine checks its own maximum
             raise invalid(f"vllm_steering_rounds must be >= 0, got {self.vllm_steering_rounds}")
         address = self.vllm_readout_address
@@ -504,7 +536,8 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "model and engine",
         (
-            "engine", "model", "model_name", "concept_pack", "concept_pack_cache", "concept_pack_pairs", "device",
+            "engine", "model", "model_name", "concept_pack", "concept_pack_cache", "concept_pack_pairs", "sae",
+            "sae_labels", "sae_cache", "device",
             "dtype", "threads", "max_model_len", "prefill_chunk", "max_cached_tokens", "replicas", "max_batch",
             "deterministic",
         ),

@@ -7,17 +7,19 @@ Whether the action fits the session and the model is the core's to say.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from prismgate.codecs.binary_numbers import BadEncoding, read_encoding
 from prismgate.codecs.evergreen.config import parse_configs
 from prismgate.codecs.evergreen.outputs import EXTRA_OUTPUTS, TEXT_OUTPUTS
+from prismgate.codecs.features import read_features
 from prismgate.codecs.steering import entry_from_message
 from prismgate.core.actions import GenerateSpec
 from prismgate.core.budget import RequestBudget
-from prismgate.core.errors import invalid
+from prismgate.core.errors import GatewayError, invalid
+from prismgate.core.features import FeatureSpec
 from prismgate.core.steering import Comparison, Positions, SteeringEntry
 from prismgate.schemas import evergreen_generate_pb2 as gpb
 from prismgate.schemas import evergreen_pb2 as pb
@@ -57,7 +59,7 @@ def read_generate(action: pb.Action, label: str, budget: RequestBudget) -> Gener
         if p.name not in TEXT_OUTPUTS + EXTRA_OUTPUTS:
             raise invalid(
                 f"{label}: unknown output {p.name!r}; GENERATE writes 'response' or 'text', "
-                "and optionally 'readouts', 'logprobs', 'usage'"
+                "and optionally 'readouts', 'logprobs', 'features', 'usage'"
             )
         key = "text" if p.name in TEXT_OUTPUTS else p.name
         if key in outputs:
@@ -77,7 +79,8 @@ def read_generate(action: pb.Action, label: str, budget: RequestBudget) -> Gener
         )
     except BadEncoding as exc:
         raise invalid(f"{label}: {exc.message}") from None
-    return GenerateCall(inputs[0][1], outputs, config, sampling(config, budget), action.target_spec.id, binary)
+    spec = replace(sampling(config, budget), features=_features(config, outputs, label))
+    return GenerateCall(inputs[0][1], outputs, config, spec, action.target_spec.id, binary)
 
 
 def read_ids(action: pb.Action, label: str, what: str) -> list[str]:
@@ -106,6 +109,24 @@ def sampling(config: gpb.GenerateConfig, budget: RequestBudget) -> GenerateSpec:
         steering=_steering(config, budget),
         deterministic=config.deterministic if config.HasField("deterministic") else None,
     )
+
+
+def _features(config: gpb.GenerateConfig, outputs: dict[str, str], label: str) -> FeatureSpec | None:
+    """``config.features`` (read as every wire reads it), or the defaults when only the output names it."""
+    if not config.HasField("features"):
+        return FeatureSpec() if "features" in outputs else None
+    if "features" not in outputs:
+        raise invalid(f"{label}: config.features asks for features: add a 'features' output")
+    f = config.features
+    value: dict[str, object] = {"layers": list(f.layers), "ids": list(f.ids)}
+    if f.HasField("top_k"):
+        value["top_k"] = f.top_k
+    elif not f.ids:
+        value.pop("ids")
+    try:
+        return read_features(value, "config.features")
+    except GatewayError as exc:
+        raise invalid(f"{label}: {exc.message}") from None
 
 
 def _steering(config: gpb.GenerateConfig, budget: RequestBudget) -> tuple[SteeringEntry, ...]:

@@ -70,6 +70,9 @@ class Generation:
         if "readouts" in outs:
             header = outputs.readout_header(info.model_id, service.readouts(info.model_id), call.readout_binary)
             emit([outs["readouts"].chunk(header)])
+        features = turn.action.spec.features
+        if "features" in outs and features is not None:
+            emit([outs["features"].chunk(outputs.features_header(info.model_id, features))])
         generated: list[int] = []
         text_node = outs["text"].id
         async for event in service.run_turn(turn):
@@ -85,6 +88,8 @@ class Generation:
                     fragments.append(outs["text"].chunk(event.text.encode()))
                 if "readouts" in outs and event.readout is not None:
                     fragments.append(outs["readouts"].chunk(outputs.readout_line(index, event, call.readout_binary)))
+                if "features" in outs and event.features is not None:
+                    fragments.append(outs["features"].chunk(outputs.features_line(index, event, info.features)))
                 if "logprobs" in outs and event.logprob is not None:
                     fragments.append(outs["logprobs"].chunk(outputs.logprob_line(index, event, info.tokenizer)))
                 if fragments:

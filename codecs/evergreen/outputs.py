@@ -2,7 +2,8 @@
 
 ``response`` holds the generated text; ``readouts`` and ``logprobs`` hold one NDJSON
 line per generated token (readouts after a header line describing the manifest);
-``usage`` holds one JSON object once the action ends. docs/evergreen.md is the reference.
+``features`` one NDJSON line per generated token after a header line (SAE features,
+docs/sae.md); ``usage`` holds one JSON object once the action ends. docs/evergreen.md is the reference.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import numpy as np
 
 from prismgate.codecs.binary_numbers import BASE64, b64, dtype_name
 from prismgate.codecs.evergreen.fragments import NodeWriter
+from prismgate.codecs.features import token_features
 from prismgate.core.engine import ReadoutManifest, Tokenizer
 from prismgate.core.events import Done, TokenEvent
+from prismgate.core.features import FeatureManifest, FeatureSpec
 from prismgate.core.turns import Turn
 
 TEXT_MIME = "text/plain"
@@ -24,15 +27,17 @@ OUTPUT_ROLE = "assistant"
 READOUTS_MIME = "application/x-ndjson; schema=prismgate.readouts.v1"
 LOGPROBS_MIME = "application/x-ndjson; schema=prismgate.logprobs.v1"
 USAGE_MIME = "application/json; schema=prismgate.usage.v1"
+FEATURES_MIME = "application/x-ndjson; schema=prismgate.features.v1"
 
 TEXT_OUTPUTS = ("response", "text")
-EXTRA_OUTPUTS = ("readouts", "logprobs", "usage")
+EXTRA_OUTPUTS = ("readouts", "logprobs", "features", "usage")
 
 _MIMES = {
     "text": (TEXT_MIME, OUTPUT_ROLE),
     "readouts": (READOUTS_MIME, ""),
     "logprobs": (LOGPROBS_MIME, ""),
     "usage": (USAGE_MIME, ""),
+    "features": (FEATURES_MIME, ""),
 }
 
 
@@ -84,6 +89,20 @@ def numbers_json(readout: np.ndarray) -> str:
 def _number_format(shape: tuple[int, ...]) -> str:
     layers, concepts = shape
     return "[" + ",".join(["[" + ",".join(["%.6g"] * concepts) + "]"] * layers) + "]"
+
+
+def features_header(model: str, spec: FeatureSpec) -> bytes:
+    return line({"model": model, "layers": list(spec.layers), "topK": spec.top_k, "ids": list(spec.ids)})
+
+
+def features_line(index: int, event: TokenEvent, manifest: FeatureManifest | None) -> bytes:
+    """One token's features, as the OpenAI extension writes them (ids, activations, labels; watched ids)."""
+    assert event.features is not None
+    entry = token_features(event.position, event.id, event.text or "", event.features, manifest)
+    layers = entry["layers"]
+    return line(
+        {"index": index, "position": event.position, "tokenId": event.id, "text": entry["token"], "layers": layers}
+    )
 
 
 def logprob_line(index: int, event: TokenEvent, tokenizer: Tokenizer) -> bytes:

@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from prismgate.codecs import json_input
+from prismgate.codecs.features import read_features
 from prismgate.codecs.steering import read_steering
 from prismgate.core.actions import MAX_TOP_LOGPROBS, GenerateSpec
 from prismgate.core.budget import RequestBudget
 from prismgate.core.errors import GatewayError, invalid
+from prismgate.core.features import FeatureSpec
 from prismgate.core.steering import Steering
 
 DEFAULT_MAX_TOKENS = 16  # when config names none, capped by the room left in the context
@@ -27,6 +29,8 @@ CONFIG_KEYS: dict[str, str] = {
     "logprobs": f"integer in [0, {MAX_TOP_LOGPROBS}]: k, the alternatives per token in top_logprob_ids/top_logprobs",
     "readout_layers": "list of layer indices, a subset of the concept pack's layers, in the order wanted",
     "steering": "list of steering entries, the same for every row (see docs/steering.md)",
+    "features": "true or {top_k, layers, ids}: the SAE features of each generated token in the feature_ids, "
+    "feature_values and watched_features outputs (docs/sae.md)",
     "deterministic": "boolean or null: the same outputs whatever else runs (docs/determinism.md); null: the server's",
 }
 
@@ -48,6 +52,7 @@ class Config:
     readout_layers: tuple[int, ...] | None = None
     steering: Steering = ()
     deterministic: bool | None = None
+    features: FeatureSpec | None = None
 
     def sampling(self) -> GenerateSpec:
         """The core's sampling knobs (the core sets max_tokens and what is reported); checks the values."""
@@ -121,6 +126,8 @@ def parse_config(raw: bytes, budget: RequestBudget) -> Config:
             values[key] = data[key]
     if "readout_layers" in data:
         values["readout_layers"] = _int_list("readout_layers", data["readout_layers"])
+    if "features" in data:
+        values["features"] = read_features(data["features"], "config.features")
     if "steering" in data:
         values["steering"] = read_steering(data["steering"], budget, "config.steering")
     return Config(**values)

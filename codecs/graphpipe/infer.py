@@ -32,6 +32,7 @@ async def run_row(service: SessionService, index: int, turn: Turn) -> RowResult:
                 result.logprobs.append(math.nan if event.logprob is None else event.logprob)
                 result.top.append(event.top_logprobs or [])
                 result.readouts.append(event.readout)
+                result.features.append(event.features)
                 if event.text:
                     result.text.append(event.text)
             elif event.text:

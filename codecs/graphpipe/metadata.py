@@ -78,6 +78,30 @@ def describe(info: EngineInfo) -> Metadata:
                 Type.Float32,
             )
         )
+    if info.features is not None:
+        where = f"SAE layers {list(info.features.layers)} (or config.features.layers, in that order)"
+        outputs += [
+            IOSpec(
+                "feature_ids",
+                f"Top SAE feature ids of each generated token [batch, m, n_layers, k], largest first: {where}, "
+                f"k = config.features.top_k; padded with {PAD_ID}. Pairs with feature_values.",
+                (-1, -1, -1, -1),
+                Type.Int32,
+            ),
+            IOSpec(
+                "feature_values",
+                "Activations of feature_ids [batch, m, n_layers, k]; padded with NaN.",
+                (-1, -1, -1, -1),
+                Type.Float32,
+            ),
+            IOSpec(
+                "watched_features",
+                f"Activations of config.features.ids at each generated token [batch, m, n_layers, n_ids]: {where}; "
+                "padded with NaN.",
+                (-1, -1, -1, -1),
+                Type.Float32,
+            ),
+        ]
     config = "; ".join(f"{k}: {v}" for k, v in CONFIG_KEYS.items())
     description = (
         f"Language model {info.model_id!r} served by prismgate ({info.engine_name or 'engine'}); context "

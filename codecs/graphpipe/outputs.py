@@ -4,7 +4,10 @@ Rows are padded to the longest completion: ``text`` String [batch]; ``tokens`` I
 [batch, m] (pad -1); ``lengths`` Int32 [batch]; ``logprobs`` Float32 [batch, m] (pad
 NaN); ``top_logprob_ids`` Int32 [batch, m, k] (pad -1) with ``top_logprobs`` Float32
 [batch, m, k] (pad NaN), best first; ``readouts`` Float32 [batch, m, n_layers,
-n_concepts] (pad NaN), layers as in ``config.readout_layers`` or the concept pack's manifest.
+n_concepts] (pad NaN), layers as in ``config.readout_layers`` or the concept pack's manifest;
+``feature_ids`` Int32 [batch, m, n_layers, k] (pad -1) with ``feature_values`` Float32 (pad NaN),
+the top SAE features per token and layer, largest first, and ``watched_features`` Float32
+[batch, m, n_layers, n_ids] (pad NaN), as ``config.features`` asks (docs/sae.md).
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from prismgate.codecs.graphpipe.wire import OutTensor
 from prismgate.core.actions import MAX_TOP_LOGPROBS
 from prismgate.core.engine import ReadoutManifest
 from prismgate.core.errors import Code, GatewayError, invalid
+from prismgate.core.features import Features, FeatureSpec
 from prismgate.schemas.graphpipe.fb.graphpipe_generated import Type
 
 OUTPUTS = ("text", "tokens", "lengths", "logprobs", "top_logprob_ids", "top_logprobs", "readouts")
+FEATURE_OUTPUTS = ("feature_ids", "feature_values", "watched_features")  # on a model with an SAE (docs/sae.md)
 DEFAULT_OUTPUTS = ("text",)
 
 
@@ -36,13 +41,14 @@ class Shape:
     outputs: list[str]
     top_k: int
     layers: tuple[int, ...] | None  # positions in the manifest's layer list, in output order
+    features: FeatureSpec | None = None  # as planned by the core (its layers filled in), when asked
 
 
 def resolve_outputs(names: Sequence[str], config: Config) -> list[str]:
     outputs = list(names) or list(DEFAULT_OUTPUTS)
     for name in outputs:
-        if name not in OUTPUTS:
-            raise invalid(f"unknown output {name!r}; this server offers {', '.join(OUTPUTS)}")
+        if name not in OUTPUTS and name not in FEATURE_OUTPUTS:
+            raise invalid(f"unknown output {name!r}; this server offers {', '.join(OUTPUTS + FEATURE_OUTPUTS)}")
     if {"top_logprob_ids", "top_logprobs"} & set(outputs) and config.logprobs < 1:
         raise invalid(
             f"outputs top_logprob_ids/top_logprobs need config.logprobs = k in [1, {MAX_TOP_LOGPROBS}] "
@@ -73,6 +79,7 @@ class RowResult:
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     readouts: list[npt.NDArray[np.float32] | None] = field(default_factory=list)
+    features: list[Features | None] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
 
 
@@ -104,6 +111,9 @@ def assemble(shape: Shape, results: Sequence[RowResult], manifest: ReadoutManife
         elif name == "readouts":
             assert manifest is not None
             built[name] = _readouts(shape, batch, m, results, manifest)
+        elif name in FEATURE_OUTPUTS:
+            assert shape.features is not None
+            built[name] = _features(name, shape.features, batch, m, results)
         else:  # resolve_outputs admits only known names
             raise GatewayError(Code.INTERNAL, f"output {name!r} has no encoder")
     return [built[name] for name in shape.outputs]
@@ -126,3 +136,22 @@ def _readouts(shape: Shape, batch: int, m: int, results: Sequence[RowResult], ma
             if readout is not None:
                 out[i, j] = np.asarray(readout, dtype=np.float32)[list(layers)]
     return OutTensor.of(Type.Float32, out)
+
+
+def _features(name: str, spec: FeatureSpec, batch: int, m: int, results: Sequence[RowResult]) -> OutTensor:
+    """``feature_ids``, ``feature_values`` or ``watched_features`` [batch, m, n_layers, k or n_ids]."""
+    width = len(spec.ids) if name == "watched_features" else spec.top_k
+    shape = (batch, m, len(spec.layers), width)
+    out = _fill(shape, PAD_ID, "<i4") if name == "feature_ids" else _fill(shape, math.nan, "<f4")
+    for i, r in enumerate(results):
+        for j, f in enumerate(r.features):
+            if f is None:
+                continue
+            for li in range(len(spec.layers)):
+                if name == "watched_features":
+                    if f.watched is not None:
+                        out[i, j, li] = f.watched[li]
+                else:
+                    row = f.ids[li] if name == "feature_ids" else f.values[li]
+                    out[i, j, li, : len(row)] = row
+    return OutTensor.of(Type.Int32 if name == "feature_ids" else Type.Float32, out)

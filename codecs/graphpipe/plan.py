@@ -14,10 +14,10 @@ from dataclasses import dataclass, replace
 
 from prismgate.codecs.graphpipe.config import DEFAULT_MAX_TOKENS, Config, parse_config
 from prismgate.codecs.graphpipe.inputs import Rows, bind_inputs
-from prismgate.codecs.graphpipe.outputs import Shape, readout_layers, resolve_outputs
+from prismgate.codecs.graphpipe.outputs import FEATURE_OUTPUTS, Shape, readout_layers, resolve_outputs
 from prismgate.codecs.graphpipe.wire import InferCall
 from prismgate.core.chat import Message, TextPart
-from prismgate.core.errors import GatewayError
+from prismgate.core.errors import GatewayError, invalid
 from prismgate.core.prompts import Messages, PromptSource, Tokens
 from prismgate.core.service import SessionService
 from prismgate.core.turns import ChatTurn, Turn
@@ -49,7 +49,15 @@ def _read(call: InferCall, service: SessionService, model: str, max_batch: int) 
         layers = readout_layers(config, manifest)
     config.sampling()  # the values' own rules, before any input is decoded
     top_k = config.logprobs if {"top_logprob_ids", "top_logprobs"} & set(outputs) else 0
-    return config, Shape(outputs, top_k, layers), bind_inputs(call, max_batch)
+    features = config.features
+    if set(FEATURE_OUTPUTS) & set(outputs):
+        if features is None:
+            raise invalid(f"outputs {', '.join(FEATURE_OUTPUTS)} need config.features (true, or top_k, layers, ids)")
+        if "watched_features" in outputs and not features.ids:
+            raise invalid("output watched_features needs config.features.ids (the features to watch)")
+    elif features is not None:
+        raise invalid(f"config.features asks for features: name one of the outputs {', '.join(FEATURE_OUTPUTS)}")
+    return config, Shape(outputs, top_k, layers, features), bind_inputs(call, max_batch)
 
 
 async def make_plan(service: SessionService, call: InferCall, max_batch: int, model: str | None = None) -> Plan:
@@ -57,7 +65,7 @@ async def make_plan(service: SessionService, call: InferCall, max_batch: int, mo
     info = service.info(model)
     config, shape, rows = await asyncio.to_thread(_read, call, service, info.model_id, max_batch)
     wants_logprobs = bool({"logprobs", "top_logprob_ids", "top_logprobs"} & set(shape.outputs))
-    sampling = replace(config.sampling(), logprob_top_k=shape.top_k)
+    sampling = replace(config.sampling(), logprob_top_k=shape.top_k, features=shape.features)
     prompts: list[PromptSource]
     if rows.tokens is not None:
         prompts = [Tokens(tuple(row)) for row in rows.tokens]
@@ -82,4 +90,6 @@ async def make_plan(service: SessionService, call: InferCall, max_batch: int, mo
             turns.append(await service.plan_turn(turn, model=info.model_id))
         except GatewayError as exc:
             raise exc.within(f"row {i}") from None
+    if shape.features is not None and turns:  # the core filled in the layers: the same for every row
+        shape = replace(shape, features=turns[0].action.spec.features)
     return Plan(turns, shape)

@@ -178,6 +178,13 @@ class OpenAIEndpoints:
                     # [layer][concept] neutral points (null for packs without them); values stay raw
                     "centers": None if m.centers is None else [list(row) for row in m.centers],
                 }
+            if info.features is not None:  # the SAEs: their layers, widths and how many features have labels
+                f = info.features
+                ext["features"] = {
+                    "layers": list(f.layers),
+                    "features": list(f.widths),
+                    "labelled": [len(labels) for labels in f.labels],
+                }
             out["prismgate"] = ext
         return out
 

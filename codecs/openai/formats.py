@@ -27,6 +27,8 @@ import numpy as np
 
 from prismgate.codecs.binary_numbers import BASE64, INT32, b64, dtype_name
 from prismgate.codecs.openai.errors import OpenAIError
+from prismgate.codecs.openai.features import describe as describe_features
+from prismgate.codecs.openai.features import features_of
 from prismgate.codecs.openai.generation import Piece, Token
 from prismgate.codecs.openai.plan import Plan
 from prismgate.codecs.openai.readouts import ReadoutAxes
@@ -135,6 +137,8 @@ class Format:
                 "dtype": dtype_name(self.plan.logprobs_binary),
                 "top_logprobs": self.plan.top_logprobs,
             }
+        if self.plan.features is not None:
+            ext["features"] = describe_features(self.plan.features)
         if self.plan.session_id is not None:
             ext["session_id"] = self.plan.session_id
             if session_length is not None:
@@ -158,6 +162,8 @@ class Format:
             ext["readouts"] = _readouts(self.plan.axes, tokens)
         if self.plan.logprobs_binary is not None:
             ext["logprobs"] = _logprobs_base64(tokens, self.plan.top_logprobs, self.plan.logprobs_binary)
+        if self.plan.features is not None:
+            ext["features"] = features_of(tokens, self.plan.feature_manifest)
         if ext:
             choice["prismgate"] = ext
         return choice
@@ -187,7 +193,7 @@ class Format:
         Without logprobs the chunk is the same text as ``dumps(chunk)`` assembled from the
         parts every chunk repeats; anything else goes the general way.
         """
-        if not self.plan.want_logprobs:
+        if not self.plan.want_logprobs and self.plan.features is None:
             readouts = None if self.plan.axes is None else _readouts_json(self.plan.axes, piece.tokens)
             if self.plan.axes is None or readouts is not None:
                 fields = self._choice_fields(piece)

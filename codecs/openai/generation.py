@@ -20,6 +20,7 @@ import numpy.typing as npt
 from prismgate.codecs.openai.plan import Plan
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, Event, FinishReason, TokenEvent
+from prismgate.core.features import Features
 from prismgate.core.service import SessionService
 from prismgate.core.token_texts import TokenTexts
 
@@ -38,6 +39,7 @@ class Token:
     top: list[tuple[str, list[int], float]] | None = None
     top_ids: list[int] | None = None  # the ids of ``top``, in order
     readout: npt.NDArray[np.float32] | None = None  # the requested layers x concepts
+    features: Features | None = None  # SAE features, when asked
 
 
 @dataclass(slots=True)
@@ -126,6 +128,8 @@ class Generation:
                 token.top_ids = [i for i, _ in event.top_logprobs]
         if self.plan.axes is not None and event.readout is not None:
             token.readout = self.plan.axes.take(event.readout)
+        if self.plan.features is not None:
+            token.features = event.features
         return token
 
 

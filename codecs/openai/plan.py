@@ -19,6 +19,7 @@ from prismgate.codecs.openai.request import ChatRequest, Common, CompletionReque
 from prismgate.codecs.steering import read_steering
 from prismgate.core.actions import GenerateSpec
 from prismgate.core.errors import Code, GatewayError
+from prismgate.core.features import FeatureManifest, FeatureSpec
 from prismgate.core.models import UnknownModel
 from prismgate.core.prompts import Messages, Placement, PromptSource, Text, Tokens
 from prismgate.core.service import SessionService
@@ -40,6 +41,8 @@ class Plan:
     want_logprobs: bool
     logprobs_binary: np.dtype | None = None  # base64 logprobs (prismgate.logprobs) instead of OpenAI's form
     top_logprobs: int = 0  # alternatives per token
+    features: FeatureSpec | None = None  # as planned by the core: its layers filled in
+    feature_manifest: FeatureManifest | None = None  # labels, by layer
 
 
 async def plan_chat(service: SessionService, settings: Settings, req: ChatRequest) -> Plan:
@@ -88,6 +91,7 @@ async def _plan(
             stop_strings=common.stop,
             logprob_top_k=common.top_logprobs or 0,
             steering=steering,
+            features=common.features,
         ),
         max_tokens=common.max_tokens,
         default_max_tokens=settings.openai_default_max_tokens,
@@ -103,7 +107,10 @@ async def _plan(
     except GatewayError as exc:
         if exc.code is Code.NOT_FOUND and common.session_id is not None:
             raise from_gateway(exc, param="session_id", code="session_not_found") from None
+        if exc.code is Code.INVALID_ARGUMENT and common.features is not None and "feature" in exc.message:
+            raise from_gateway(exc, param="features") from None
         raise
+    features = planned.action.spec.features
     return Plan(
         model=common.model,
         turn=planned,
@@ -113,4 +120,6 @@ async def _plan(
         want_logprobs=common.top_logprobs is not None,
         logprobs_binary=common.logprobs_binary,
         top_logprobs=common.top_logprobs or 0,
+        features=features,
+        feature_manifest=service.info(planned.model).features if features is not None else None,
     )

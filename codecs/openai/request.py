@@ -25,9 +25,11 @@ import numpy as np
 
 from prismgate.codecs.binary_numbers import BadEncoding, read_encoding
 from prismgate.codecs.openai.errors import bad_request
+from prismgate.codecs.openai.features import parse_features
 from prismgate.codecs.openai.fields import get_bool, get_float, get_int, get_object, get_str
 from prismgate.core.actions import MAX_TOP_LOGPROBS
 from prismgate.core.chat import ImagePart, Message, Part, TextPart
+from prismgate.core.features import FeatureSpec
 
 MAX_STOP_STRINGS = 16
 INT64 = 2**63
@@ -66,6 +68,7 @@ class Common:
     top_logprobs: int | None  # None: no logprobs; otherwise how many alternatives per token
     logprobs_binary: np.dtype | None  # logprobs as base64 of this dtype (prismgate.logprobs); None: OpenAI's form
     readouts: ReadoutRequest | None
+    features: FeatureSpec | None  # SAE features per token (codecs/openai/features.py)
     session_id: str | None
     steering: Any  # the raw "steering" list: read in the plan, against the service's request budget
 
@@ -147,6 +150,7 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, top_logprobs: int |
         top_logprobs=top_logprobs,
         logprobs_binary=logprobs_binary,
         readouts=_readouts(body.get("readouts")),
+        features=parse_features(body.get("features")),
         session_id=get_str(body, "session_id"),
         steering=body.get("steering"),
     )

@@ -48,6 +48,14 @@ def decode_batch(stepper: Stepper, jobs: list[Job]) -> None:
     ]
     if probe is not None:
         probe.enabled = any(wants)
+    features = stepper.features
+    fspecs = [
+        job.request.spec.features
+        if job.request.spec.features is not None and covered(job.request.spec.features.ranges, p)
+        else None
+        for job, p in zip(jobs, positions, strict=True)
+    ]
+    want_features = features is not None and features.arm(fspecs)
     rows = [job.steer(row, p, p + 1) for row, (job, p) in enumerate(zip(jobs, positions, strict=True))]
     invariant = any(job.deterministic for job in jobs)  # the kernels are per pass: every row gets them
     with stepper.steered(rows) as gates, SWITCH.on(invariant):
@@ -55,6 +63,7 @@ def decode_batch(stepper: Stepper, jobs: list[Job]) -> None:
             [job.timeline[p] for job, p in zip(jobs, positions, strict=True)], [job.cache for job in jobs], positions
         )
     readouts = probe.take_batch() if probe is not None and any(wants) else None
+    feats = features.take() if want_features and features is not None else None
     stepper.stats["batched_steps"] += 1
     for row, (job, position) in enumerate(zip(jobs, positions, strict=True)):
         job.cached.append(job.timeline[position])
@@ -63,6 +72,9 @@ def decode_batch(stepper: Stepper, jobs: list[Job]) -> None:
         if job.held is not None:
             if readouts is not None and wants[row]:
                 job.held.readout = readouts[row, 0]
+            fspec = fspecs[row]
+            if feats is not None and fspec is not None:
+                job.held.features = feats.features(row, 0, fspec)
             job.emit(job.held)
             job.held = None
         job.next_logits = logits[row]

@@ -32,6 +32,7 @@ from prismgate.engines.hf.kv_reuse import SessionCaches
 from prismgate.engines.hf.loading import LoadedModel, load
 from prismgate.engines.hf.scheduler import Scheduler
 from prismgate.engines.hf.steps import Stepper
+from prismgate.engines.sae.encode import SaeEncoder
 
 
 class TransformersEngine:
@@ -51,10 +52,12 @@ class TransformersEngine:
         max_cached_tokens: int = 1 << 18,
         max_batch: int = 16,
         max_batch_tokens: int = 16384,
+        saes: tuple[tuple[Path, Path | None], ...] = (),
     ) -> None:
         self.model_path = Path(model_path)
         self.model_id = model_id or self.model_path.resolve().name
         self._pack_path = concept_pack
+        self._sae_specs = saes  # (SAELens folder, labels file or None), loaded and checked at start
         self._device_name = device
         self._dtype_name = dtype
         self._max_model_len = max_model_len
@@ -68,6 +71,7 @@ class TransformersEngine:
         self._failure: str | None = None
         self._closing = False
         self.info: EngineInfo = None  # type: ignore[assignment]  # set by start()
+        self.saes: tuple[SaeEncoder, ...] = ()  # set by start(): the loaded SAEs, by layer
         self.stats = {"prefilled_tokens": 0, "reused_tokens": 0, "decoded_tokens": 0, "batched_steps": 0}
 
     # -- lifecycle -------------------------------------------------------------------
@@ -83,6 +87,7 @@ class TransformersEngine:
         self._failure = None
         self._adapter = loaded.adapter
         self.info = loaded.info
+        self.saes = loaded.saes
         stepper = Stepper(
             loaded.adapter,
             loaded.probe,
@@ -91,6 +96,7 @@ class TransformersEngine:
             self._sessions,
             self.stats,
             prefill_chunk=self.prefill_chunk,
+            features=loaded.features,
         )
         self._scheduler = Scheduler(
             stepper,
@@ -110,6 +116,7 @@ class TransformersEngine:
             device=self._device_name,
             dtype=self._dtype_name,
             max_model_len=self._max_model_len,
+            saes=self._sae_specs,
         )
 
     async def close(self) -> None:

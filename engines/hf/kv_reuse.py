@@ -109,6 +109,9 @@ def resume(
     first_ro = first_covered(spec.readout_ranges)
     if first_ro is not None and first_ro < n:
         start = min(start, first_ro)
+    first_fe = first_covered(spec.features.ranges) if spec.features is not None else None
+    if first_fe is not None and first_fe < n:  # features, like readouts, come from hidden states: recomputed
+        start = min(start, first_fe)
     start = adapter.rewind_point(tokens, images, start, cache)
     if cache is None or start == 0:
         cache = adapter.new_cache()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +14,10 @@ from prismgate.engines.hf import invariance_check, invariant
 from prismgate.engines.hf.adapters import ModelAdapter, load_adapter
 from prismgate.engines.hf.steering import Steerer
 from prismgate.engines.readouts.pack import ConceptPack
-from prismgate.engines.readouts.probe import ReadoutProbe
+from prismgate.engines.readouts.probe import ReadoutProbe, decoder_layers
+from prismgate.engines.sae.encode import SaeEncoder
+from prismgate.engines.sae.files import load_for_model
+from prismgate.engines.sae.probe import FeatureProbe, feature_manifest
 from prismgate.engines.tokenizer import HFTokenizer
 
 log = logging.getLogger(__name__)
@@ -25,6 +29,8 @@ class LoadedModel:
     probe: ReadoutProbe | None  # hooks that read the residual stream, when a concept pack is loaded
     steerer: Steerer | None  # hooks that add to it (registered ahead of the probe's), with the same pack
     info: EngineInfo
+    saes: tuple[SaeEncoder, ...] = ()  # sparse autoencoders, one per layer, on the model's device
+    features: FeatureProbe | None = None  # hooks that encode the stream with them (after the steerer's)
 
 
 def load(
@@ -35,6 +41,7 @@ def load(
     device: str,
     dtype: str,
     max_model_len: int | None,
+    saes: Sequence[tuple[Path, Path | None]] = (),
 ) -> LoadedModel:
     """Load on ``device`` ("auto": CUDA when there is one). Slow: call it off the event loop."""
     if device == "auto":
@@ -49,9 +56,15 @@ def load(
         probe = ReadoutProbe(model, pack)
         steerer = Steerer(model, pack, probe.project)
         manifest = pack.manifest
+    config = model.config.get_text_config()
+    # SAEs are checked before the slower start-up work: a wrong file stops the start at once
+    encoders = tuple(
+        SaeEncoder(sae, next(model.parameters()).device)
+        for sae in load_for_model(saes, len(decoder_layers(model)), int(config.hidden_size))
+    )
+    features = FeatureProbe(model, encoders) if encoders else None
     deterministic_off = _invariance(adapter)
     tokenizer = adapter.tokenizer
-    config = model.config.get_text_config()
     limit = max_model_len or int(getattr(config, "max_position_embeddings", 4096))
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos_ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
@@ -70,9 +83,10 @@ def load(
         steering_gates=steerer is not None,
         deterministic=deterministic_off is None,
         deterministic_off=deterministic_off,
+        features=feature_manifest(encoders),
     )
     log.info("loaded %s on %s (%s)", model_id, device, model.dtype)
-    return LoadedModel(adapter, probe, steerer, info)
+    return LoadedModel(adapter, probe, steerer, info, encoders, features)
 
 
 # Measured on an H100 (torch 2.11, cuBLAS): with the kernels installed and the start-up check

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from prismgate.core.actions import covered
+from prismgate.core.actions import GenerateSpec, covered
 from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.core.events import Done, FinishReason, TokenEvent
 from prismgate.core.steering import spans
@@ -26,6 +26,7 @@ from prismgate.engines.hf.sampling import logprobs_of, sample
 from prismgate.engines.hf.steering import GateKey, RowPlan, Steerer
 from prismgate.engines.invariant_rows import SWITCH
 from prismgate.engines.readouts.probe import ReadoutProbe
+from prismgate.engines.sae.probe import Captured, FeatureProbe
 
 # Prompt tokens per step while a chunk scores prompt positions: each scored position needs a
 # full-vocabulary row of logits (200 KB at SmolLM2's 49k vocabulary), reduced to its top-k as
@@ -44,6 +45,7 @@ class Stepper:
         stats: dict[str, int],
         *,
         prefill_chunk: int,
+        features: FeatureProbe | None = None,
     ) -> None:
         self.adapter = adapter
         self.probe = probe
@@ -52,6 +54,7 @@ class Stepper:
         self.caches = caches
         self.stats = stats
         self.prefill_chunk = prefill_chunk
+        self.features = features
 
     def step(self, job: Job) -> None:
         if not job.started:
@@ -161,6 +164,13 @@ class Stepper:
         want_readouts = self.probe is not None and any(covered(spec.readout_ranges, p) for p in range(start, end))
         if self.probe is not None:
             self.probe.enabled = want_readouts
+        fspec = spec.features
+        want_features = (
+            self.features is not None
+            and fspec is not None
+            and any(covered(fspec.ranges, p) for p in range(start, end))
+            and self.features.arm([fspec])
+        )
         with self.steered([job.steer(0, start, end)]) as gates, SWITCH.on(job.deterministic):
             logits = self.adapter.forward(
                 ids, job.cache, start, job.timeline, job.request.images, rows or [len(ids) - 1]
@@ -168,6 +178,7 @@ class Stepper:
         job.invariant = job.invariant and job.deterministic
         job.record_gates(gates, 0, len(ids))
         readouts = self.probe.take() if want_readouts and self.probe is not None else None
+        feats: Captured | None = self.features.take() if want_features and self.features is not None else None
         job.cached.extend(ids)
         if end <= n:
             self.stats["prefilled_tokens"] += len(ids)
@@ -176,7 +187,8 @@ class Stepper:
         for p in range(start, min(end, n)):
             lp_cov = covered(spec.logprob_ranges, p)
             ro_cov = readouts is not None and covered(spec.readout_ranges, p)
-            if not (lp_cov or ro_cov):
+            fe_cov = feats is not None and fspec is not None and covered(fspec.ranges, p)
+            if not (lp_cov or ro_cov or fe_cov):
                 continue
             event = TokenEvent(id=job.timeline[p], position=p, is_prefill=True)
             if lp_cov and p > 0:
@@ -186,10 +198,17 @@ class Stepper:
                 event.logprob, event.top_logprobs = logprobs_of(prev, event.id, spec.logprob_top_k)
             if ro_cov and readouts is not None:
                 event.readout = readouts[p - start]
+            if fe_cov and feats is not None and fspec is not None:
+                event.features = feats.features(0, p - start, fspec)
             job.emit(event)
         # a held decode event gets its readout from this feed
         if job.held is not None and readouts is not None and start <= job.held.position < end:
             job.held.readout = readouts[job.held.position - start]
+        held = job.held
+        if held is not None and feats is not None and fspec is not None and start <= held.position < end:
+            held.features = (
+                feats.features(0, held.position - start, fspec) if covered(fspec.ranges, held.position) else None
+            )
         if job.held is not None:
             job.emit(job.held)
             job.held = None
@@ -208,6 +227,12 @@ class Stepper:
             return contextlib.nullcontext({})
         return self.steerer.plan(rows)
 
+    def waits_for_hidden(self, spec: GenerateSpec, position: int) -> bool:
+        """Whether a decoded token's event waits for the next pass: its readout or features come from it."""
+        if self.probe is not None and covered(spec.readout_ranges, position):
+            return True
+        return self.features is not None and spec.features is not None and covered(spec.features.ranges, position)
+
     def decode_one(self, job: Job) -> None:
         """Sample the next token from ``job.next_logits``; decide whether the request is finished."""
         spec = job.request.spec
@@ -221,7 +246,7 @@ class Stepper:
         job.timeline.append(token)
         job.generated += 1
         self.stats["decoded_tokens"] += 1
-        if self.probe is not None and covered(spec.readout_ranges, position):
+        if self.waits_for_hidden(spec, position):
             job.held = event
         else:
             job.emit(event)

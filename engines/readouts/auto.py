@@ -108,7 +108,15 @@ def pack_digest(folder: str | Path, *, pairs: int, dtype: str, prompt_sets: Path
     folder = Path(folder).resolve()
     if not (folder / "config.json").exists():
         raise invalid(f"{folder}: not a Hugging Face model folder (no config.json)")
-    return _digest(folder, _model_files(folder), _recipe(prompt_sets, pairs, dtype))
+    return model_digest(folder, _recipe(prompt_sets, pairs, dtype))
+
+
+def model_digest(folder: Path, recipe: str) -> str:
+    """Hex digest of the model files in ``folder`` (resolved, with a config.json) and a ``recipe`` string.
+
+    Anything built from a model and cached by it (a concept pack, a trained SAE) is named by this.
+    """
+    return _digest(folder, _model_files(folder), recipe)
 
 
 @functools.lru_cache(maxsize=16)

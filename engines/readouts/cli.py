@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from prismgate.core.errors import GatewayError, invalid
@@ -142,16 +142,20 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """``prismgate concepts {build,show} ...``; returns the exit status."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    return run_command("prismgate concepts", args, {"build": _cmd_build, "show": _cmd_show})
+
+
+def run_command(prog: str, args: argparse.Namespace, commands: dict[str, Callable[[argparse.Namespace], int]]) -> int:
+    """Run ``args.command``; a :class:`GatewayError` is one line on stderr and exit status 2."""
     try:
-        if args.command == "build":
-            return _cmd_build(args)
-        return _cmd_show(args)
+        return commands[args.command](args)
     except GatewayError as e:
-        print(f"prismgate concepts {args.command}: error: {e.message}", file=sys.stderr)
+        print(f"{prog} {args.command}: error: {e.message}", file=sys.stderr)
         return 2
 
 
-def _resolve(path: str | None) -> tuple[Path, str, bool]:
+def resolve_model_arg(path: str | None) -> tuple[Path, str, bool]:
+    """A ``--model`` argument (absent or 'default': the embedded model): folder, model id, whether the default."""
     from prismgate.engines.models import DEFAULT_MODEL_ID, resolve_model
 
     if path in (None, "", "default"):
@@ -162,7 +166,7 @@ def _resolve(path: str | None) -> tuple[Path, str, bool]:
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
-    folder, model_id, is_default = _resolve(args.model)
+    folder, model_id, is_default = resolve_model_arg(args.model)
     layers = args.layers
     if layers is None:
         if not is_default:
@@ -243,7 +247,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if args.similarity:
         print_similarity(pack)
     if args.model is not None:
-        folder, _, _ = _resolve(args.model)
+        folder, _, _ = resolve_model_arg(args.model)
         model, tokenizer = load_model(folder)
         pack.check_model(len(decoder_layers(model)), int(model.config.get_text_config().hidden_size))
         print(f"fits       {folder}")

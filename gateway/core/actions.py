@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prismgate.core.errors import invalid
 from prismgate.core.steering import Steering
+
+if TYPE_CHECKING:
+    from prismgate.core.features import FeatureSpec
 
 MAX_TOP_LOGPROBS = 20
 
@@ -68,6 +72,7 @@ class GenerateSpec:
     steering: Steering = ()  # vectors added to the residual stream (see prismgate.core.steering)
     # the same ids, logprobs and readouts whatever else runs (docs/determinism.md); None: the server's default
     deterministic: bool | None = None
+    features: FeatureSpec | None = None  # SAE features to report (prismgate.core.features), at its own ranges
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -90,6 +95,10 @@ class GenerateSpec:
     @property
     def wants_readouts(self) -> bool:
         return any(r.end > r.start for r in self.readout_ranges)
+
+    @property
+    def wants_features(self) -> bool:
+        return self.features is not None and self.features.wanted
 
     @property
     def wants_logprobs(self) -> bool:

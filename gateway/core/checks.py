@@ -16,6 +16,7 @@ from dataclasses import replace
 from prismgate.core.actions import GenerateAction, GenerateSpec, ImageInput
 from prismgate.core.engine import EngineInfo
 from prismgate.core.errors import invalid, precondition, quote
+from prismgate.core.features import check_features
 from prismgate.core.models import Models, no_concept_pack
 from prismgate.core.session import ImageSpan, Session
 from prismgate.core.steering import Steering
@@ -48,9 +49,11 @@ def check_vocabulary(info: EngineInfo, tokens: Sequence[int]) -> None:
 
 
 def check_readouts(info: EngineInfo, spec: GenerateSpec) -> None:
-    """Readouts need a concept pack."""
+    """Readouts need a concept pack; features an SAE at every layer they name."""
     if spec.wants_readouts and info.readouts is None:
         raise no_concept_pack(info.model_id)
+    if spec.features is not None:
+        check_features(info.features, info.model_id, spec.features)
 
 
 def resolve_deterministic(info: EngineInfo, spec: GenerateSpec, default: bool) -> GenerateSpec:
@@ -124,7 +127,8 @@ def check_steering(info: EngineInfo, steering: Steering) -> None:
 def check_ranges(prompt_tokens: int, spec: GenerateSpec) -> None:
     """Reported positions lie inside this turn's horizon (the prompt and the decode budget)."""
     horizon = prompt_tokens + spec.max_tokens
-    for name, ranges in (("logprob", spec.logprob_ranges), ("readout", spec.readout_ranges)):
+    features = spec.features.ranges if spec.features is not None else ()
+    for name, ranges in (("logprob", spec.logprob_ranges), ("readout", spec.readout_ranges), ("feature", features)):
         for r in ranges:
             if r.end > horizon:
                 raise invalid(

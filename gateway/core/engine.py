@@ -13,6 +13,7 @@ from typing import Protocol, TypedDict, runtime_checkable
 
 from prismgate.core.actions import GenerateSpec
 from prismgate.core.events import Event
+from prismgate.core.features import FeatureManifest
 from prismgate.core.health import Health
 from prismgate.core.session import ImageSpan
 
@@ -90,6 +91,7 @@ class EngineInfo:
     # runs deterministic requests batch-invariant (docs/determinism.md); when not, why not, naming the setting
     deterministic: bool = False
     deterministic_off: str | None = None
+    features: FeatureManifest | None = None  # the sparse autoencoders loaded (docs/sae.md), if any
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from prismgate.core.features import Features
 
 Readout = npt.NDArray[np.float32]
 """A float32 array of shape ``[n_layers, n_concepts]`` for one token position."""
@@ -36,6 +40,7 @@ class TokenEvent:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     readout: Readout | None = None
+    features: Features | None = None  # SAE features, when the request asked for them here
     text: str | None = None  # text released by this token when the action asked for text
 
 

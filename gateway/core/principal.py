@@ -58,7 +58,7 @@ class Principal:
         """PERMISSION_DENIED for what the spec asks that the key may not have."""
         if spec.steering:
             self.check_steer()
-        if spec.wants_readouts and not self.readouts:
+        if (spec.wants_readouts or spec.wants_features) and not self.readouts:
             raise denied(f"key {self.name!r} may not read readouts")
         if spec.wants_logprobs and not self.logprobs:
             raise denied(f"key {self.name!r} may not read logprobs")

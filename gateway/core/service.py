@@ -37,6 +37,7 @@ from prismgate.core.engine import EngineInfo, EngineRequest, ReadoutManifest, Vi
 from prismgate.core.errors import Code, GatewayError, invalid, quote
 from prismgate.core.events import Done, Event, FinishReason, TokenEvent
 from prismgate.core.fairness import Share
+from prismgate.core.features import check_features
 from prismgate.core.limits import check_fit, max_tokens_for
 from prismgate.core.models import Models
 from prismgate.core.pool import EnginePool
@@ -261,6 +262,9 @@ class SessionService:
             logprob_ranges=horizon if turn.logprobs else (),
             readout_ranges=horizon if turn.readouts else (),
         )
+        if spec.features is not None:  # the turn's horizon, at the layers the model has
+            layers = check_features(info.features, info.model_id, spec.features)
+            spec = replace(spec, features=replace(spec.features, ranges=horizon, layers=layers))
         principal.check_spec(spec)
         action = GenerateAction(
             append_tokens=append.tokens,

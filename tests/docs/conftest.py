@@ -26,5 +26,5 @@ def tiny_docs_server(
 
 @pytest.fixture(scope="session")
 def default_docs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    with serve(tmp_path_factory.mktemp("docs-default")) as served:
+    with serve(tmp_path_factory.mktemp("docs-default"), "--sae", "auto") as served:  # docs/sae.md reads features
         yield served
