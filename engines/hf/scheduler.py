@@ -26,6 +26,7 @@ from prismgate.core.events import Done, FinishReason
 from prismgate.engines.hf.batched_decode import batch_members, decode_batch
 from prismgate.engines.hf.job import Job
 from prismgate.engines.hf.steps import Stepper
+from prismgate.engines.malloc_trim import HeapTrimmer
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class Scheduler:
         self._order = itertools.count()
         self._stopping = False
         self.failure: str | None = None  # why the worker thread broke down, if it did
+        self.trimmer = HeapTrimmer()  # what ended requests freed goes back to the system
         self._thread = threading.Thread(target=self._run, name="prismgate-transformers", daemon=True)
 
     def start(self) -> None:
@@ -139,7 +141,10 @@ class Scheduler:
                 if job not in fresh:
                     self._step_alone(job)
             with self._cv:
+                ended = any(job.ended for job in self._active)
                 self._active = [job for job in self._active if not job.ended]
+            if ended or fresh:  # requests freed their memory, or prefills grew and dropped keys and values
+                self.trimmer.maybe()
 
     def _step_alone(self, job: Job) -> None:
         """One step of ``job`` on its own (a prefill chunk, or a decode step outside the batch)."""

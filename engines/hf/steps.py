@@ -30,8 +30,11 @@ from prismgate.engines.sae.probe import Captured, FeatureProbe
 
 # Prompt tokens per step while a chunk scores prompt positions: each scored position needs a
 # full-vocabulary row of logits (200 KB at SmolLM2's 49k vocabulary), reduced to its top-k as
-# soon as the chunk has run, so a chunk of 64 holds at most 13 MB where one of 512 held 100 MB.
-SCORED_CHUNK = 64
+# soon as the chunk has run, so a chunk holds at most 100 MB of them, however large an operator
+# sets prefill_chunk. Not fewer: every chunk grows each layer's keys and values by a copy, and
+# 64-token chunks left the heap so fragmented that eight 3,516-token echoes grew the process by
+# 5.8 GB (512: 1.5 GB; bench/hostile.py row 10 on SmolLM2).
+SCORED_CHUNK = 512
 
 
 class Stepper:

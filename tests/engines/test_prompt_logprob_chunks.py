@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from prismgate.core.actions import PositionRange
-from prismgate.engines.hf import TransformersEngine
-from prismgate.engines.hf.steps import SCORED_CHUNK
+from prismgate.engines.hf import TransformersEngine, steps
 from tests.engines.requests import run
 
 
-async def test_a_scored_prompt_runs_in_chunks_whose_logits_stay_small(tiny_model_dir: Path) -> None:
+async def test_a_scored_prompt_runs_in_chunks_whose_logits_stay_small(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(steps, "SCORED_CHUNK", 64)  # below prefill_chunk, on the tiny model's short context
     engine = TransformersEngine(tiny_model_dir, model_id="tiny", threads=1, prefill_chunk=512)
     await engine.start()
     try:
@@ -31,9 +35,39 @@ async def test_a_scored_prompt_runs_in_chunks_whose_logits_stay_small(tiny_model
         events, _ = await run(engine, prompt, max_tokens=0, logprob_ranges=(PositionRange(1, 300),), logprob_top_k=5)
         assert [e.position for e in events] == list(range(1, 300))
         assert all(e.top_logprobs is not None and len(e.top_logprobs) == 5 for e in events)
-        assert max(rows) <= SCORED_CHUNK and len(rows) >= 300 // SCORED_CHUNK
+        assert max(rows) <= 64 and len(rows) >= 300 // 64
         rows.clear()
         await run(engine, prompt, max_tokens=1)  # nothing scored: the prompt goes in one chunk
         assert len(rows) == 1
+    finally:
+        await engine.close()
+
+
+async def test_the_heap_is_trimmed_when_requests_end_and_not_more_often_than_its_interval(
+    tiny_model_dir: Path,
+) -> None:
+    engine = TransformersEngine(tiny_model_dir, model_id="tiny", threads=1)
+    await engine.start()
+    try:
+        trimmer = engine._scheduler.trimmer
+
+        async def trims_reach(n: int) -> int:
+            for _ in range(500):  # the worker trims after the round that ended the request
+                if trimmer.trims >= n:
+                    break
+                await asyncio.sleep(0.01)
+            return trimmer.trims
+
+        prompt = tuple(5 + i % 200 for i in range(100))
+        await run(engine, prompt, max_tokens=2)
+        assert await trims_reach(1) == 1  # the first request's end
+        trimmer.interval_s = 3600.0
+        for _ in range(5):  # five more ends within the interval: none trims
+            await run(engine, prompt, max_tokens=1)
+        await asyncio.sleep(0.2)
+        assert trimmer.trims == 1
+        trimmer.interval_s = 0.0
+        await run(engine, prompt, max_tokens=1)
+        assert await trims_reach(2) == 2
     finally:
         await engine.close()

@@ -1,0 +1,51 @@
+"""Handing freed heap memory back to the system, now and then.
+
+The engine's tensors come and go in sizes that glibc serves from its heap (a layer's keys
+and values growing chunk by chunk, a chunk's activations and logits). What a request
+frees stays mapped in holes between what others hold, so a burst of long prompts leaves the
+process gigabytes larger than what it uses: eight 3,516-token echoes with top-20 logprobs and
+readouts on SmolLM2 left it 1.5 GB larger, of which ``malloc_trim`` gave 1.3 GB back
+(bench/hostile.py row 10, docs/operations.md). ``malloc_trim`` walks the whole heap (about 10 ms,
+up to 50 ms on a fragmented one), so it runs when a request has ended and at most once a
+second, never per step. Elsewhere than glibc it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import time
+from collections.abc import Callable
+
+INTERVAL_S = 1.0  # at most one trim per this many seconds
+
+
+def _trim_function() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(name).malloc_trim
+        return trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+class HeapTrimmer:
+    """``maybe()`` trims the heap unless it did less than :data:`INTERVAL_S` ago."""
+
+    def __init__(self, interval_s: float = INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._trim = _trim_function()
+        self._last = 0.0
+        self.trims = 0
+
+    def maybe(self) -> bool:
+        """Trim now if it is time; True when it did."""
+        now = time.monotonic()
+        if self._trim is None or now - self._last < self.interval_s:
+            return False
+        self._trim(0)
+        self._last = time.monotonic()
+        self.trims += 1
+        return True
