@@ -13,10 +13,14 @@ is raised to the pool's current virtual time (the count of the key served last),
 it competes from now on, not from the start of the day.
 
 The pool charges each generated token as it streams, and the prompt tokens the engine
-ran (its cache reused the rest) when the request ends, at :data:`PROMPT_TOKEN_COST` each
-(:meth:`FairQueue.charge`): a prompt runs up to ``prefill_chunk`` tokens in one forward
-pass, a generated token costs a pass of its own, so counting them alike would make a key
-of short answers pay for its prompts many times over what they cost the engine.
+ran (its cache reused the rest) when the request ends, beyond the first
+:data:`FREE_PROMPT_TOKENS` of each request, at :data:`PROMPT_TOKEN_COST` each
+(:func:`prompt_cost`). The share is what clients compare, generated tokens, so a chat-sized
+prompt costs nothing: charged in full at 1/8, a key of short answers to 35-token chat prompts
+got 0.64 of the tokens of a key of long ones (bench/fair_share.py), paying for prompts the
+engine runs in one pass with most of its share. A long prompt is still charged, at 1/8 of a
+generated token per token (it runs ``prefill_chunk`` tokens per forward pass, a generated token
+one), so a key cannot take the engine with long prompts and one-token answers for free.
 
 Without preemption a waiting key's request starts only when a slot frees, and a pool full
 of one key's long generations frees slots rarely. ``reserve`` slots of the pool are
@@ -34,12 +38,14 @@ import itertools
 import math
 from dataclasses import dataclass
 
-PROMPT_TOKEN_COST = 1 / 8  # a prefilled prompt token, in generated tokens
+PROMPT_TOKEN_COST = 1 / 8  # a prefilled prompt token beyond the free ones, in generated tokens
+FREE_PROMPT_TOKENS = 256  # prompt tokens of each request that cost nothing
 
 
 def prompt_cost(prefilled_tokens: int) -> int:
-    """What ``prefilled_tokens`` prompt tokens the engine ran cost, in generated tokens (rounded up)."""
-    return math.ceil(prefilled_tokens * PROMPT_TOKEN_COST)
+    """What ``prefilled_tokens`` prompt tokens the engine ran for one request cost, in generated
+    tokens (rounded up): nothing for the first :data:`FREE_PROMPT_TOKENS`."""
+    return math.ceil(max(prefilled_tokens - FREE_PROMPT_TOKENS, 0) * PROMPT_TOKEN_COST)
 
 
 @dataclass(frozen=True, slots=True)

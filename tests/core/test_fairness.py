@@ -167,3 +167,11 @@ async def test_a_reserved_slot_lets_a_newcomer_start_at_once_while_another_key_f
         gate.set()
     await asyncio.gather(*a)
     assert adm.active == 0
+
+
+def test_a_chat_sized_prompt_is_free_and_a_long_one_costs_an_eighth_per_token() -> None:
+    from prismgate.core.fairness import FREE_PROMPT_TOKENS, prompt_cost
+
+    assert prompt_cost(0) == prompt_cost(35) == prompt_cost(FREE_PROMPT_TOKENS) == 0
+    assert prompt_cost(FREE_PROMPT_TOKENS + 1) == 1  # rounded up
+    assert prompt_cost(FREE_PROMPT_TOKENS + 8000) == 1000
