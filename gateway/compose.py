@@ -137,6 +137,7 @@ def _serving_engine(
         threads=settings.threads,
         prefill_chunk=settings.prefill_chunk,
         max_cached_tokens=settings.max_cached_tokens,
+        max_cached_bytes=settings.max_cached_bytes,
         max_batch=settings.max_batch,
         saes=saes,
     )

@@ -30,8 +30,8 @@ def setting(default: Any, help: str, *, choices: Sequence[str] | None = None) ->
 
 # The settings a [[models]] entry may set for its own engine.
 ENGINE_OPTIONS = (
-    "device", "dtype", "threads", "max_model_len", "prefill_chunk", "max_cached_tokens", "max_batch", "replicas",
-    "gpu_memory_utilization", "vllm_kv_cache_gb", "vllm_enforce_eager", "tensor_parallel_size",
+    "device", "dtype", "threads", "max_model_len", "prefill_chunk", "max_cached_tokens", "max_cached_bytes",
+    "max_batch", "replicas", "gpu_memory_utilization", "vllm_kv_cache_gb", "vllm_enforce_eager", "tensor_parallel_size",
     "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend", "vllm_readout_address",
     "vllm_block_size", "vllm_cache_scope", "vllm_steering_rounds",
 )  # fmt: skip
@@ -179,6 +179,11 @@ class Settings:
     max_model_len: int | None = setting(None, "Context length limit (default: the model's own).")
     prefill_chunk: int = setting(512, "transformers engine: prompt tokens run per step, so long prompts interleave.")
     max_cached_tokens: int = setting(1 << 18, "transformers engine: KV-cache tokens kept across session turns (LRU).")
+    max_cached_bytes: int = setting(
+        0,
+        "transformers engine: bytes of KV cache kept across session turns (LRU, beside max_cached_tokens); "
+        "0: a twentieth of the machine's memory, 128 MiB to 2 GiB.",
+    )
     replicas: int = setting(
         1,
         "transformers engine: copies of the model in this process; a session's turns stay on the copy that "
@@ -538,8 +543,8 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "engine", "model", "model_name", "concept_pack", "concept_pack_cache", "concept_pack_pairs", "sae",
             "sae_labels", "sae_cache", "device",
-            "dtype", "threads", "max_model_len", "prefill_chunk", "max_cached_tokens", "replicas", "max_batch",
-            "deterministic",
+            "dtype", "threads", "max_model_len", "prefill_chunk", "max_cached_tokens", "max_cached_bytes", "replicas",
+            "max_batch", "deterministic",
         ),
     ),
     (

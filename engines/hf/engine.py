@@ -50,6 +50,7 @@ class TransformersEngine:
         threads: int | None = None,
         prefill_chunk: int = 512,
         max_cached_tokens: int = 1 << 18,
+        max_cached_bytes: int = 0,
         max_batch: int = 16,
         max_batch_tokens: int = 16384,
         saes: tuple[tuple[Path, Path | None], ...] = (),
@@ -65,7 +66,7 @@ class TransformersEngine:
         self.prefill_chunk = prefill_chunk
         self.max_batch = max_batch  # decode steps of this many requests run as one forward pass
         self.max_batch_tokens = max_batch_tokens  # ... while batch size x longest context stays under this
-        self._sessions = SessionCaches(max_cached_tokens)
+        self._sessions = SessionCaches(max_cached_tokens, max_cached_bytes)
         self._adapter: ModelAdapter | None = None
         self._scheduler: Scheduler | None = None
         self._failure: str | None = None

@@ -1,7 +1,9 @@
 """KV reuse between turns: each session's cache is kept, and a new turn runs only what changed.
 
 A session's KV cache (and the token ids it holds) is kept after its turn, least recently
-used first out once the total passes ``max_tokens``. The next turn of that session keeps the
+used first out once the total passes ``max_tokens`` tokens or ``max_bytes`` bytes (the bytes
+its tensors' storage holds: a token is 23 KB of keys and values on SmolLM2, so a token count
+alone let idle sessions hold gigabytes). The next turn of that session keeps the
 longest prefix its tokens share with the cache and runs the rest through the model, except
 positions the client asked logprobs or readouts for: the cache keeps keys and values, not
 logits or hidden states, so those are recomputed rather than missing or stale. A cached
@@ -28,6 +30,32 @@ from prismgate.core.steering import SteeredSpan, agreed_prefix, spans
 from prismgate.engines.hf.adapters import ModelAdapter
 from prismgate.engines.hf.steering import GateKey
 
+MAX_BYTES_FRACTION = 20  # the default byte bound: this fraction of the machine's memory ...
+MAX_BYTES_MIN = 128 << 20  # ... at least this ...
+MAX_BYTES_MAX = 2 << 30  # ... at most this
+
+
+def default_max_bytes() -> int:
+    """The byte bound when the setting is 0: a twentieth of the machine's memory, within bounds."""
+    from prismgate.core.memory import machine_bytes
+
+    return min(max(machine_bytes() // MAX_BYTES_FRACTION, MAX_BYTES_MIN), MAX_BYTES_MAX)
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes of storage ``cache``'s keys and values hold (a cropped cache still holds its whole storage)."""
+    seen: set[int] = set()
+    total = 0
+    for layer in getattr(cache, "layers", ()):
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if tensor is None or not hasattr(tensor, "untyped_storage"):
+                continue
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
 
 class Kept(NamedTuple):
     cache: Any  # None: nothing kept
@@ -38,11 +66,18 @@ class Kept(NamedTuple):
 
 
 class SessionCaches:
-    """KV caches by session key, bounded by the tokens they hold (LRU)."""
+    """KV caches by session key, bounded by the tokens and the bytes they hold (LRU)."""
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, max_tokens: int, max_bytes: int = 0) -> None:
         self.max_tokens = max_tokens
+        self.max_bytes = max_bytes if max_bytes > 0 else default_max_bytes()
         self._caches: OrderedDict[str, Kept] = OrderedDict()
+        self._bytes: dict[str, int] = {}
+
+    @property
+    def bytes(self) -> int:
+        """Bytes the kept caches hold."""
+        return sum(self._bytes.values())
 
     def __len__(self) -> int:
         return len(self._caches)
@@ -51,6 +86,7 @@ class SessionCaches:
         """The session's cache, its token ids and their steering, now owned by the caller."""
         if key is None or key not in self._caches:
             return Kept(None, [], (), {})
+        self._bytes.pop(key, None)
         return self._caches.pop(key)
 
     def keep(
@@ -64,13 +100,17 @@ class SessionCaches:
     ) -> None:
         self._caches[key] = Kept(cache, tokens, steered, gates or {}, invariant)
         self._caches.move_to_end(key)
+        self._bytes[key] = cache_bytes(cache)
         total = sum(len(kept.tokens) for kept in self._caches.values())
-        while total > self.max_tokens and len(self._caches) > 1:
-            _, dropped = self._caches.popitem(last=False)
+        held = self.bytes
+        while (total > self.max_tokens or held > self.max_bytes) and len(self._caches) > 1:
+            dropped_key, dropped = self._caches.popitem(last=False)
             total -= len(dropped.tokens)
+            held -= self._bytes.pop(dropped_key, 0)
 
     def forget(self, key: str) -> None:
         self._caches.pop(key, None)
+        self._bytes.pop(key, None)
 
 
 def resume(
