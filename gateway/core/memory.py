@@ -3,7 +3,7 @@
 ``max_active`` counts requests, not bytes: eight requests that each report top-20 logprobs
 and readouts at every position of a long prompt hold gigabytes together while each is
 "one request". So every request's worst case is estimated from its spec before admission
-(:func:`request_bytes`): the logprob entries and readout values it will report (held as
+(:func:`request_bytes`): the logprob entries, readout values and SAE features it will report (held as
 events, then as the wire's encoding until sent) and the one vocabulary row of logits an
 engine keeps for it between steps. The pool admits requests while their estimates fit the
 server's budget (:class:`MemoryBudget`, the ``memory_budget_bytes`` setting), queues the
@@ -32,6 +32,7 @@ from prismgate.core.engine import EngineInfo
 from prismgate.core.errors import Code, GatewayError, exhausted
 
 LOGPROB_ENTRY_BYTES = 400  # one (id, logprob) of a position's list, with its text, as event, objects and JSON
+FEATURE_ENTRY_BYTES = 400  # one SAE feature of a token (id, activation, label), counted as a logprob entry
 READOUT_VALUE_BYTES = 104  # one float of a readout: float32 in the event, a Python float, its JSON text and bytes
 LOGITS_VALUE_BYTES = 4  # the float32 vocabulary row an engine keeps to sample a request's next token
 REQUEST_BYTES = 64 << 10  # a request's own bookkeeping (its events' objects, its stream's state)
@@ -63,7 +64,17 @@ def request_bytes(spec: GenerateSpec, prompt_tokens: int, info: EngineInfo) -> i
         + info.vocab_size * LOGITS_VALUE_BYTES
         + logprob_positions * (spec.logprob_top_k + 1) * LOGPROB_ENTRY_BYTES
         + readout_positions * values_per_readout * READOUT_VALUE_BYTES
+        + feature_entries(spec, horizon, info) * FEATURE_ENTRY_BYTES
     )
+
+
+def feature_entries(spec: GenerateSpec, horizon: int, info: EngineInfo) -> int:
+    """SAE feature entries a request reports: per covered position and layer, its top k and watched ids."""
+    features = spec.features
+    if features is None or info.features is None:
+        return 0
+    layers = len(features.layers) or len(info.features.layers)
+    return covered(features.ranges, horizon) * layers * (features.top_k + len(features.ids))
 
 
 def machine_bytes() -> int:

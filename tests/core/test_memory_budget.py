@@ -91,3 +91,20 @@ async def test_a_cancelled_waiter_leaves_no_bytes_held() -> None:
     release.set()
     await holder
     assert budget.used == 0 and budget.waiting == 0
+
+
+def test_sae_features_count_in_the_estimate() -> None:
+    from dataclasses import replace
+
+    from prismgate.core.features import FeatureManifest, FeatureSpec
+
+    info = replace(INFO, features=FeatureManifest(layers=(3, 7), widths=(4096, 4096)))
+    everything = (PositionRange(0, 1 << 20),)
+    plain = request_bytes(GenerateSpec(max_tokens=16), 3516, info)
+    top = GenerateSpec(max_tokens=16, features=FeatureSpec(top_k=64, ranges=everything))
+    one_layer = GenerateSpec(max_tokens=16, features=FeatureSpec(top_k=64, layers=(3,), ranges=everything))
+    watched = GenerateSpec(max_tokens=16, features=FeatureSpec(top_k=64, ids=tuple(range(256)), ranges=everything))
+    sizes = [request_bytes(s, 3516, info) for s in (one_layer, top, watched)]
+    assert plain < sizes[0] < sizes[1] < sizes[2]
+    assert sizes[1] - plain == 3532 * 2 * 64 * 400  # positions x layers (all, when none named) x entries x bytes
+    assert request_bytes(top, 3516, INFO) == plain  # a model without SAEs reports none
