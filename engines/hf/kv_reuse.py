@@ -37,9 +37,9 @@ MAX_BYTES_MAX = 2 << 30  # ... at most this
 
 def default_max_bytes() -> int:
     """The byte bound when the setting is 0: a twentieth of the machine's memory, within bounds."""
-    from prismgate.core.memory import machine_bytes
+    from prismgate.core.memory import machine_share
 
-    return min(max(machine_bytes() // MAX_BYTES_FRACTION, MAX_BYTES_MIN), MAX_BYTES_MAX)
+    return machine_share(MAX_BYTES_FRACTION, MAX_BYTES_MIN, MAX_BYTES_MAX)
 
 
 def cache_bytes(cache: Any) -> int:

@@ -85,9 +85,14 @@ def machine_bytes() -> int:
         return 0
 
 
+def machine_share(fraction: int, low: int, high: int) -> int:
+    """``1/fraction`` of the machine's memory, at least ``low`` and at most ``high`` bytes."""
+    return min(max(machine_bytes() // fraction, low), high)
+
+
 def default_budget() -> int:
     """The budget when the setting is 0: a fraction of the machine's memory, within bounds."""
-    return min(max(machine_bytes() // AUTO_FRACTION, AUTO_MIN), AUTO_MAX)
+    return machine_share(AUTO_FRACTION, AUTO_MIN, AUTO_MAX)
 
 
 class MemoryBudget:
