@@ -44,7 +44,7 @@ class Scheduler:
         self._order = itertools.count()
         self._stopping = False
         self.failure: str | None = None  # why the worker thread broke down, if it did
-        self.trimmer = HeapTrimmer()  # what ended requests freed goes back to the system
+        self.trimmer = HeapTrimmer()  # what prefills and ended requests freed goes back to the system
         self._thread = threading.Thread(target=self._run, name="prismgate-transformers", daemon=True)
 
     def start(self) -> None:

@@ -32,8 +32,8 @@ from prismgate.engines.sae.probe import Captured, FeatureProbe
 # full-vocabulary row of logits (200 KB at SmolLM2's 49k vocabulary), reduced to its top-k as
 # soon as the chunk has run, so a chunk holds at most 100 MB of them, however large an operator
 # sets prefill_chunk. Not fewer: every chunk grows each layer's keys and values by a copy, and
-# 64-token chunks left the heap so fragmented that eight 3,516-token echoes grew the process by
-# 5.8 GB (512: 1.5 GB; bench/hostile.py row 10 on SmolLM2).
+# 64-token chunks left the heap so fragmented that eight 3,516-token echoes on SmolLM2 (the load of
+# bench/hostile.py row 10) grew the process by 5.8 GB (512: 1.5 GB; both before the engine trimmed its heap).
 SCORED_CHUNK = 512
 
 
