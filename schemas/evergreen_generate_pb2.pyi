@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateConfig(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop_strings", "ignore_eos", "top_logprobs", "priority", "chat_template", "steering", "deterministic", "readout_encoding_format", "readout_dtype", "features")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop_strings", "ignore_eos", "top_logprobs", "priority", "chat_template", "steering", "deterministic", "readout_encoding_format", "readout_dtype", "features", "logprobs_encoding_format", "logprobs_dtype")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,8 @@ class GenerateConfig(_message.Message):
     READOUT_ENCODING_FORMAT_FIELD_NUMBER: _ClassVar[int]
     READOUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_ENCODING_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_DTYPE_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -40,7 +42,9 @@ class GenerateConfig(_message.Message):
     readout_encoding_format: str
     readout_dtype: str
     features: FeatureConfig
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., chat_template: _Optional[bool] = ..., steering: _Optional[_Iterable[_Union[SteeringEntry, _Mapping]]] = ..., deterministic: _Optional[bool] = ..., readout_encoding_format: _Optional[str] = ..., readout_dtype: _Optional[str] = ..., features: _Optional[_Union[FeatureConfig, _Mapping]] = ...) -> None: ...
+    logprobs_encoding_format: str
+    logprobs_dtype: str
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., chat_template: _Optional[bool] = ..., steering: _Optional[_Iterable[_Union[SteeringEntry, _Mapping]]] = ..., deterministic: _Optional[bool] = ..., readout_encoding_format: _Optional[str] = ..., readout_dtype: _Optional[str] = ..., features: _Optional[_Union[FeatureConfig, _Mapping]] = ..., logprobs_encoding_format: _Optional[str] = ..., logprobs_dtype: _Optional[str] = ...) -> None: ...
 
 class FeatureConfig(_message.Message):
     __slots__ = ("top_k", "layers", "ids")

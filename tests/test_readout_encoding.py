@@ -203,6 +203,54 @@ async def test_bad_evergreen_encodings_abort_naming_the_field(
     assert code == 4400 and says in reason
 
 
+async def evergreen_logprob_lines(server: LiveServer, config: dict[str, Any]) -> list[dict[str, Any]]:
+    async with websockets.connect(server.ws_url + "/evergreen", max_size=None) as ws:
+        action = generate(
+            "p", "r", config={"maxTokens": 6, "topLogprobs": 3, **config}, extra_outputs={"logprobs": "lp"}
+        )
+        await ws.send(msg(actions=[action], fragments=[text_leaf("p", "Name three colours.")]))
+        data = (await Collector(ws).until_complete("lp"))["lp"].data
+    return [json.loads(x) for x in data.splitlines()]
+
+
+async def test_evergreen_base64_logprobs_are_the_text_logprobs(live_server: LiveServer) -> None:
+    text = await evergreen_logprob_lines(live_server, {})
+    b32 = await evergreen_logprob_lines(live_server, {"logprobsEncodingFormat": "base64"})
+    f16 = await evergreen_logprob_lines(
+        live_server, {"logprobs_encoding_format": "base64", "logprobs_dtype": "float16"}
+    )
+    assert len(text) == len(b32) == len(f16) == 6
+    for t, b, h in zip(text, b32, f16, strict=True):
+        assert set(t) == {"index", "position", "tokenId", "text", "logprob", "top"}  # unchanged for old clients
+        assert set(b) == {"index", "position", "tokenId", "text", "logprob", "topIds", "topLogprobs"}
+        assert {k: t[k] for k in ("index", "position", "tokenId", "text", "logprob")} == {
+            k: b[k] for k in ("index", "position", "tokenId", "text", "logprob")
+        }
+        ids = np.frombuffer(base64.b64decode(b["topIds"]), "<i4")
+        assert ids.tolist() == [alt["tokenId"] for alt in t["top"]] and len(ids) == 3
+        exact = np.frombuffer(base64.b64decode(b["topLogprobs"]), "<f4")
+        assert [alt["logprob"] for alt in t["top"]] == [number(v) for v in exact.tolist()]  # text: 6 digits of these
+        assert np.array_equal(np.frombuffer(base64.b64decode(h["topLogprobs"]), "<f2"), exact.astype(np.float16))
+
+
+@pytest.mark.parametrize(
+    ("config", "outputs", "says"),
+    [
+        ({"logprobsEncodingFormat": "hex"}, {"logprobs": "lp"}, "config.logprobs_encoding_format' must be 'float'"),
+        ({"logprobsDtype": "float16"}, {"logprobs": "lp"}, "config.logprobs_dtype' applies only with"),
+        ({"logprobsEncodingFormat": "base64"}, {}, "needs a 'logprobs' output"),
+    ],
+)
+async def test_bad_evergreen_logprob_encodings_abort_naming_the_field(
+    live_server: LiveServer, config: dict[str, Any], outputs: dict[str, str], says: str
+) -> None:
+    async with websockets.connect(live_server.ws_url + "/evergreen", max_size=None) as ws:
+        action = generate("p", "r", config={"maxTokens": 2, **config}, extra_outputs=outputs)
+        await ws.send(msg(actions=[action], fragments=[text_leaf("p", "Hi")]))
+        code, reason = await closed_with(ws)
+    assert code == 4400 and says in reason
+
+
 def test_tiny_model_base64_completions_decode_to_the_text_values(live_server: LiveServer) -> None:
     """Non-streamed completions with echo: prompt and answer readouts, both forms, the same float32."""
 

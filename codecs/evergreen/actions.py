@@ -37,6 +37,7 @@ class GenerateCall:
     sampling: GenerateSpec
     target: str  # the model the client named ("" when none)
     readout_binary: np.dtype | None = None  # the readouts' values as base64 of this dtype; None: JSON numbers
+    logprobs_binary: np.dtype | None = None  # the alternatives' logprobs as base64 of this dtype; None: a `top` list
 
     @property
     def max_tokens(self) -> int | None:
@@ -77,10 +78,18 @@ def read_generate(action: pb.Action, label: str, budget: RequestBudget) -> Gener
             "config.readout_encoding_format",
             "config.readout_dtype",
         )
+        logprobs_binary = read_encoding(
+            config.logprobs_encoding_format or None,
+            config.logprobs_dtype or None,
+            "config.logprobs_encoding_format",
+            "config.logprobs_dtype",
+        )
     except BadEncoding as exc:
         raise invalid(f"{label}: {exc.message}") from None
+    if logprobs_binary is not None and "logprobs" not in outputs:
+        raise invalid(f"{label}: config.logprobs_encoding_format 'base64' needs a 'logprobs' output")
     spec = replace(sampling(config, budget), features=_features(config, outputs, label))
-    return GenerateCall(inputs[0][1], outputs, config, spec, action.target_spec.id, binary)
+    return GenerateCall(inputs[0][1], outputs, config, spec, action.target_spec.id, binary, logprobs_binary)
 
 
 def read_ids(action: pb.Action, label: str, what: str) -> list[str]:

@@ -91,7 +91,9 @@ class Generation:
                 if "features" in outs and event.features is not None:
                     fragments.append(outs["features"].chunk(outputs.features_line(index, event, info.features)))
                 if "logprobs" in outs and event.logprob is not None:
-                    fragments.append(outs["logprobs"].chunk(outputs.logprob_line(index, event, info.tokenizer)))
+                    fragments.append(
+                        outs["logprobs"].chunk(outputs.logprob_line(index, event, info.tokenizer, call.logprobs_binary))
+                    )
                 if fragments:
                     emit(fragments)
                     await outbox.wait_for_room()  # backpressure: the engine waits for the reader

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from prismgate.codecs.binary_numbers import BASE64, b64, dtype_name
+from prismgate.codecs.binary_numbers import BASE64, INT32, b64, dtype_name
 from prismgate.codecs.evergreen.fragments import NodeWriter
 from prismgate.codecs.features import token_features
 from prismgate.core.engine import ReadoutManifest, Tokenizer
@@ -105,21 +105,29 @@ def features_line(index: int, event: TokenEvent, manifest: FeatureManifest | Non
     )
 
 
-def logprob_line(index: int, event: TokenEvent, tokenizer: Tokenizer) -> bytes:
+def logprob_line(index: int, event: TokenEvent, tokenizer: Tokenizer, binary: np.dtype | None = None) -> bytes:
+    """One token's logprob and its alternatives: a ``top`` list, or with ``binary`` two base64 arrays.
+
+    The base64 form leaves out the alternatives' text (a client that wants it asks the
+    tokenizer once per id), which is most of what printing them costs.
+    """
     assert event.logprob is not None
-    top = [
-        {"tokenId": t, "text": tokenizer.token_text(t), "logprob": number(lp)} for t, lp in (event.top_logprobs or [])
-    ]
-    return line(
-        {
-            "index": index,
-            "position": event.position,
-            "tokenId": event.id,
-            "text": event.text or "",
-            "logprob": number(event.logprob),
-            "top": top,
-        }
-    )
+    entry: dict[str, Any] = {
+        "index": index,
+        "position": event.position,
+        "tokenId": event.id,
+        "text": event.text or "",
+        "logprob": number(event.logprob),
+    }
+    alternatives = event.top_logprobs or []
+    if binary is None:
+        entry["top"] = [
+            {"tokenId": t, "text": tokenizer.token_text(t), "logprob": number(lp)} for t, lp in alternatives
+        ]
+    else:
+        entry["topIds"] = b64(np.array([t for t, _ in alternatives], dtype=INT32), INT32)
+        entry["topLogprobs"] = b64(np.array([lp for _, lp in alternatives], dtype=np.float64), binary)
+    return line(entry)
 
 
 def planned_usage(turn: Turn) -> dict[str, Any]:
