@@ -94,7 +94,11 @@ def _gate(item: Any, where: str) -> Gate:
         raise invalid(f"{where}.comparison must be one of {', '.join(choices)}, got {_kind(comparison)}")
     try:
         return Gate(
-            concept=concept, layer=layer, comparison=Comparison(comparison), threshold=_float(threshold), feature=feature
+            concept=concept,
+            layer=layer,
+            comparison=Comparison(comparison),
+            threshold=_float(threshold),
+            feature=feature,
         )
     except GatewayError as exc:
         raise invalid(f"{where}: {exc.message}") from None

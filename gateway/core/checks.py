@@ -110,7 +110,9 @@ def check_steering(info: EngineInfo, steering: Steering) -> None:
         if gate is None:
             continue
         if not info.steering_gates:
-            raise invalid(f"{where}: readout-gated steering is not supported by the {name} engine; steer without a gate")
+            raise invalid(
+                f"{where}: readout-gated steering is not supported by the {name} engine; steer without a gate"
+            )
         if gate.feature is not None:
             steered_feature(info.features, gate.layer, gate.feature, f"{where}: gate")
             continue
@@ -122,9 +124,8 @@ def check_steering(info: EngineInfo, steering: Steering) -> None:
                 f"{', '.join(str(layer) for layer in manifest.layers if layer <= entry.layer)}"
             )
         if gate.concept not in manifest.concepts:
-            raise invalid(
-                f"{where}: unknown gate concept {quote(gate.concept or '')}; the pack has {', '.join(manifest.concepts)}"
-            )
+            concepts = ", ".join(manifest.concepts)
+            raise invalid(f"{where}: unknown gate concept {quote(gate.concept or '')}; the pack has {concepts}")
 
 
 def _check_vector(

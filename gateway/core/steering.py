@@ -161,7 +161,9 @@ class SteeringEntry:
             raise invalid(f"steering feature must be >= 0, got {self.feature}")
         if self.clamp is not None:
             if self.feature is None:
-                raise invalid("clamp sets an SAE feature's activation: it goes with a feature, not a concept or direction")
+                raise invalid(
+                    "clamp sets an SAE feature's activation: it goes with a feature, not a concept or direction"
+                )
             if self.scale != 0:
                 raise invalid("a steering entry has a scale or a clamp, not both")
             if self.norm_match:

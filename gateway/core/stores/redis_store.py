@@ -29,9 +29,9 @@ import numpy as np
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from prismgate.core import steering
 from prismgate.core.errors import Code, GatewayError, exhausted
 from prismgate.core.session import DEFAULT_TTL_S, ImageSpan, Session
-from prismgate.core import steering
 from prismgate.core.steering import SteeredSpan, Steering
 from prismgate.core.stores.base import SessionStore, busy, missing, over_token_cap, too_many, well_formed
 
