@@ -16,16 +16,14 @@ import grpc
 import httpx
 import pytest
 import torch
-from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from prismgate.schemas import salience_features_pb2 as fpb
 from prismgate.schemas import salience_features_pb2_grpc, salience_steering_pb2_grpc
 from prismgate.schemas import salience_steering_pb2 as steer_pb
 from tests.conftest import TINY_MODEL_ID, LiveServer
 from tests.sae.test_features_openai import PROMPT, WATCHED, reference
-from tests.salience.conftest import Client, connect, rpc_error
+from tests.salience.conftest import Client, connect, reflected, rpc_error
 
 pytest.importorskip("sae_lens", reason="sae-lens is a dev dependency: make setup installs it")
 
@@ -152,21 +150,13 @@ def test_a_model_without_an_sae_refuses(live_server: LiveServer) -> None:
 
 
 def test_reflection_and_health_list_the_service(server: LiveServer) -> None:
-    with grpc.insecure_channel(server.grpc_target) as channel:
-        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        requests = [
-            reflection_pb2.ServerReflectionRequest(list_services=""),
-            reflection_pb2.ServerReflectionRequest(file_containing_symbol="salience.features.v1.Features"),
-        ]
-        listed, described = list(stub.ServerReflectionInfo(iter(requests), timeout=10))
-        health = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service="salience.features.v1.Features"), timeout=10
-        )
-    assert "salience.features.v1.Features" in {s.name for s in listed.list_services_response.service}
-    (proto,) = [
-        descriptor_pb2.FileDescriptorProto.FromString(b)
-        for b in described.file_descriptor_response.file_descriptor_proto
-    ]
+    names, (proto,) = reflected(server.grpc_target, "salience.features.v1.Features")
+    assert "salience.features.v1.Features" in names
     assert proto.package == "salience.features.v1"
     assert [m.name for m in proto.service[0].method] == ["GetFeatureManifest", "GetFeatures"]
-    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        request = health_pb2.HealthCheckRequest(service="salience.features.v1.Features")
+        assert (
+            health_pb2_grpc.HealthStub(channel).Check(request, timeout=10).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
