@@ -6,7 +6,9 @@ after layer 1 (a pack layer too) and after layer 2 (an SAE only). The checks:
 * a feature with a scale is its decoder row sent as a raw direction, bit for bit;
 * a clamp is ``h + (clamp - a(h)) * W_dec[f]`` at each covered position: a plain transformers
   forward pass with that arithmetic written out in a hook (and the encoder written out in
-  torch from the safetensors file) gives the features the engine reports after it;
+  torch from the safetensors file) gives the features the engine reports after it; and with an
+  SAE whose encoder inverts its decoder (orthonormal rows), the clamped feature reads back as its
+  target (on a model served with that SAE and no concept pack);
 * a gate on a feature opens exactly where that feature's activation one position earlier passes;
 * rows that ask nothing are untouched, a steered request's answer is the same alone or batched,
   and a session's cache serves a turn only under the same steering.
@@ -247,3 +249,33 @@ async def test_a_sessions_cache_serves_only_under_the_same_feature_steering(engi
         assert done.cached_tokens == 0
     _, done = await run(engine, p, key, **short, steering=(clamp,))
     assert done.cached_tokens > 0
+
+
+async def test_a_clamp_reads_back_as_its_target_where_the_encoder_inverts_the_decoder(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """With orthonormal decoder rows, ``W_enc = W_dec^T`` and every pre-activation positive, encoding
+    ``h + (v - a) * W_dec[f]`` gives exactly ``v`` for feature ``f``: the clamp reads back as its target."""
+    q, _ = torch.linalg.qr(torch.randn(128, 64, generator=torch.Generator().manual_seed(3)))
+    tensors = {"W_dec": q.T.contiguous(), "W_enc": q.contiguous(), "b_enc": torch.full((64,), 50.0)}
+    folder = write_sae(tmp_path / "inverse", "standard", d_sae=64, layer=1, tensors=tensors)
+    eng = TransformersEngine(tiny_model_dir, model_id="tiny", threads=1, saes=((folder, None),))
+    await eng.start()
+    try:
+        p = prompt(eng)
+        end = len(p) + MAX
+        features = FeatureSpec(top_k=1, layers=(1,), ids=(7, 8), ranges=(PositionRange(0, end),))
+        base = {"max_tokens": MAX, "ignore_eos": True, "features": features}
+        plain, _ = await run(eng, p, **base)
+        assert all(40.0 < float(e.features.watched[0][0]) < 60.0 for e in plain)  # every feature active
+        for target in (12.5, 80.0):
+            entry = SteeringEntry(layer=1, scale=0.0, feature=7, clamp=target)
+            events, _ = await run(eng, p, **base, steering=(entry,))
+            read_back = np.array([float(e.features.watched[0][0]) for e in events])
+            assert np.allclose(read_back, target, atol=1e-3), read_back
+            # feature 8 (orthogonal) is left where the stream puts it: at prompt positions, exactly where it was
+            n = len(p)
+            others = [float(e.features.watched[0][1]) for e in events[:n]]
+            assert np.allclose(others, [float(e.features.watched[0][1]) for e in plain[:n]], atol=1e-3)
+    finally:
+        await eng.close()
