@@ -1,8 +1,10 @@
 """The ``steering`` list as JSON, the one spelling OpenAI, GraphPipe and Evergreen's Struct share.
 
 ``[{"concept": "french", "layer": 16, "scale": 8, "norm_match": false, "positions": "both"}, ...]``,
-or ``"direction": [numbers]`` instead of ``"concept"``, and optionally
-``"gate": {"concept": "french", "layer": 12, "comparison": "above", "threshold": 0.5}``.
+or ``"direction": [numbers]`` or ``"feature": id`` (an SAE feature) instead of ``"concept"``; a
+feature entry may take ``"clamp": value`` instead of ``"scale"``; and optionally
+``"gate": {"concept": "french", "layer": 12, "comparison": "above", "threshold": 0.5}`` (or
+``"feature": id`` instead of the gate's ``"concept"``).
 The count is checked against the request budget before any entry is read; what the entries
 mean (known concepts and layers, the scale's range) the core checks
 (:mod:`prismgate.core.steering`, :mod:`prismgate.core.checks`).
@@ -18,8 +20,8 @@ from prismgate.core.budget import RequestBudget
 from prismgate.core.errors import GatewayError, invalid
 from prismgate.core.steering import Comparison, Gate, Positions, Steering, SteeringEntry
 
-KEYS = ("concept", "direction", "layer", "scale", "norm_match", "positions", "gate")
-GATE_KEYS = ("concept", "layer", "comparison", "threshold")
+KEYS = ("concept", "direction", "feature", "layer", "scale", "clamp", "norm_match", "positions", "gate")
+GATE_KEYS = ("concept", "feature", "layer", "comparison", "threshold")
 
 
 def read_steering(value: Any, budget: RequestBudget, where: str = "steering") -> Steering:
@@ -35,7 +37,11 @@ def read_steering(value: Any, budget: RequestBudget, where: str = "steering") ->
 def _entry(item: Any, where: str, budget: RequestBudget) -> SteeringEntry:
     item = _object(item, where, KEYS)
     layer = _layer(item, where)
-    scale = _number(item, where, "scale")
+    if ("scale" in item) == ("clamp" in item):
+        raise invalid(f"{where} takes a scale or (with a feature) a clamp, exactly one of the two")
+    scale = _number(item, where, "scale") if "scale" in item else 0.0
+    clamp = _number(item, where, "clamp") if "clamp" in item else None
+    feature = _feature(item, where)
     concept = item.get("concept")
     if concept is not None and not isinstance(concept, str):
         raise invalid(f"{where}.concept must be a string, got {_kind(concept)}")
@@ -65,6 +71,8 @@ def _entry(item: Any, where: str, budget: RequestBudget) -> SteeringEntry:
             norm_match=norm_match,
             positions=Positions(positions),
             gate=_gate(gate, f"{where}.gate") if gate is not None else None,
+            feature=feature,
+            clamp=_float(clamp) if clamp is not None else None,
         )
     except GatewayError as exc:
         raise invalid(f"{where}: {exc.message}") from None
@@ -73,7 +81,10 @@ def _entry(item: Any, where: str, budget: RequestBudget) -> SteeringEntry:
 def _gate(item: Any, where: str) -> Gate:
     item = _object(item, where, GATE_KEYS)
     concept = item.get("concept")
-    if not isinstance(concept, str):
+    feature = _feature(item, where)
+    if feature is not None and concept is not None:
+        raise invalid(f"{where} names a concept or a feature, not both")
+    if feature is None and not isinstance(concept, str):
         raise invalid(f"{where}.concept must be a string (a concept of the pack), got {_kind(concept)}")
     layer = _layer(item, where)
     threshold = _number(item, where, "threshold")
@@ -82,7 +93,13 @@ def _gate(item: Any, where: str) -> Gate:
     if comparison not in choices:
         raise invalid(f"{where}.comparison must be one of {', '.join(choices)}, got {_kind(comparison)}")
     try:
-        return Gate(concept=concept, layer=layer, comparison=Comparison(comparison), threshold=_float(threshold))
+        return Gate(
+            concept=concept,
+            layer=layer,
+            comparison=Comparison(comparison),
+            threshold=_float(threshold),
+            feature=feature,
+        )
     except GatewayError as exc:
         raise invalid(f"{where}: {exc.message}") from None
 
@@ -102,6 +119,16 @@ def _layer(item: dict[str, Any], where: str) -> int:
     if isinstance(layer, bool) or not isinstance(layer, int):
         raise invalid(f"{where}.layer must be an integer (a layer of the concept pack), got {_kind(layer)}")
     return layer
+
+
+def _feature(item: dict[str, Any], where: str) -> int | None:
+    """An SAE feature id, or None when the object names none (its range the core checks against the SAE)."""
+    feature = item.get("feature")
+    if feature is not None and (isinstance(feature, bool) or not isinstance(feature, int)):
+        raise invalid(f"{where}.feature must be an integer (an SAE feature id), got {_kind(feature)}")
+    if feature is not None and not 0 <= feature < 2**31:
+        raise invalid(f"{where}.feature must be in [0, 2^31), got {feature}")
+    return feature
 
 
 def _number(item: dict[str, Any], where: str, key: str) -> int | float:
@@ -138,9 +165,18 @@ def entry_from_message(
         if comparison is not None:
             g = message.gate
             try:
-                gate = Gate(concept=g.concept, layer=g.layer, comparison=comparison, threshold=g.threshold)
+                gate = Gate(
+                    concept=g.concept or None,
+                    layer=g.layer,
+                    comparison=comparison,
+                    threshold=g.threshold,
+                    feature=g.feature if g.HasField("feature") else None,
+                )
             except GatewayError as exc:
                 raise invalid(f"gate: {exc.message}") from None
+        clamp = message.clamp if message.HasField("clamp") else None
+        if clamp is not None and message.scale != 0:
+            raise invalid("a steering entry has a scale or a clamp, not both")
         return SteeringEntry(
             layer=message.layer,
             scale=message.scale,
@@ -149,6 +185,8 @@ def entry_from_message(
             norm_match=message.norm_match,
             positions=positions,
             gate=gate,
+            feature=message.feature if message.HasField("feature") else None,
+            clamp=clamp,
         )
     except GatewayError as exc:
         raise invalid(f"{where}: {exc.message}") from None

@@ -57,7 +57,7 @@ class FeatureConfig(_message.Message):
     def __init__(self, top_k: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SteeringEntry(_message.Message):
-    __slots__ = ("concept", "direction", "layer", "scale", "norm_match", "positions", "gate")
+    __slots__ = ("concept", "direction", "layer", "scale", "norm_match", "positions", "gate", "feature", "clamp")
     CONCEPT_FIELD_NUMBER: _ClassVar[int]
     DIRECTION_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,8 @@ class SteeringEntry(_message.Message):
     NORM_MATCH_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     GATE_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
+    CLAMP_FIELD_NUMBER: _ClassVar[int]
     concept: str
     direction: _containers.RepeatedScalarFieldContainer[float]
     layer: int
@@ -72,16 +74,20 @@ class SteeringEntry(_message.Message):
     norm_match: bool
     positions: str
     gate: SteeringGate
-    def __init__(self, concept: _Optional[str] = ..., direction: _Optional[_Iterable[float]] = ..., layer: _Optional[int] = ..., scale: _Optional[float] = ..., norm_match: _Optional[bool] = ..., positions: _Optional[str] = ..., gate: _Optional[_Union[SteeringGate, _Mapping]] = ...) -> None: ...
+    feature: int
+    clamp: float
+    def __init__(self, concept: _Optional[str] = ..., direction: _Optional[_Iterable[float]] = ..., layer: _Optional[int] = ..., scale: _Optional[float] = ..., norm_match: _Optional[bool] = ..., positions: _Optional[str] = ..., gate: _Optional[_Union[SteeringGate, _Mapping]] = ..., feature: _Optional[int] = ..., clamp: _Optional[float] = ...) -> None: ...
 
 class SteeringGate(_message.Message):
-    __slots__ = ("concept", "layer", "comparison", "threshold")
+    __slots__ = ("concept", "layer", "comparison", "threshold", "feature")
     CONCEPT_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     COMPARISON_FIELD_NUMBER: _ClassVar[int]
     THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
     concept: str
     layer: int
     comparison: str
     threshold: float
-    def __init__(self, concept: _Optional[str] = ..., layer: _Optional[int] = ..., comparison: _Optional[str] = ..., threshold: _Optional[float] = ...) -> None: ...
+    feature: int
+    def __init__(self, concept: _Optional[str] = ..., layer: _Optional[int] = ..., comparison: _Optional[str] = ..., threshold: _Optional[float] = ..., feature: _Optional[int] = ...) -> None: ...

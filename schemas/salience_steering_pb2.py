@@ -24,29 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17salience_steering.proto\x12\x14salience.steering.v1\"\xc3\x01\n\rSteeringEntry\x12\x0f\n\x07\x63oncept\x18\x01 \x01(\t\x12\x11\n\tdirection\x18\x02 \x03(\x01\x12\r\n\x05layer\x18\x03 \x01(\r\x12\r\n\x05scale\x18\x04 \x01(\x01\x12\x12\n\nnorm_match\x18\x05 \x01(\x08\x12\x32\n\tpositions\x18\x06 \x01(\x0e\x32\x1f.salience.steering.v1.Positions\x12(\n\x04gate\x18\x07 \x01(\x0b\x32\x1a.salience.steering.v1.Gate\"o\n\x04Gate\x12\x0f\n\x07\x63oncept\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x34\n\ncomparison\x18\x03 \x01(\x0e\x32 .salience.steering.v1.Comparison\x12\x11\n\tthreshold\x18\x04 \x01(\x01\"^\n\x12SetSteeringRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x34\n\x07\x65ntries\x18\x02 \x03(\x0b\x32#.salience.steering.v1.SteeringEntry\"K\n\x13SetSteeringResponse\x12\x34\n\x07\x65ntries\x18\x01 \x03(\x0b\x32#.salience.steering.v1.SteeringEntry\"(\n\x12GetSteeringRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"K\n\x13GetSteeringResponse\x12\x34\n\x07\x65ntries\x18\x01 \x03(\x0b\x32#.salience.steering.v1.SteeringEntry*i\n\tPositions\x12\x19\n\x15POSITIONS_UNSPECIFIED\x10\x00\x12\x14\n\x10POSITIONS_PROMPT\x10\x01\x12\x17\n\x13POSITIONS_GENERATED\x10\x02\x12\x12\n\x0ePOSITIONS_BOTH\x10\x03*T\n\nComparison\x12\x1a\n\x16\x43OMPARISON_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43OMPARISON_ABOVE\x10\x01\x12\x14\n\x10\x43OMPARISON_BELOW\x10\x02\x32\xd2\x01\n\x08Steering\x12\x62\n\x0bSetSteering\x12(.salience.steering.v1.SetSteeringRequest\x1a).salience.steering.v1.SetSteeringResponse\x12\x62\n\x0bGetSteering\x12(.salience.steering.v1.GetSteeringRequest\x1a).salience.steering.v1.GetSteeringResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17salience_steering.proto\x12\x14salience.steering.v1\"\x83\x02\n\rSteeringEntry\x12\x0f\n\x07\x63oncept\x18\x01 \x01(\t\x12\x11\n\tdirection\x18\x02 \x03(\x01\x12\r\n\x05layer\x18\x03 \x01(\r\x12\r\n\x05scale\x18\x04 \x01(\x01\x12\x12\n\nnorm_match\x18\x05 \x01(\x08\x12\x32\n\tpositions\x18\x06 \x01(\x0e\x32\x1f.salience.steering.v1.Positions\x12(\n\x04gate\x18\x07 \x01(\x0b\x32\x1a.salience.steering.v1.Gate\x12\x14\n\x07\x66\x65\x61ture\x18\x08 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\x05\x63lamp\x18\t \x01(\x01H\x01\x88\x01\x01\x42\n\n\x08_featureB\x08\n\x06_clamp\"\x91\x01\n\x04Gate\x12\x0f\n\x07\x63oncept\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x34\n\ncomparison\x18\x03 \x01(\x0e\x32 .salience.steering.v1.Comparison\x12\x11\n\tthreshold\x18\x04 \x01(\x01\x12\x14\n\x07\x66\x65\x61ture\x18\x05 \x01(\x05H\x00\x88\x01\x01\x42\n\n\x08_feature\"^\n\x12SetSteeringRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x34\n\x07\x65ntries\x18\x02 \x03(\x0b\x32#.salience.steering.v1.SteeringEntry\"K\n\x13SetSteeringResponse\x12\x34\n\x07\x65ntries\x18\x01 \x03(\x0b\x32#.salience.steering.v1.SteeringEntry\"(\n\x12GetSteeringRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"K\n\x13GetSteeringResponse\x12\x34\n\x07\x65ntries\x18\x01 \x03(\x0b\x32#.salience.steering.v1.SteeringEntry*i\n\tPositions\x12\x19\n\x15POSITIONS_UNSPECIFIED\x10\x00\x12\x14\n\x10POSITIONS_PROMPT\x10\x01\x12\x17\n\x13POSITIONS_GENERATED\x10\x02\x12\x12\n\x0ePOSITIONS_BOTH\x10\x03*T\n\nComparison\x12\x1a\n\x16\x43OMPARISON_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43OMPARISON_ABOVE\x10\x01\x12\x14\n\x10\x43OMPARISON_BELOW\x10\x02\x32\xd2\x01\n\x08Steering\x12\x62\n\x0bSetSteering\x12(.salience.steering.v1.SetSteeringRequest\x1a).salience.steering.v1.SetSteeringResponse\x12\x62\n\x0bGetSteering\x12(.salience.steering.v1.GetSteeringRequest\x1a).salience.steering.v1.GetSteeringResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'salience_steering_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_POSITIONS']._serialized_start=652
-  _globals['_POSITIONS']._serialized_end=757
-  _globals['_COMPARISON']._serialized_start=759
-  _globals['_COMPARISON']._serialized_end=843
+  _globals['_POSITIONS']._serialized_start=751
+  _globals['_POSITIONS']._serialized_end=856
+  _globals['_COMPARISON']._serialized_start=858
+  _globals['_COMPARISON']._serialized_end=942
   _globals['_STEERINGENTRY']._serialized_start=50
-  _globals['_STEERINGENTRY']._serialized_end=245
-  _globals['_GATE']._serialized_start=247
-  _globals['_GATE']._serialized_end=358
-  _globals['_SETSTEERINGREQUEST']._serialized_start=360
-  _globals['_SETSTEERINGREQUEST']._serialized_end=454
-  _globals['_SETSTEERINGRESPONSE']._serialized_start=456
-  _globals['_SETSTEERINGRESPONSE']._serialized_end=531
-  _globals['_GETSTEERINGREQUEST']._serialized_start=533
-  _globals['_GETSTEERINGREQUEST']._serialized_end=573
-  _globals['_GETSTEERINGRESPONSE']._serialized_start=575
-  _globals['_GETSTEERINGRESPONSE']._serialized_end=650
-  _globals['_STEERING']._serialized_start=846
-  _globals['_STEERING']._serialized_end=1056
+  _globals['_STEERINGENTRY']._serialized_end=309
+  _globals['_GATE']._serialized_start=312
+  _globals['_GATE']._serialized_end=457
+  _globals['_SETSTEERINGREQUEST']._serialized_start=459
+  _globals['_SETSTEERINGREQUEST']._serialized_end=553
+  _globals['_SETSTEERINGRESPONSE']._serialized_start=555
+  _globals['_SETSTEERINGRESPONSE']._serialized_end=630
+  _globals['_GETSTEERINGREQUEST']._serialized_start=632
+  _globals['_GETSTEERINGREQUEST']._serialized_end=672
+  _globals['_GETSTEERINGRESPONSE']._serialized_start=674
+  _globals['_GETSTEERINGRESPONSE']._serialized_end=749
+  _globals['_STEERING']._serialized_start=945
+  _globals['_STEERING']._serialized_end=1155
 # @@protoc_insertion_point(module_scope)

@@ -28,7 +28,7 @@ COMPARISON_ABOVE: Comparison
 COMPARISON_BELOW: Comparison
 
 class SteeringEntry(_message.Message):
-    __slots__ = ("concept", "direction", "layer", "scale", "norm_match", "positions", "gate")
+    __slots__ = ("concept", "direction", "layer", "scale", "norm_match", "positions", "gate", "feature", "clamp")
     CONCEPT_FIELD_NUMBER: _ClassVar[int]
     DIRECTION_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,8 @@ class SteeringEntry(_message.Message):
     NORM_MATCH_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     GATE_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
+    CLAMP_FIELD_NUMBER: _ClassVar[int]
     concept: str
     direction: _containers.RepeatedScalarFieldContainer[float]
     layer: int
@@ -43,19 +45,23 @@ class SteeringEntry(_message.Message):
     norm_match: bool
     positions: Positions
     gate: Gate
-    def __init__(self, concept: _Optional[str] = ..., direction: _Optional[_Iterable[float]] = ..., layer: _Optional[int] = ..., scale: _Optional[float] = ..., norm_match: _Optional[bool] = ..., positions: _Optional[_Union[Positions, str]] = ..., gate: _Optional[_Union[Gate, _Mapping]] = ...) -> None: ...
+    feature: int
+    clamp: float
+    def __init__(self, concept: _Optional[str] = ..., direction: _Optional[_Iterable[float]] = ..., layer: _Optional[int] = ..., scale: _Optional[float] = ..., norm_match: _Optional[bool] = ..., positions: _Optional[_Union[Positions, str]] = ..., gate: _Optional[_Union[Gate, _Mapping]] = ..., feature: _Optional[int] = ..., clamp: _Optional[float] = ...) -> None: ...
 
 class Gate(_message.Message):
-    __slots__ = ("concept", "layer", "comparison", "threshold")
+    __slots__ = ("concept", "layer", "comparison", "threshold", "feature")
     CONCEPT_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     COMPARISON_FIELD_NUMBER: _ClassVar[int]
     THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
     concept: str
     layer: int
     comparison: Comparison
     threshold: float
-    def __init__(self, concept: _Optional[str] = ..., layer: _Optional[int] = ..., comparison: _Optional[_Union[Comparison, str]] = ..., threshold: _Optional[float] = ...) -> None: ...
+    feature: int
+    def __init__(self, concept: _Optional[str] = ..., layer: _Optional[int] = ..., comparison: _Optional[_Union[Comparison, str]] = ..., threshold: _Optional[float] = ..., feature: _Optional[int] = ...) -> None: ...
 
 class SetSteeringRequest(_message.Message):
     __slots__ = ("session_id", "entries")

@@ -2,7 +2,8 @@
 
 Also serves the companions ``salience.images.v1.ImageTokens`` (image token counts),
 ``salience.tokens.v1.Tokens`` (text to ids and back), ``salience.steering.v1.Steering``
-(a session's steering for its later Generate calls) and ``salience.models.v1.Models`` (the
+(a session's steering for its later Generate calls), ``salience.features.v1.Features`` (the
+SAE features of a session's timeline) and ``salience.models.v1.Models`` (the
 served models and each one's readout manifest). All run behind the same guard: the
 optional bearer token and GatewayError -> status mapping (see
 :mod:`prismgate.codecs.grpc_guard`). See docs/salience.md.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import grpc
 
 from prismgate.codecs.grpc_guard import Guard, add_guarded
+from prismgate.codecs.salience.features import FeaturesServicer
 from prismgate.codecs.salience.images import ImageTokensServicer
 from prismgate.codecs.salience.models import ModelsServicer
 from prismgate.codecs.salience.servicer import SalienceServicer
@@ -21,6 +23,7 @@ from prismgate.codecs.salience.tokens import TokensServicer
 from prismgate.core.service import SessionService
 from prismgate.keys import ring_for
 from prismgate.schemas import (
+    salience_features_pb2_grpc,
     salience_images_pb2_grpc,
     salience_models_pb2_grpc,
     salience_pb2_grpc,
@@ -30,6 +33,7 @@ from prismgate.schemas import (
 from prismgate.settings import Settings
 
 __all__ = [
+    "FeaturesServicer",
     "ImageTokensServicer",
     "ModelsServicer",
     "SalienceServicer",
@@ -59,4 +63,10 @@ def add_to_server(server: grpc.aio.Server, service: SessionService, settings: Se
             server, salience_steering_pb2_grpc.add_SteeringServicer_to_server, SteeringServicer(service), guard
         ),
         add_guarded(server, salience_models_pb2_grpc.add_ModelsServicer_to_server, ModelsServicer(service), guard),
+        add_guarded(
+            server,
+            salience_features_pb2_grpc.add_FeaturesServicer_to_server,
+            FeaturesServicer(service, settings.slow_client_buffer_bytes),
+            guard,
+        ),
     ]

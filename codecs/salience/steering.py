@@ -86,6 +86,8 @@ def _wire(steering: Steering) -> Iterable[pb.SteeringEntry]:
             norm_match=e.norm_match,
             positions=WIRE_POSITIONS[e.positions],
             gate=_wire_gate(e.gate) if e.gate is not None else None,
+            feature=e.feature,
+            clamp=e.clamp,
         )
         for e in steering
     ]
@@ -93,5 +95,9 @@ def _wire(steering: Steering) -> Iterable[pb.SteeringEntry]:
 
 def _wire_gate(gate: Gate) -> pb.Gate:
     return pb.Gate(
-        concept=gate.concept, layer=gate.layer, comparison=WIRE_COMPARISONS[gate.comparison], threshold=gate.threshold
+        concept=gate.concept or "",
+        layer=gate.layer,
+        comparison=WIRE_COMPARISONS[gate.comparison],
+        threshold=gate.threshold,
+        feature=gate.feature,
     )

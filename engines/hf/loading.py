@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 class LoadedModel:
     adapter: ModelAdapter
     probe: ReadoutProbe | None  # hooks that read the residual stream, when a concept pack is loaded
-    steerer: Steerer | None  # hooks that add to it (registered ahead of the probe's), with the same pack
+    steerer: Steerer | None  # hooks that add to it (ahead of the probe's), with the same pack and the SAEs
     info: EngineInfo
     saes: tuple[SaeEncoder, ...] = ()  # sparse autoencoders, one per layer, on the model's device
     features: FeatureProbe | None = None  # hooks that encode the stream with them (after the steerer's)
@@ -49,19 +49,20 @@ def load(
     adapter = load_adapter(model_path, device=device, dtype=dtype)
     model = adapter.model
     probe: ReadoutProbe | None = None
-    steerer: Steerer | None = None
     manifest: ReadoutManifest | None = None
-    if concept_pack is not None:
-        pack = ConceptPack.load(concept_pack)
-        probe = ReadoutProbe(model, pack)
-        steerer = Steerer(model, pack, probe.project)
-        manifest = pack.manifest
+    pack: ConceptPack | None = None
     config = model.config.get_text_config()
     # SAEs are checked before the slower start-up work: a wrong file stops the start at once
     encoders = tuple(
         SaeEncoder(sae, next(model.parameters()).device)
         for sae in load_for_model(saes, len(decoder_layers(model)), int(config.hidden_size))
     )
+    if concept_pack is not None:
+        pack = ConceptPack.load(concept_pack)
+        probe = ReadoutProbe(model, pack)
+        manifest = pack.manifest
+    # steering hooks go ahead of the readout and feature hooks on every layer (prepended)
+    steerer = Steerer(model, pack, probe.project if probe else None, encoders) if pack or encoders else None
     features = FeatureProbe(model, encoders) if encoders else None
     deterministic_off = _invariance(adapter)
     tokenizer = adapter.tokenizer
@@ -81,6 +82,7 @@ def load(
         engine_name="transformers",
         steering=steerer is not None,
         steering_gates=steerer is not None,
+        steering_features=steerer is not None and bool(encoders),
         deterministic=deterministic_off is None,
         deterministic_off=deterministic_off,
         features=feature_manifest(encoders),

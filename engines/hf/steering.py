@@ -1,6 +1,6 @@
 """Steering inside the forward pass: vectors added to the residual stream after a decoder layer.
 
-One hook per concept-pack layer, registered ahead of the readout hooks on the same layer, so
+One hook per concept-pack layer and per SAE layer, registered ahead of the readout hooks on the same layer, so
 the readouts of that layer and of every later one see the steered stream. Before each forward
 pass the step says which rows and which of their tokens each vector goes to (:meth:`Steerer.plan`);
 the hook touches only those slices. A row nobody steers is never written, so an unsteered
@@ -13,6 +13,14 @@ readout (the projection the readouts use) of every token before adding its own l
 vectors, so a later or the same layer can use it within the pass: token ``t`` of a row looks at
 token ``t - 1``; a row's first token at the value its request carried from its previous pass
 (:attr:`RowPlan.before`), or finds the gate closed when there is none (position 0).
+
+SAE features (:class:`~prismgate.engines.sae.encode.SaeEncoder`): an entry naming a feature
+with a scale is a vector like any other (the feature's decoder row at unit length, normalised
+as a raw direction is, so the two give the same bits). A clamp is added per token: the hook
+encodes the stream of the clamped rows and adds ``(target - activation) * W_dec[f]``. A gate
+on a feature compares that feature's activation, encoded the same way. Both encodes run the
+row-invariant products (:data:`~prismgate.engines.invariant_rows.SWITCH` on), so a clamped or
+feature-gated row gets the same bits whatever else runs in its batch.
 """
 
 from __future__ import annotations
@@ -26,11 +34,15 @@ from typing import Any
 import torch
 
 from prismgate.core.errors import invalid
-from prismgate.core.steering import Comparison, Positions, Steering
+from prismgate.core.steering import Comparison, Gate, Positions, Steering, SteeringEntry, unit_vector
+from prismgate.engines.invariant_rows import SWITCH
 from prismgate.engines.readouts.pack import ConceptPack
 from prismgate.engines.readouts.probe import decoder_layers
+from prismgate.engines.sae.encode import SaeEncoder
 
-GateKey = tuple[int, int]  # (layer index in the pack, concept index): one gate readout
+# (kind, layer, index): a concept readout ("concept", layer, concept index in the pack) or an SAE
+# feature's activation ("feature", layer, feature id)
+GateKey = tuple[str, int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,15 +58,25 @@ class GateRef:
         return previous > self.threshold if self.above else previous < self.threshold
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class ClampRef:
+    """A clamp resolved against the SAE: set ``feature``'s activation to ``target`` with its raw decoder row."""
+
+    feature: int
+    target: float
+    row: torch.Tensor  # [hidden], float32: W_dec[feature]
+
+
 @dataclass(frozen=True, slots=True, eq=False)  # equal only to itself: plans are cached by identity
 class Vector:
-    """A steering entry resolved against the pack: which hooked layer, and the unit vector on the device."""
+    """A steering entry resolved against the pack or SAE: which hooked layer, and the vector on the device."""
 
-    index: int  # position of the layer in the pack's layer list (one hook each)
-    add: torch.Tensor  # [hidden], float32: scale * the unit direction
+    layer: int  # the decoder layer whose output it is added to (one hook each)
+    add: torch.Tensor  # [hidden], float32: scale * the unit direction (zeros for a clamp)
     norm_match: bool
     positions: Positions
     gate: GateRef | None = None
+    clamp: ClampRef | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,46 +92,78 @@ class RowPlan:
 
 
 class Steerer:
-    def __init__(self, model: Any, pack: ConceptPack, project: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
-        """``project(index, hidden)``: the readouts of ``hidden`` at the pack's ``index``-th layer (the probe's)."""
+    def __init__(
+        self,
+        model: Any,
+        pack: ConceptPack | None,
+        project: Callable[[int, torch.Tensor], torch.Tensor] | None,
+        encoders: Sequence[SaeEncoder] = (),
+    ) -> None:
+        """``project(index, hidden)``: the readouts of ``hidden`` at the pack's ``index``-th layer (the probe's);
+        ``encoders``: the SAEs, whose layers are hooked too (for feature entries, clamps and feature gates)."""
         layers = decoder_layers(model)
         param = next(model.parameters())
         self.pack = pack
+        self.encoders = {e.layer: e for e in encoders}
         self._device = param.device
-        directions = torch.from_numpy(pack.directions).to(device=param.device, dtype=torch.float32)
-        self._directions = directions / directions.norm(dim=-1, keepdim=True)  # packs hold unit vectors; be sure
+        self._directions: torch.Tensor | None = None
+        if pack is not None:
+            directions = torch.from_numpy(pack.directions).to(device=param.device, dtype=torch.float32)
+            self._directions = directions / directions.norm(dim=-1, keepdim=True)  # packs hold unit vectors; be sure
         self._project = project  # the readout probe's: what a gate compares is exactly a readout
+        self.layers = tuple(sorted({*(pack.layers if pack is not None else ()), *self.encoders}))
         self._plan: dict[int, list[Group]] = {}
-        self._reads: dict[int, list[int]] = {}  # layer index -> the concepts gates read there in this pass
+        self._reads: dict[int, list[GateKey]] = {}  # layer -> the gate readouts taken there in this pass
         self._before: dict[int, Mapping[GateKey, float]] = {}  # row -> its gate readouts one position back
         self._values: dict[GateKey, torch.Tensor] = {}  # [batch, tokens] per gate readout, filled by the hooks
         self._last: tuple[Any, dict[int, list[Group]]] = ((), {})  # a batch steers alike step after step
-        self._handles = [
-            layers[layer].register_forward_hook(self._hook(i), prepend=True) for i, layer in enumerate(pack.layers)
-        ]
+        self._handles = [layers[layer].register_forward_hook(self._hook(layer), prepend=True) for layer in self.layers]
 
     def resolve(self, steering: Steering) -> tuple[Vector, ...]:
         """The request's entries as vectors on the device (the core has checked them against the manifest)."""
-        vectors = []
-        for entry in steering:
-            if entry.layer not in self.pack.layers:
+        return tuple(self._vector(entry) for entry in steering)
+
+    def _vector(self, entry: SteeringEntry) -> Vector:
+        if entry.layer not in self.layers:
+            raise invalid(f"steering layer {entry.layer} is not a layer of the concept pack or of an SAE")
+        clamp = None
+        if entry.feature is not None:
+            row = self._encoder(entry.layer, entry.feature).W_dec[entry.feature]
+            if entry.clamp is not None:
+                clamp = ClampRef(entry.feature, entry.clamp, row)
+                unit = torch.zeros_like(row)
+            else:  # normalised exactly as a raw direction is: a feature and its row as a direction add the same bits
+                unit = self._tensor(unit_vector(row.tolist()))
+        elif entry.concept is not None:
+            if self.pack is None or self._directions is None or entry.layer not in self.pack.layers:
                 raise invalid(f"steering layer {entry.layer} is not a layer of the concept pack")
-            index = self.pack.layers.index(entry.layer)
-            if entry.concept is not None:
-                if entry.concept not in self.pack.concepts:
-                    raise invalid(f"unknown steering concept {entry.concept!r}")
-                unit = self._directions[index, self.pack.concepts.index(entry.concept)]
-            else:
-                unit = torch.tensor(entry.unit_direction(), dtype=torch.float32, device=self._device)
-            gate = None
-            if entry.gate is not None:
-                g = entry.gate
-                if g.layer not in self.pack.layers or g.concept not in self.pack.concepts:
-                    raise invalid(f"steering gate {g.concept!r} at layer {g.layer} is not a readout of the pack")
-                key = (self.pack.layers.index(g.layer), self.pack.concepts.index(g.concept))
-                gate = GateRef(key, g.comparison is Comparison.ABOVE, g.threshold)
-            vectors.append(Vector(index, entry.scale * unit, entry.norm_match, entry.positions, gate))
-        return tuple(vectors)
+            if entry.concept not in self.pack.concepts:
+                raise invalid(f"unknown steering concept {entry.concept!r}")
+            unit = self._directions[self.pack.layers.index(entry.layer), self.pack.concepts.index(entry.concept)]
+        else:
+            unit = self._tensor(entry.unit_direction())
+        gate = None
+        if entry.gate is not None:
+            g = entry.gate
+            gate = GateRef(self._gate_key(g), g.comparison is Comparison.ABOVE, g.threshold)
+        return Vector(entry.layer, entry.scale * unit, entry.norm_match, entry.positions, gate, clamp)
+
+    def _tensor(self, values: Sequence[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=self._device)
+
+    def _encoder(self, layer: int, feature: int) -> SaeEncoder:
+        encoder = self.encoders.get(layer)
+        if encoder is None or not 0 <= feature < encoder.sae.d_sae:
+            raise invalid(f"steering feature {feature} at layer {layer} is not a feature of an SAE of this model")
+        return encoder
+
+    def _gate_key(self, g: Gate) -> GateKey:
+        if g.feature is not None:
+            self._encoder(g.layer, g.feature)
+            return ("feature", g.layer, g.feature)
+        if self.pack is None or g.layer not in self.pack.layers or g.concept not in self.pack.concepts:
+            raise invalid(f"steering gate {g.concept!r} at layer {g.layer} is not a readout of the pack")
+        return ("concept", g.layer, self.pack.concepts.index(g.concept))
 
     @contextlib.contextmanager
     def plan(self, rows: Sequence[RowPlan]) -> Iterator[Mapping[GateKey, torch.Tensor]]:
@@ -124,12 +178,12 @@ class Steerer:
         if key != self._last[0]:
             self._last = (key, _groups(waves))
         self._plan = self._last[1]
-        reads: dict[int, set[int]] = {}
+        reads: dict[int, set[GateKey]] = {}
         for r in rows:
             for v in r.vectors:
                 if v.gate is not None:
-                    reads.setdefault(v.gate.key[0], set()).add(v.gate.key[1])
-        self._reads = {index: sorted(concepts) for index, concepts in reads.items()}
+                    reads.setdefault(v.gate.key[1], set()).add(v.gate.key)
+        self._reads = {layer: sorted(keys) for layer, keys in reads.items()}
         self._before = {r.row: r.before for r in rows}
         values: dict[GateKey, torch.Tensor] = {}
         self._values = values
@@ -138,25 +192,40 @@ class Steerer:
         finally:
             self._plan, self._reads, self._before, self._values = {}, {}, {}, {}
 
-    def _hook(self, index: int) -> Any:
+    def _hook(self, layer: int) -> Any:
         def hook(_module: Any, _args: Any, output: Any) -> None:
             hidden = output[0] if isinstance(output, tuple) else output
-            concepts = self._reads.get(index)
-            if concepts:  # before this layer's vectors: a gate here serves vectors here too
-                readouts = self._project(index, hidden)  # [batch, tokens, concepts]
-                for c in concepts:
-                    self._values[(index, c)] = readouts[..., c]
-            for group in self._plan.get(index, ()):
+            keys = self._reads.get(layer)
+            if keys:  # before this layer's vectors: a gate here serves vectors here too
+                self._read_gates(layer, hidden, keys)
+            for group in self._plan.get(layer, ()):
                 h = hidden[group.rows, group.lo : group.hi].to(torch.float32)  # [k, tokens, hidden]
                 add = group.add
                 if group.norm_matched is not None:
                     add = add * torch.where(group.norm_matched, h.norm(dim=-1, keepdim=True), 1.0)
+                if group.clamp is not None:
+                    add = group.clamp.add(self.encoders[layer], h, add)
                 steered = h + add
                 if group.gates is not None:
                     steered = torch.where(self._open(group), steered, h)
                 hidden[group.rows, group.lo : group.hi] = steered.to(hidden.dtype)
 
         return hook
+
+    def _read_gates(self, layer: int, hidden: torch.Tensor, keys: Sequence[GateKey]) -> None:
+        """Take the readouts and feature activations this layer's gates compare, ``[batch, tokens]`` each."""
+        if any(kind == "concept" for kind, _, _ in keys):
+            assert self._project is not None and self.pack is not None
+            readouts = self._project(self.pack.layers.index(layer), hidden)  # [batch, tokens, concepts]
+            for kind, _, c in keys:
+                if kind == "concept":
+                    self._values[(kind, layer, c)] = readouts[..., c]
+        if any(kind == "feature" for kind, _, _ in keys):
+            with SWITCH.on():
+                acts = self.encoders[layer].encode(hidden)  # [batch, tokens, d_sae]
+            for kind, _, f in keys:
+                if kind == "feature":
+                    self._values[(kind, layer, f)] = acts[..., f]
 
     def _open(self, group: Group) -> torch.Tensor:
         """``[k, tokens, 1]``: where each member's gate lets its vector in (always, for an ungated one)."""
@@ -189,9 +258,42 @@ class Group:
     norm_matched: torch.Tensor | None  # [k, 1, 1] bool: multiply by the hidden state's norm; None: none is
     row_ids: tuple[int, ...]  # ``rows`` on the host
     gates: tuple[GateRef | None, ...] | None  # each member's gate; None: no member is gated
+    clamp: Clamps | None = None  # the members that clamp a feature; None: none does
 
 
-Wave = tuple[tuple[int, int, int, int], list[tuple[int, Vector]]]  # (layer index, round, lo, hi), members
+@dataclass(frozen=True, slots=True, eq=False)
+class Clamps:
+    """The clamps of a group's members: ``(target - activation) * W_dec[f]`` in place of their vector."""
+
+    clamped: torch.Tensor  # [k, 1, 1] bool: the member clamps
+    features: torch.Tensor  # [k] int64: its feature (0 for a member that does not clamp)
+    targets: torch.Tensor  # [k, 1, 1] float32
+    rows: torch.Tensor  # [k, 1, hidden] float32: the raw decoder rows (zeros for a member that does not clamp)
+
+    @classmethod
+    def of(cls, vectors: Sequence[Vector]) -> Clamps | None:
+        if all(v.clamp is None for v in vectors):
+            return None
+        device = vectors[0].add.device
+        return cls(
+            clamped=torch.tensor([v.clamp is not None for v in vectors], device=device).view(-1, 1, 1),
+            features=torch.tensor([v.clamp.feature if v.clamp else 0 for v in vectors], device=device),
+            targets=torch.tensor(
+                [v.clamp.target if v.clamp else 0.0 for v in vectors], dtype=torch.float32, device=device
+            ).view(-1, 1, 1),
+            rows=torch.stack([v.clamp.row if v.clamp else torch.zeros_like(v.add) for v in vectors]).unsqueeze(1),
+        )
+
+    def add(self, encoder: SaeEncoder, h: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
+        """``add`` with each clamping member's share replaced by what moves its feature to the target in ``h``."""
+        with SWITCH.on():  # row-invariant products: a row's activations whatever else it is encoded with
+            acts = encoder.encode(h)  # [k, tokens, d_sae]
+        index = self.features.view(-1, 1, 1).expand(-1, h.shape[1], 1)
+        activation = acts.gather(-1, index)  # [k, tokens, 1]
+        return torch.where(self.clamped, (self.targets - activation) * self.rows, add)
+
+
+Wave = tuple[tuple[int, int, int, int], list[tuple[int, Vector]]]  # (layer, round, lo, hi), members
 
 
 def _waves(rows: Sequence[RowPlan]) -> list[Wave]:
@@ -207,15 +309,15 @@ def _waves(rows: Sequence[RowPlan]) -> list[Wave]:
             lo, hi = vector.positions.span(r.start, r.tokens, r.prompt_len)
             if hi <= lo:
                 continue
-            wave = seen[vector.index] = seen.get(vector.index, -1) + 1
-            waves.setdefault((vector.index, wave, lo, hi), []).append((r.row, vector))
+            wave = seen[vector.layer] = seen.get(vector.layer, -1) + 1
+            waves.setdefault((vector.layer, wave, lo, hi), []).append((r.row, vector))
     return sorted(waves.items(), key=lambda item: item[0][1])
 
 
 def _groups(waves: list[Wave]) -> dict[int, list[Group]]:
     """The work of each hooked layer: one indexed write per wave."""
     plan: dict[int, list[Group]] = {}
-    for (index, _wave, lo, hi), members in waves:
+    for (layer, _wave, lo, hi), members in waves:
         device = members[0][1].add.device
         add = torch.stack([v.add for _, v in members]).unsqueeze(1)
         norm_matched = None
@@ -223,6 +325,7 @@ def _groups(waves: list[Wave]) -> dict[int, list[Group]]:
             norm_matched = torch.tensor([v.norm_match for _, v in members], device=device).view(-1, 1, 1)
         row_ids = tuple(row for row, _ in members)
         gates = tuple(v.gate for _, v in members) if any(v.gate is not None for _, v in members) else None
-        group = Group(torch.tensor(row_ids, device=device), lo, hi, add, norm_matched, row_ids, gates)
-        plan.setdefault(index, []).append(group)
+        clamp = Clamps.of([v for _, v in members])
+        group = Group(torch.tensor(row_ids, device=device), lo, hi, add, norm_matched, row_ids, gates, clamp)
+        plan.setdefault(layer, []).append(group)
     return plan

@@ -136,7 +136,7 @@ class Stepper:
         job.generator.manual_seed(spec.seed if spec.seed is not None else int.from_bytes(np.random.bytes(7), "little"))
         if spec.steering:
             if self.steerer is None:
-                raise invalid("steering needs a concept pack, and this engine has none loaded")
+                raise invalid("steering needs a concept pack or an SAE, and this engine has neither loaded")
             job.steering = self.steerer.resolve(spec.steering)
         needed = {v.gate.key for v in job.steering if v.gate is not None}
         kept = self.caches.take(request.session_key)

@@ -29,6 +29,7 @@ def feature_manifest(encoders: Sequence[SaeEncoder]) -> FeatureManifest | None:
         layers=tuple(e.layer for e in encoders),
         widths=tuple(e.sae.d_sae for e in encoders),
         labels=tuple(e.sae.labels for e in encoders),
+        hidden_size=encoders[0].sae.d_in,
     )
 
 

@@ -16,10 +16,10 @@ from dataclasses import replace
 from prismgate.core.actions import GenerateAction, GenerateSpec, ImageInput
 from prismgate.core.engine import EngineInfo
 from prismgate.core.errors import invalid, precondition, quote
-from prismgate.core.features import check_features
+from prismgate.core.features import check_features, steered_feature
 from prismgate.core.models import Models, no_concept_pack
 from prismgate.core.session import ImageSpan, Session
-from prismgate.core.steering import Steering
+from prismgate.core.steering import Steering, SteeringEntry
 
 
 def check_offset(session: Session, action: GenerateAction) -> None:
@@ -79,19 +79,63 @@ def resolve_deterministic(info: EngineInfo, spec: GenerateSpec, default: bool) -
 
 
 def check_steering(info: EngineInfo, steering: Steering) -> None:
-    """Steering needs an engine that applies it and a concept pack whose layers and concepts it names."""
+    """Steering needs an engine that applies it, and the concept pack or SAEs whose layers, concepts
+    and features it names: a concept at a pack layer, a feature at an SAE layer, a raw direction at
+    either (an SAE layer only on an engine that steers by feature)."""
     if not steering:
         return
+    name = info.engine_name or "this"
     if not info.steering:
-        name = info.engine_name or "this"
         if info.steering_off is not None:
             raise invalid(f"steering is turned off on the {name} engine of this server ({info.steering_off})")
         raise invalid(f"steering is not supported by the {name} engine yet")
     manifest = info.readouts
-    if manifest is None:
-        raise no_concept_pack(info.model_id)
+    pack_layers = manifest.layers if manifest is not None else ()
+    sae_layers = info.features.layers if info.features is not None and info.steering_features else ()
     for i, entry in enumerate(steering):
         where = f"steering entry {i}"
+        if entry.feature is not None or (entry.gate is not None and entry.gate.feature is not None):
+            if not info.steering_features:
+                raise invalid(
+                    f"{where}: steering by SAE feature (feature, clamp, a gate on a feature) is not supported "
+                    f"by the {name} engine; steer by concept or direction"
+                )
+            if info.features is None:
+                raise invalid(f"{where}: model {info.model_id!r} has no sparse autoencoder loaded (docs/sae.md)")
+        if entry.feature is not None:
+            steered_feature(info.features, entry.layer, entry.feature, where)
+        else:
+            _check_vector(info, entry, where, pack_layers, sae_layers)
+        gate = entry.gate
+        if gate is None:
+            continue
+        if not info.steering_gates:
+            raise invalid(
+                f"{where}: readout-gated steering is not supported by the {name} engine; steer without a gate"
+            )
+        if gate.feature is not None:
+            steered_feature(info.features, gate.layer, gate.feature, f"{where}: gate")
+            continue
+        if manifest is None:
+            raise no_concept_pack(info.model_id)
+        if gate.layer not in manifest.layers:
+            raise invalid(
+                f"{where}: gate layer {gate.layer} is not a layer of the concept pack; gate on one of "
+                f"{', '.join(str(layer) for layer in manifest.layers if layer <= entry.layer)}"
+            )
+        if gate.concept not in manifest.concepts:
+            concepts = ", ".join(manifest.concepts)
+            raise invalid(f"{where}: unknown gate concept {quote(gate.concept or '')}; the pack has {concepts}")
+
+
+def _check_vector(
+    info: EngineInfo, entry: SteeringEntry, where: str, pack_layers: tuple[int, ...], sae_layers: tuple[int, ...]
+) -> None:
+    """A concept entry against the pack; a raw direction against the layers the engine steers at."""
+    manifest = info.readouts
+    if entry.concept is not None or not sae_layers:
+        if manifest is None:
+            raise no_concept_pack(info.model_id)
         if entry.layer not in manifest.layers:
             raise invalid(
                 f"{where}: layer {entry.layer} is not a layer of the concept pack; steer at one of "
@@ -101,27 +145,15 @@ def check_steering(info: EngineInfo, steering: Steering) -> None:
             raise invalid(
                 f"{where}: unknown concept {quote(entry.concept)}; the pack has {', '.join(manifest.concepts)}"
             )
-        if entry.direction is not None and len(entry.direction) != manifest.hidden_size:
-            raise invalid(
-                f"{where}: a direction of {len(entry.direction)} numbers; the model's hidden size is "
-                f"{manifest.hidden_size}"
-            )
-        gate = entry.gate
-        if gate is not None:
-            if not info.steering_gates:
-                raise invalid(
-                    f"{where}: readout-gated steering is not supported by the {info.engine_name or 'this'} engine; "
-                    "steer without a gate"
-                )
-            if gate.layer not in manifest.layers:
-                raise invalid(
-                    f"{where}: gate layer {gate.layer} is not a layer of the concept pack; gate on one of "
-                    f"{', '.join(str(layer) for layer in manifest.layers if layer <= entry.layer)}"
-                )
-            if gate.concept not in manifest.concepts:
-                raise invalid(
-                    f"{where}: unknown gate concept {quote(gate.concept)}; the pack has {', '.join(manifest.concepts)}"
-                )
+    elif entry.layer not in pack_layers and entry.layer not in sae_layers:
+        layers = sorted({*pack_layers, *sae_layers})
+        raise invalid(
+            f"{where}: layer {entry.layer} has neither a concept pack layer nor an SAE; steer a direction at one of "
+            f"{', '.join(map(str, layers))}"
+        )
+    hidden = manifest.hidden_size if manifest is not None else info.features.hidden_size if info.features else 0
+    if entry.direction is not None and len(entry.direction) != hidden:
+        raise invalid(f"{where}: a direction of {len(entry.direction)} numbers; the model's hidden size is {hidden}")
 
 
 def check_ranges(prompt_tokens: int, spec: GenerateSpec) -> None:

@@ -88,6 +88,7 @@ class EngineInfo:
     steering: bool = False  # the engine applies GenerateSpec.steering (with a concept pack loaded)
     steering_gates: bool = False  # it also applies readout-gated entries (SteeringEntry.gate)
     steering_off: str | None = None  # the setting that turned steering off on an engine that has it
+    steering_features: bool = False  # it also steers by SAE feature (SteeringEntry.feature, clamp, Gate.feature)
     # runs deterministic requests batch-invariant (docs/determinism.md); when not, why not, naming the setting
     deterministic: bool = False
     deterministic_off: str | None = None

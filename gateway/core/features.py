@@ -32,6 +32,7 @@ class FeatureManifest:
     layers: tuple[int, ...]
     widths: tuple[int, ...]
     labels: tuple[Mapping[int, str], ...] = field(default=(), compare=False)
+    hidden_size: int = 0  # the residual stream's width (each SAE's d_in)
 
     def label(self, layer_index: int, feature: int) -> str | None:
         return self.labels[layer_index].get(feature) if self.labels else None
@@ -94,3 +95,17 @@ def check_features(manifest: FeatureManifest | None, model_id: str, spec: Featur
     if bad:
         raise invalid(f"features ids {bad[:8]} are outside the SAE's features [0, {width})")
     return layers
+
+
+def steered_feature(manifest: FeatureManifest | None, layer: int, feature: int, where: str) -> None:
+    """A feature a steering entry (or its gate) names: an SAE at ``layer``, and ``feature`` inside its width."""
+    if manifest is None:
+        raise invalid(f"{where}: the model has no sparse autoencoder loaded, so no feature to steer by (docs/sae.md)")
+    if layer not in manifest.layers:
+        raise invalid(
+            f"{where}: layer {layer} has no SAE, so no feature {feature} to steer by; the model's SAEs read after "
+            f"layers {', '.join(map(str, manifest.layers))}"
+        )
+    width = manifest.widths[manifest.layers.index(layer)]
+    if not 0 <= feature < width:
+        raise invalid(f"{where}: feature {feature} is outside the SAE's features [0, {width}) at layer {layer}")

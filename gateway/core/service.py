@@ -395,7 +395,8 @@ class SessionService:
         session.tokens.extend(action.append_tokens)
         session.images = images
 
-        if not action.append_tokens and spec.max_tokens == 0 and not (spec.wants_logprobs or spec.wants_readouts):
+        reports = spec.wants_logprobs or spec.wants_readouts or spec.wants_features
+        if not action.append_tokens and spec.max_tokens == 0 and not reports:
             yield Done(prompt_tokens=len(tokens), completion_tokens=0, finish_reason=FinishReason.PREFILL_ONLY)
             return
 

@@ -22,6 +22,14 @@ readout of the same request at the previous position is above (or below) a thres
 gate reads the residual stream after its layer, a pack layer at or before the steered one,
 before the vectors of that layer are added, so within one forward pass it is known before the
 entry needs it; at position 0 (no previous position) the gate is closed.
+
+SAE features (docs/sae.md) steer too. An entry naming ``feature`` instead of a concept or a
+direction adds ``scale`` times that feature's decoder row at unit length (so ``scale`` means what
+it means for a concept), at a layer that has an SAE. With ``clamp`` instead of ``scale`` it sets
+the feature's activation to ``clamp`` at each covered position: the engine encodes the stream
+there with the SAE and adds ``(clamp - activation)`` times the raw decoder row, as SAELens and
+Neuronpedia do. A gate may name a ``feature`` instead of a concept: it compares that feature's
+activation at its layer (an SAE layer), one position earlier, as a concept gate compares a readout.
 """
 
 from __future__ import annotations
@@ -33,11 +41,15 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prismgate.core.errors import invalid
 
 MAX_SCALE = 256.0  # |scale| of an entry without norm matching: the length added, in residual units
 MAX_NORM_MATCHED_SCALE = 4.0  # |scale| with norm matching: a multiple of the hidden state's norm
+# |clamp|: a feature's activation, in the SAE's units. The embedded model's SAE has activations up to
+# about 35 on ordinary tokens (thousands only at the attention sink, position 0).
+MAX_CLAMP = 1000.0
 
 
 class Comparison(enum.Enum):
@@ -47,23 +59,37 @@ class Comparison(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Gate:
-    """Open at a position while ``concept``'s readout at ``layer``, one position earlier, is past ``threshold``."""
+    """Open at a position while ``concept``'s readout (or SAE ``feature``'s activation) at ``layer``,
+    one position earlier, is past ``threshold``."""
 
-    concept: str
+    concept: str | None
     layer: int
     comparison: Comparison
     threshold: float
+    feature: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.concept:
-            raise invalid("a steering gate names a concept of the pack")
+        if self.feature is None and not self.concept:
+            raise invalid("a steering gate names a concept of the pack (or an SAE feature)")
+        if self.feature is not None and self.concept:
+            raise invalid("a steering gate names a concept or a feature, not both")
+        if self.feature is not None and self.feature < 0:
+            raise invalid(f"steering gate feature must be >= 0, got {self.feature}")
         if self.layer < 0:
             raise invalid(f"steering gate layer must be >= 0, got {self.layer}")
         if not math.isfinite(self.threshold):
             raise invalid(f"steering gate threshold must be a finite number, got {self.threshold}")
 
     def canonical(self) -> list[object]:
-        return [self.concept, self.layer, self.comparison.value, self.threshold]
+        """The gate as JSON: a concept gate keeps the form it had before feature gates existed."""
+        if self.feature is None:
+            return [self.concept, self.layer, self.comparison.value, self.threshold]
+        return [None, self.layer, self.comparison.value, self.threshold, self.feature]
+
+    @classmethod
+    def from_canonical(cls, row: Sequence[Any]) -> Gate:
+        feature = row[4] if len(row) > 4 else None
+        return cls(row[0], row[1], Comparison(row[2]), row[3], feature)
 
 
 class Positions(enum.Enum):
@@ -90,13 +116,30 @@ class Positions(enum.Enum):
 
 def effective(steering: Steering) -> Steering:
     """The entries that change anything: one of scale 0 adds nothing, so it is left out, and the
-    forward pass is bit for bit the unsteered one (re-adding a zero can round a stream differently)."""
-    return tuple(entry for entry in steering if entry.scale != 0)
+    forward pass is bit for bit the unsteered one (re-adding a zero can round a stream differently).
+    A clamp always counts: it moves the feature wherever its activation is not already the target."""
+    return tuple(entry for entry in steering if entry.scale != 0 or entry.clamp is not None)
+
+
+def unit_vector(values: Sequence[float]) -> tuple[float, ...]:
+    """``values`` at unit length, in float64: a raw direction's and a feature's decoder row alike.
+
+    Scaled by its largest magnitude before squaring: the squares of ``1e-200`` underflow to zero
+    and those of ``1e200`` overflow to infinity, yet both are fine directions.
+    """
+    largest = max(abs(x) for x in values)
+    scaled = [x / largest for x in values]
+    norm = math.sqrt(math.fsum(x * x for x in scaled))
+    return tuple(x / norm for x in scaled)
 
 
 @dataclass(frozen=True, slots=True)
 class SteeringEntry:
-    """One vector added at one layer: a pack concept by name, or a raw ``direction``."""
+    """One vector added at one layer: a pack concept by name, a raw ``direction``, or an SAE ``feature``.
+
+    A feature entry has ``scale`` (its unit decoder row added) or ``clamp`` (its activation set;
+    ``scale`` then stays 0), never both.
+    """
 
     layer: int
     scale: float
@@ -105,10 +148,28 @@ class SteeringEntry:
     norm_match: bool = False
     positions: Positions = Positions.BOTH
     gate: Gate | None = None
+    feature: int | None = None
+    clamp: float | None = None
 
     def __post_init__(self) -> None:
-        if (self.concept is None) == (self.direction is None):
-            raise invalid("a steering entry names a concept or carries a direction, exactly one of the two")
+        named = (self.concept is not None) + (self.direction is not None) + (self.feature is not None)
+        if named != 1:
+            if self.feature is None:
+                raise invalid("a steering entry names a concept or carries a direction, exactly one of the two")
+            raise invalid("a steering entry names a concept, a direction or a feature, exactly one of the three")
+        if self.feature is not None and self.feature < 0:
+            raise invalid(f"steering feature must be >= 0, got {self.feature}")
+        if self.clamp is not None:
+            if self.feature is None:
+                raise invalid(
+                    "clamp sets an SAE feature's activation: it goes with a feature, not a concept or direction"
+                )
+            if self.scale != 0:
+                raise invalid("a steering entry has a scale or a clamp, not both")
+            if self.norm_match:
+                raise invalid("norm_match scales a vector's length; a clamp sets an activation and takes no norm_match")
+            if not math.isfinite(self.clamp) or abs(self.clamp) > MAX_CLAMP:
+                raise invalid(f"steering clamp must be in [-{MAX_CLAMP:g}, {MAX_CLAMP:g}], got {self.clamp}")
         if self.concept == "":
             raise invalid("a steering entry's concept must not be empty")
         if self.layer < 0:
@@ -129,16 +190,52 @@ class SteeringEntry:
             )
 
     def unit_direction(self) -> tuple[float, ...]:
-        """The raw direction at unit length (only for entries that carry one).
-
-        Scaled by its largest magnitude before squaring: the squares of ``1e-200`` underflow
-        to zero and those of ``1e200`` overflow to infinity, yet both are fine directions.
-        """
+        """The raw direction at unit length (only for entries that carry one): :func:`unit_vector`."""
         assert self.direction is not None
-        largest = max(abs(x) for x in self.direction)
-        scaled = [x / largest for x in self.direction]
-        norm = math.sqrt(math.fsum(x * x for x in scaled))
-        return tuple(x / norm for x in scaled)
+        return unit_vector(self.direction)
+
+    def canonical(self) -> list[Any]:
+        """What the entry adds, as JSON (its positions aside): what :func:`digest` hashes.
+
+        The gate and the feature part come only when set, so an entry without them keeps the
+        form (and the digest) it had before they existed; a gate is a list, the feature part an
+        object, so neither is ever read as the other.
+        """
+        row: list[Any] = [
+            self.layer,
+            self.scale,
+            self.concept,
+            list(self.direction) if self.direction is not None else None,
+            self.norm_match,
+        ]
+        if self.gate is not None:
+            row.append(self.gate.canonical())
+        if self.feature is not None:
+            row.append({"feature": self.feature, "clamp": self.clamp})
+        return row
+
+
+def to_json(entry: SteeringEntry) -> list[Any]:
+    """An entry as a JSON row a session store keeps (:func:`from_json` reads it back)."""
+    row = entry.canonical()
+    return [*row[:5], entry.positions.value, *row[5:]]
+
+
+def from_json(row: Sequence[Any]) -> SteeringEntry:
+    layer, scale, concept, direction, norm_match, positions, *rest = row
+    gate = next((Gate.from_canonical(x) for x in rest if isinstance(x, list)), None)
+    extra = next((x for x in rest if isinstance(x, dict)), {})
+    return SteeringEntry(
+        layer=layer,
+        scale=scale,
+        concept=concept,
+        direction=tuple(direction) if direction is not None else None,
+        norm_match=norm_match,
+        positions=Positions(positions),
+        gate=gate,
+        feature=extra.get("feature"),
+        clamp=extra.get("clamp"),
+    )
 
 
 Steering = tuple[SteeringEntry, ...]
@@ -158,11 +255,7 @@ def digest(steering: Steering) -> str:
     """
     if not steering:
         return ""
-    canonical = [
-        [e.layer, e.scale, e.concept, list(e.direction) if e.direction is not None else None, e.norm_match]
-        + ([e.gate.canonical()] if e.gate is not None else [])
-        for e in steering
-    ]
+    canonical = [e.canonical() for e in steering]
     return hashlib.sha256(json.dumps(canonical).encode()).hexdigest()[:16]
 
 

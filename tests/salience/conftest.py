@@ -8,6 +8,8 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from prismgate.schemas import salience_images_pb2_grpc, salience_pb2, salience_pb2_grpc
 from tests.conftest import TINY_MODEL_ID
@@ -63,3 +65,17 @@ def rpc_error(fn: Any, *args: Any, **kwargs: Any) -> grpc.RpcError:
 
 def ranges(*pairs: tuple[int, int]) -> list[pb.PositionRange]:
     return [pb.PositionRange(start=a, end=b) for a, b in pairs]
+
+
+def reflected(target: str, service: str) -> tuple[set[str], list[descriptor_pb2.FileDescriptorProto]]:
+    """What server reflection at ``target`` says: the services it lists, and the files that define ``service``."""
+    with grpc.insecure_channel(target) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        requests = [
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol=service),
+        ]
+        listed, described = list(stub.ServerReflectionInfo(iter(requests), timeout=10))
+    names = {s.name for s in listed.list_services_response.service}
+    files = described.file_descriptor_response.file_descriptor_proto
+    return names, [descriptor_pb2.FileDescriptorProto.FromString(b) for b in files]

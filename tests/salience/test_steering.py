@@ -7,14 +7,12 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from google.protobuf import descriptor_pb2
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from prismgate.schemas import salience_pb2 as pb
 from prismgate.schemas import salience_steering_pb2 as steer_pb
 from prismgate.schemas import salience_steering_pb2_grpc
 from tests.conftest import TINY_MODEL_ID
-from tests.salience.conftest import Client, rpc_error
+from tests.salience.conftest import Client, reflected, rpc_error
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 PUSH = steer_pb.SteeringEntry(concept="concept1", layer=0, scale=60, positions=steer_pb.POSITIONS_BOTH)
@@ -150,18 +148,8 @@ def test_a_huge_direction_is_refused_while_other_calls_are_served(
 
 
 def test_reflection_offers_the_service(live_server: Any) -> None:
-    with grpc.insecure_channel(live_server.grpc_target) as channel:
-        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        requests = [
-            reflection_pb2.ServerReflectionRequest(list_services=""),
-            reflection_pb2.ServerReflectionRequest(file_containing_symbol="salience.steering.v1.Steering"),
-        ]
-        listed, described = list(stub.ServerReflectionInfo(iter(requests), timeout=10))
-    assert "salience.steering.v1.Steering" in {s.name for s in listed.list_services_response.service}
-    (proto,) = [
-        descriptor_pb2.FileDescriptorProto.FromString(b)
-        for b in described.file_descriptor_response.file_descriptor_proto
-    ]
+    names, (proto,) = reflected(live_server.grpc_target, "salience.steering.v1.Steering")
+    assert "salience.steering.v1.Steering" in names
     assert proto.package == "salience.steering.v1"
     assert [m.name for m in proto.service[0].method] == ["SetSteering", "GetSteering"]
 

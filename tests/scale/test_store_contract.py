@@ -129,6 +129,8 @@ async def test_the_standing_steering_is_stored_forked_and_cleared(store: Session
         SteeringEntry(layer=0, scale=-2.5, concept="french", norm_match=True, positions=Positions.GENERATED),
         SteeringEntry(layer=3, scale=60.0, direction=(0.5, -1.25, 3.0)),
         SteeringEntry(layer=3, scale=4.0, concept="french", gate=Gate("french", 1, Comparison.BELOW, -0.75)),
+        SteeringEntry(layer=2, scale=0.0, feature=9, clamp=-3.5, gate=Gate(None, 1, Comparison.ABOVE, 0.5, feature=4)),
+        SteeringEntry(layer=2, scale=8.0, feature=4095, positions=Positions.PROMPT),
     )
     parent = await store.create("m")
     assert (await store.get(parent.id)).standing_steering == ()

@@ -29,9 +29,10 @@ import numpy as np
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from prismgate.core import steering
 from prismgate.core.errors import Code, GatewayError, exhausted
 from prismgate.core.session import DEFAULT_TTL_S, ImageSpan, Session
-from prismgate.core.steering import Comparison, Gate, Positions, SteeredSpan, Steering, SteeringEntry
+from prismgate.core.steering import SteeredSpan, Steering
 from prismgate.core.stores.base import SessionStore, busy, missing, over_token_cap, too_many, well_formed
 
 T = TypeVar("T")
@@ -128,28 +129,13 @@ def _spans(session: Session) -> str:
         {
             "images": [[im.start, im.end, im.mime, im.digest] for im in session.images],
             "steering": [[sp.start, sp.end, sp.digest] for sp in session.steering],
-            "standing": [
-                [e.layer, e.scale, e.concept, e.direction, e.norm_match, e.positions.value]
-                + ([e.gate.canonical()] if e.gate is not None else [])
-                for e in session.standing_steering
-            ],
+            "standing": [steering.to_json(e) for e in session.standing_steering],
         }
     )
 
 
 def _standing(rows: list[list[Any]]) -> Steering:
-    return tuple(
-        SteeringEntry(
-            layer=layer,
-            scale=scale,
-            concept=concept,
-            direction=tuple(direction) if direction is not None else None,
-            norm_match=norm_match,
-            positions=Positions(positions),
-            gate=Gate(gate[0][0], gate[0][1], Comparison(gate[0][2]), gate[0][3]) if gate else None,
-        )
-        for layer, scale, concept, direction, norm_match, positions, *gate in rows  # gate: [] or [[concept, ...]]
-    )
+    return tuple(steering.from_json(row) for row in rows)
 
 
 class RedisStore(SessionStore):
