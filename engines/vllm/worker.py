@@ -42,18 +42,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from prismgate.engines.readouts.probe import decoder_layers
-from prismgate.engines.vllm.channel import StepPacket, encode_step
+from prismgate.engines.vllm.channel import FeatureRows, StepPacket, encode_step
 from prismgate.engines.vllm.steer import MAX_ROUNDS
 from prismgate.engines.vllm.steer_rows import SteeredRows, SteerWriter
 
 if TYPE_CHECKING:
     from prismgate.engines.vllm.capture import SteerBuffers
+    from prismgate.engines.vllm.sae_op import FeatureBuffers, LayerFeatures
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,7 @@ SOLE_STAGE = Stage()
 class _RequestPlan:
     """What one request in this step wants, and where its rows lie in the flat batch."""
 
-    __slots__ = ("hi", "key", "lo", "lp_k", "lp_ranges", "positions", "prompt", "readouts")
+    __slots__ = ("fe_ids", "fe_k", "hi", "key", "lo", "lp_k", "lp_ranges", "positions", "prompt", "readouts")
 
     def __init__(self, key: str, lo: int, hi: int, positions: np.ndarray, want: dict[str, Any], prompt: Any) -> None:
         self.key = key
@@ -89,6 +91,13 @@ class _RequestPlan:
         self.lp_ranges = [(int(a), int(b)) for a, b in want.get("lp", ())]
         self.lp_k = int(want.get("k", 0))
         self.prompt = prompt
+        fe = want.get("fe")  # SAE features: {"k": top features to send, "ids": watched ids}, or absent
+        self.fe_k = int(fe["k"]) if fe else 0
+        self.fe_ids = [int(i) for i in fe["ids"]] if fe else []
+
+    @property
+    def features(self) -> bool:
+        return self.fe_k > 0 or bool(self.fe_ids)
 
     def logprob_rows(self) -> list[tuple[int, int, int]]:
         """(flat row, target position, target token) for prompt positions to score."""
@@ -121,6 +130,7 @@ class _Tap:
         stage: Stage = SOLE_STAGE,
         steer: list[SteerBuffers] | None = None,
         wanted: torch.Tensor | None = None,
+        features: tuple[FeatureBuffers, list[LayerFeatures]] | None = None,
     ) -> None:
         self.runner = runner
         self.model = runner.get_model()
@@ -132,6 +142,8 @@ class _Tap:
         self.plans: list[_RequestPlan] = []
         self.n_rows = 0
         self.any_readouts = False
+        self.features = features  # the SAE ops' shared inputs and each SAE layer's outputs
+        self.any_features = False
         self.step = 0
         self._forward = runner._model_forward
         runner._model_forward = self._model_forward
@@ -147,13 +159,18 @@ class _Tap:
         self.steered: list[SteeredRows] = []
         self.n_rows = 0
         self.any_readouts = False
+        self.any_features = False
         try:
             self._plan()
+            self._watch()
         except Exception:  # never break the engine over a readout
             log.exception("prismgate: could not plan readouts for this step")
             self.plans = []
+            self.any_readouts = self.any_features = False
         if self.wanted is not None:
             self.wanted[0] = int(self.any_readouts)
+        if self.features is not None:
+            self.features[0].flags[0] = int(self.any_features)
         if self.steer is not None:  # steering is the request's answer: a failure here fails the step
             self.steer.plan(self.steered, self.n_rows)
 
@@ -181,13 +198,28 @@ class _Tap:
             steering = want.get("st")
             if steering:
                 self.steered.append(SteeredRows(want["key"], lo, hi - lo, int(computed[i]), steering))
-            if not (want.get("ro") or want.get("lp")):
+            if not (want.get("ro") or want.get("lp") or want.get("fe")):
                 continue  # it only steers: nothing to send back
             positions = computed[i] + np.arange(hi - lo, dtype=np.int64)
             prompt = getattr(state, "prompt_token_ids", None)
             plan = _RequestPlan(str(want["key"]), lo, hi, positions, want, prompt)
             self.plans.append(plan)
             self.any_readouts = self.any_readouts or plan.readouts
+            self.any_features = self.any_features or plan.features
+
+    def _watch(self) -> None:
+        """Write each row's watched feature ids for the SAE ops, and how many columns the step uses."""
+        if self.features is None:
+            return
+        shared = self.features[0]
+        width = max((len(plan.fe_ids) for plan in self.plans), default=0) if self.any_features else 0
+        if width:
+            ids = np.zeros((self.n_rows, width), dtype=np.int64)
+            for plan in self.plans:
+                if plan.fe_ids:
+                    ids[plan.lo : plan.hi, : len(plan.fe_ids)] = plan.fe_ids
+            shared.watch[: self.n_rows, :width].copy_(torch.from_numpy(ids))
+        shared.flags[1] = width
 
     def _after(self, output: Any) -> None:
         if self.steer is not None and self.steered:
@@ -230,8 +262,19 @@ class _Tap:
                     scored.setdefault(plan.key, []).append((target, float(own[j]), top_i[j][:kk], top_v[j][:kk]))
         for plan in self.plans:
             ro = readouts[plan.lo : plan.hi] if (plan.readouts and readouts is not None) else None
-            packet.add(plan.key, plan.positions, ro, scored.get(plan.key, []))
+            packet.add(plan.key, plan.positions, ro, scored.get(plan.key, []), self._features(plan))
         return packet
+
+    def _features(self, plan: _RequestPlan) -> FeatureRows | None:
+        """One request's rows of every SAE layer: its ``k`` top features and its watched ids' activations."""
+        if self.features is None or not plan.features:
+            return None
+        layers = self.features[1]
+        lo, hi, k, w = plan.lo, plan.hi, plan.fe_k, len(plan.fe_ids)
+        ids = torch.stack([f.ids[lo:hi, :k] for f in layers], dim=1).to("cpu").numpy()
+        values = torch.stack([f.values[lo:hi, :k] for f in layers], dim=1).to("cpu").numpy()
+        watched = torch.stack([f.watched[lo:hi, :w] for f in layers], dim=1).to("cpu").numpy() if w else None
+        return FeatureRows(ids, values, watched)
 
     def remove(self) -> None:
         """Put the runner's own model call back."""
@@ -248,12 +291,39 @@ class PrismgateWorkerExtension:
     _prismgate_wanted: torch.Tensor | None = None  # host flag: does this step read readouts
     _prismgate_layers: list[int] | None = None
     _prismgate_slots: list[int] | None = None  # the pack's indices of those layers (None: no pack)
+    _prismgate_features: tuple[FeatureBuffers, list[LayerFeatures]] | None = None  # the SAE ops' buffers
+    _prismgate_sae_layers: list[int] | None = None
 
     def prismgate_install_readouts(self) -> None:
-        """Put the concept pack named in vLLM's config into the model's graph; call before its first run."""
+        """Put the concept pack and the SAEs named in vLLM's config into the model's graph; call before its first run."""
         settings = readout_settings(self.vllm_config)  # type: ignore[attr-defined]
         if settings is None:
             return
+        if settings.get("pack"):
+            self._prismgate_install_pack(settings)
+        if settings.get("saes"):  # after the pack: a layer's features read the stream after its steering
+            self._prismgate_install_saes([str(folder) for folder in settings["saes"]])
+
+    def _prismgate_install_saes(self, folders: list[str]) -> None:
+        """Load each SAE and give its layer the in-graph encoder (:mod:`.sae_op`)."""
+        from prismgate.engines.sae.files import load_for_model
+        from prismgate.engines.vllm import sae_op
+        from prismgate.engines.vllm.features import top_width
+
+        if getattr(self.vllm_config.parallel_config, "use_ubatching", False):  # type: ignore[attr-defined]
+            raise ValueError("prismgate SAE features do not support vLLM's micro-batching (dual-batch overlap)")
+        runner = self.model_runner  # type: ignore[attr-defined]
+        model = runner.get_model()
+        hidden = int(runner.model_config.get_hidden_size())
+        saes = load_for_model([(Path(f), None) for f in folders], len(decoder_layers(model)), hidden)
+        rows = max_rows(self.vllm_config)  # type: ignore[attr-defined]
+        device = next(model.parameters()).device
+        shared = sae_op.FeatureBuffers(rows, device)
+        width = max(top_width(s.architecture, s.d_sae, s.k) for s in saes)
+        self._prismgate_features = (shared, sae_op.install(model, saes, rows, shared, width))
+        self._prismgate_sae_layers = [s.layer for s in saes]
+
+    def _prismgate_install_pack(self, settings: dict[str, Any]) -> None:
         from prismgate.engines.readouts.pack import ConceptPack
         from prismgate.engines.vllm import capture
 
@@ -291,16 +361,21 @@ class PrismgateWorkerExtension:
         # pipeline stage sends its own layers' readouts, the last one also the prompt logprobs.
         # Every rank steers its own copy of the stream.
         stage = Stage(self._prismgate_slots, last=bool(get_pp_group().is_last_rank))
-        sends = get_tp_group().rank_in_group == 0 and (stage.last or bool(self._prismgate_layers))
+        sends = get_tp_group().rank_in_group == 0 and (
+            stage.last or bool(self._prismgate_layers) or bool(self._prismgate_sae_layers)
+        )
         sender = Sender(address) if sends else _NullSender()
         buffers = self._prismgate_buffers or []
-        self._prismgate_tap = _Tap(runner, buffers, sender, stage, self._prismgate_steer or [], self._prismgate_wanted)
+        self._prismgate_tap = _Tap(
+            runner, buffers, sender, stage, self._prismgate_steer or [], self._prismgate_wanted, self._prismgate_features
+        )
         return {
             "n_layers": len(decoder_layers(model)),
             "hidden_size": int(runner.model_config.get_hidden_size()),
             "rank": int(getattr(self, "rank", 0)),
             "sends": sends,
             "readout_layers": list(self._prismgate_layers or []),
+            "feature_layers": list(self._prismgate_sae_layers or []),
         }
 
     def prismgate_shutdown(self) -> None:
@@ -317,7 +392,7 @@ def readout_settings(vllm_config: Any) -> dict[str, Any] | None:
     if not isinstance(extra, dict):
         return None
     settings = extra.get(EXTRA_KEY)
-    return settings if isinstance(settings, dict) and settings.get("pack") else None
+    return settings if isinstance(settings, dict) and (settings.get("pack") or settings.get("saes")) else None
 
 
 def max_rows(vllm_config: Any) -> int:
