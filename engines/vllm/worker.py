@@ -28,6 +28,11 @@ data-parallel engine core. A pipeline stage sends the readouts of the pack's lay
 request asked readouts of sends no message, and its in-graph readout ops return at once (a
 host flag set here before the step; under CUDA graphs they still compute, unread).
 
+SAE features ride along: each SAE's layer gets the in-graph encoder (:mod:`.sae_op`) after the
+pack's ops, and a step where a request asks for features (``extra_args``' ``fe``: how many top
+features to send, which ids it watches) writes each row's watched ids before the model call and
+sends each such request's top ids and activations (and watched activations) after it.
+
 Steering rides the same path the other way: before the model call the host writes which
 vector goes to which row into the graph's steering buffers (:mod:`.steer_rows`), from the
 request's ``extra_args`` as well; a request that only steers sends nothing back. After a step,
