@@ -265,21 +265,34 @@ class _Tap:
                 for j, (plan, (_, target, _token)) in enumerate(rows):
                     kk = plan.lp_k
                     scored.setdefault(plan.key, []).append((target, float(own[j]), top_i[j][:kk], top_v[j][:kk]))
+        features = self._all_features()
         for plan in self.plans:
             ro = readouts[plan.lo : plan.hi] if (plan.readouts and readouts is not None) else None
-            packet.add(plan.key, plan.positions, ro, scored.get(plan.key, []), self._features(plan))
+            fe = None
+            if features is not None and plan.features:
+                ids, values, watched = features
+                lo, hi, k, w = plan.lo, plan.hi, plan.fe_k, len(plan.fe_ids)
+                fe = FeatureRows(ids[lo:hi, :, :k], values[lo:hi, :, :k], watched[lo:hi, :, :w] if w else None)
+            packet.add(plan.key, plan.positions, ro, scored.get(plan.key, []), fe)
         return packet
 
-    def _features(self, plan: _RequestPlan) -> FeatureRows | None:
-        """One request's rows of every SAE layer: its ``k`` top features and its watched ids' activations."""
-        if self.features is None or not plan.features:
+    def _all_features(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The step's features, every row and SAE layer, in host memory: ids, values ``[rows, layers, K]`` and
+        watched ``[rows, layers, W]``, copied once (each request's share is a slice; the frames copy it again)."""
+        if self.features is None or not self.any_features:
             return None
+        n, k = self.n_rows, max(plan.fe_k for plan in self.plans)
+        w = max(len(plan.fe_ids) for plan in self.plans)
         layers = self.features[1]
-        lo, hi, k, w = plan.lo, plan.hi, plan.fe_k, len(plan.fe_ids)
-        ids = torch.stack([f.ids[lo:hi, :k] for f in layers], dim=1).to("cpu").numpy()
-        values = torch.stack([f.values[lo:hi, :k] for f in layers], dim=1).to("cpu").numpy()
-        watched = torch.stack([f.watched[lo:hi, :w] for f in layers], dim=1).to("cpu").numpy() if w else None
-        return FeatureRows(ids, values, watched)
+
+        def host(parts: list[torch.Tensor]) -> np.ndarray:
+            return (torch.stack(parts, dim=1) if len(parts) > 1 else parts[0].unsqueeze(1)).to("cpu").numpy()
+
+        return (
+            host([f.ids[:n, :k] for f in layers]),
+            host([f.values[:n, :k] for f in layers]),
+            host([f.watched[:n, :w] for f in layers]),
+        )
 
     def remove(self) -> None:
         """Put the runner's own model call back."""
