@@ -35,9 +35,7 @@ def prompt_events(
     """One event per prompt position the request covers, with the values it asked for there."""
     events: list[TokenEvent] = []
     features = features or {}
-    wanted = sorted(
-        set(plan.ro_prompt) | set(plan.lp_prompt) | set(plan.fe_prompt) | ({0} if plan.lp_zero else set())
-    )
+    wanted = sorted(set(plan.ro_prompt) | set(plan.lp_prompt) | set(plan.fe_prompt) | ({0} if plan.lp_zero else set()))
     for p in wanted:
         event = TokenEvent(id=int(tokens[p]), position=p, is_prefill=True)
         if p in logprobs and covered(spec.logprob_ranges, p):

@@ -111,9 +111,11 @@ class Tracker:
         """Wait for these positions' readouts, logprobs and features; if they never come, an INTERNAL error
         names ``what``."""
         ok = await self.wait(
-            lambda: all(p in self.readouts for p in readouts)
-            and all(p in self.logprobs for p in logprobs)
-            and all(p in self.features for p in features),
+            lambda: (
+                all(p in self.readouts for p in readouts)
+                and all(p in self.logprobs for p in logprobs)
+                and all(p in self.features for p in features)
+            ),
             limit_s,
         )
         if not ok:

@@ -313,7 +313,7 @@ class PrismgateWorkerExtension:
     _prismgate_sae_layers: list[int] | None = None
 
     def prismgate_install_readouts(self) -> None:
-        """Put the concept pack and the SAEs named in vLLM's config into the model's graph; call before its first run."""
+        """Put the concept pack and SAEs named in vLLM's config into the model's graph; call before its first run."""
         settings = readout_settings(self.vllm_config)  # type: ignore[attr-defined]
         if settings is None:
             return
@@ -385,7 +385,13 @@ class PrismgateWorkerExtension:
         sender = Sender(address) if sends else _NullSender()
         buffers = self._prismgate_buffers or []
         self._prismgate_tap = _Tap(
-            runner, buffers, sender, stage, self._prismgate_steer or [], self._prismgate_wanted, self._prismgate_features
+            runner,
+            buffers,
+            sender,
+            stage,
+            self._prismgate_steer or [],
+            self._prismgate_wanted,
+            self._prismgate_features,
         )
         return {
             "n_layers": len(decoder_layers(model)),

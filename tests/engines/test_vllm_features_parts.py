@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from prismgate.core.actions import PositionRange
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.features import MAX_FEATURE_TOP_K, FeatureManifest, FeatureSpec
 from prismgate.core.steering import SteeringEntry, spans
@@ -20,7 +22,7 @@ from prismgate.engines.sae.files import load_sae
 from prismgate.engines.vllm import sae_op
 from prismgate.engines.vllm.channel import FeatureRows, StepPacket, decode_step, encode_step
 from prismgate.engines.vllm.features import FeatureRow, event_features, top_width
-from prismgate.engines.vllm.plan import refuse_feature_steering
+from prismgate.engines.vllm.plan import make_plan, must_skip_cache, refuse_feature_steering, request_wants
 from prismgate.engines.vllm.store import SessionValues
 from prismgate.engines.vllm.tracker import Tracker
 from tests.engines.test_vllm_parts import _Model
@@ -37,7 +39,9 @@ def test_the_in_graph_encoder_equals_the_transformers_engines_under_torch_compil
     torch.manual_seed(0)
     model = _Model(HIDDEN, 3).eval()
     saes = [
-        load_sae(write_sae(tmp_path / f"l{layer}", architecture, d_in=HIDDEN, d_sae=96, layer=layer, k=k or 8, seed=layer))
+        load_sae(
+            write_sae(tmp_path / f"l{layer}", architecture, d_in=HIDDEN, d_sae=96, layer=layer, k=k or 8, seed=layer)
+        )
         for layer in (0, 2)
     ]
     encoders = [SaeEncoder(sae) for sae in saes]
@@ -134,7 +138,9 @@ def test_a_stored_row_serves_only_requests_it_holds_enough_for() -> None:
 def test_the_tracker_keys_feature_rows_by_position_with_the_ids_it_watches() -> None:
     tracker = Tracker("pg1", watch=(7, 8))
     ids = np.zeros((2, 1, 3), np.int32)
-    tracker.feed(np.array([4, 5]), None, [], None, FeatureRows(ids, ids.astype(np.float32), np.ones((2, 1, 2), np.float32)))
+    tracker.feed(
+        np.array([4, 5]), None, [], None, FeatureRows(ids, ids.astype(np.float32), np.ones((2, 1, 2), np.float32))
+    )
     assert set(tracker.features) == {4, 5} and tracker.features[5].watch == (7, 8)
     assert tracker.features[4].watched is not None and tracker.features[4].watched.shape == (1, 2)
 
@@ -156,3 +162,35 @@ def test_steering_by_a_feature_is_refused_naming_why() -> None:
     assert error.value.code == Code.FAILED_PRECONDITION
     assert "does not steer by them" in error.value.message and "'feature'" in error.value.message
 
+
+def _plan_for(features: FeatureSpec | None, values: SessionValues | None = None, session: str | None = None) -> Any:
+    from prismgate.core.actions import GenerateSpec
+    from prismgate.core.engine import EngineInfo, EngineRequest
+
+    info = EngineInfo("m", 512, 1000, (2,), tokenizer=None)  # type: ignore[arg-type]
+    spec = GenerateSpec(max_tokens=3, features=features)
+    request = EngineRequest("r", tuple(range(10, 50)), spec, session_key=session)
+    return request, make_plan(request, info, False, values or SessionValues(), top=32)
+
+
+def test_the_plan_looks_ahead_for_decoded_features_and_asks_the_worker_for_what_it_keeps() -> None:
+    decoded = FeatureSpec(top_k=4, ids=(9,), layers=(3,), ranges=(PositionRange(40, 43),))
+    request, plan = _plan_for(decoded)
+    assert plan.lookahead and plan.fe_prompt == [] and not plan.decode_readouts
+    assert request_wants("pg1", request, plan, False, True)["fe"] == {"k": 4, "ids": [9]}
+    request, plan = _plan_for(decoded, session="s")  # a session's turn sends all the worker keeps, for the store
+    assert request_wants("pg1", request, plan, False, True)["fe"] == {"k": 32, "ids": [9]}
+    _, plan = _plan_for(None)
+    assert plan.features is None and not plan.lookahead
+
+
+def test_a_prompt_position_the_store_cannot_answer_skips_the_cache() -> None:
+    spec = FeatureSpec(top_k=4, ids=(9,), layers=(3,), ranges=(PositionRange(0, 40),))
+    row = FeatureRow(np.zeros((1, 32), np.int32), np.zeros((1, 32), np.float32), (9,), np.zeros((1, 1), np.float32))
+    timeline = tuple(range(10, 50))
+    stored = SessionValues(list(timeline), features={p: row for p in range(40)}, computed=40)
+    _, plan = _plan_for(spec, stored)
+    assert plan.missing_features() == [] and not must_skip_cache(plan, 0, 32)
+    other = FeatureSpec(top_k=4, ids=(10,), layers=(3,), ranges=(PositionRange(0, 40),))
+    _, plan = _plan_for(other, stored)
+    assert plan.missing_features() == list(range(40)) and must_skip_cache(plan, 0, 32)
