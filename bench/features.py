@@ -6,7 +6,10 @@
 The engine in-process (no wire), the embedded SmolLM2-135M-Instruct, greedy, the same prompt for
 every request; batches of 1, 4 and 8 requests at once, with and without features, interleaved
 round by round; tokens/s counted from the last request's first token to the end, median over the
-rounds. ``--layers 1``: the shipped SAE (layer 15, TopK, 4096 features, k = 32). ``--layers 4``:
+rounds. The rows go to bench/results/features.json (replacing that engine's rows at that many
+layers), which ``bench/report.py`` turns into docs/benchmarks.md's section.
+
+``--layers 1``: the shipped SAE (layer 15, TopK, 4096 features, k = 32). ``--layers 4``:
 that one plus three SAEs of the same shape at layers 5, 10 and 20 with random weights in
 SAELens's format, written to a temporary folder for the run only: a cost measurement needs the
 shapes, not trained features. The transformers engine runs the model's own dtype on 2 threads;
@@ -131,6 +134,33 @@ async def run(engine_name: str, n_layers: int, rounds: int, tokens: int) -> dict
     return {key: statistics.median(values) for key, values in speeds.items()}
 
 
+def save(
+    engine: str, n_layers: int, rounds: int, tokens: int, result: dict[tuple[int, bool], float], load: list[float]
+) -> Path:
+    """Merge this run's rows into bench/results/features.json (other engines' and layer counts' rows stay)."""
+    from bench.common import RESULTS, write_results
+
+    old = RESULTS / "features.json"
+    runs = json.loads(old.read_text()).get("runs", []) if old.exists() else []
+    runs = [r for r in runs if (r["engine"], r["layers"]) != (engine, n_layers)]
+    rows = [
+        {
+            "engine": engine,
+            "sae_layers": n_layers,
+            "batch": batch,
+            "off_tokens_per_s": result[(batch, False)],
+            "features_tokens_per_s": result[(batch, True)],
+            "ratio_to_off": result[(batch, True)] / result[(batch, False)],
+        }
+        for batch in BATCHES
+    ]
+    runs.append(
+        {"engine": engine, "layers": n_layers, "rounds": rounds, "tokens": tokens, "load_average": load, "rows": rows}
+    )
+    runs.sort(key=lambda r: (r["engine"], r["layers"]))
+    return write_results("features", {"top_k": TOP_K, "runs": runs})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
@@ -138,12 +168,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=48)
     args = parser.parse_args()
+    before = os.getloadavg()[0]
     result = asyncio.run(run(args.engine, args.layers, args.rounds, args.tokens))
+    path = save(args.engine, args.layers, args.rounds, args.tokens, result, [before, os.getloadavg()[0]])
     where = f"layer {SHIPPED_LAYER}" if args.layers == 1 else f"{args.layers} layers"
     print(f"engine {args.engine}, top-{TOP_K} features at {where}")
     for batch in BATCHES:
         off, on = result[(batch, False)], result[(batch, True)]
         print(f"batch {batch}: off {off:.1f} tok/s, features {on:.1f} tok/s, ratio {on / off:.3f}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
