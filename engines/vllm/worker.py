@@ -270,9 +270,9 @@ class _Tap:
             ro = readouts[plan.lo : plan.hi] if (plan.readouts and readouts is not None) else None
             fe = None
             if features is not None and plan.features:
-                ids, values, watched = features
+                top_ids, top_values, watched = features
                 lo, hi, k, w = plan.lo, plan.hi, plan.fe_k, len(plan.fe_ids)
-                fe = FeatureRows(ids[lo:hi, :, :k], values[lo:hi, :, :k], watched[lo:hi, :, :w] if w else None)
+                fe = FeatureRows(top_ids[lo:hi, :, :k], top_values[lo:hi, :, :k], watched[lo:hi, :, :w] if w else None)
             packet.add(plan.key, plan.positions, ro, scored.get(plan.key, []), fe)
         return packet
 
