@@ -108,22 +108,7 @@ def features(
 
 
 @features.register_fake
-def _features_fake(
-    hidden: torch.Tensor,
-    residual: torch.Tensor | None,
-    W_enc: torch.Tensor,
-    b_enc: torch.Tensor,
-    b_dec: torch.Tensor,
-    threshold: torch.Tensor,
-    ids: torch.Tensor,
-    values: torch.Tensor,
-    watch: torch.Tensor,
-    watched: torch.Tensor,
-    flags: torch.Tensor,
-    arch: int,
-    k: int,
-    top: int,
-) -> None:
+def _features_fake(*args: Any, **kwargs: Any) -> None:  # it only writes its buffers: no output to describe
     return None
 
 

@@ -19,7 +19,6 @@ with its neighbour only where their reference activations lie within that tolera
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +35,7 @@ from prismgate.core.features import FeatureSpec
 from tests.conftest import TINY_MODEL_ID, LiveServer, run_server, tiny_settings
 from tests.engines.requests import run
 from tests.engines.vllm_factory import make_vllm_engine, require_vllm
-from tests.sae.saes import write_sae
+from tests.sae.saes import assert_same_features, labelled_pair, streamed_features
 
 PROMPT = [1, 17, 42, 99, 7, 3, 250, 11]
 WATCHED = [3, 200]
@@ -46,10 +45,7 @@ SAME = 1e-4  # the same positions computed by two vLLM paths (store or rescoring
 
 @pytest.fixture(scope="module")
 def saes(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    root = tmp_path_factory.mktemp("vllm-saes")
-    a = write_sae(root / "a", layer=0, k=6, seed=5)
-    (a / "labels.json").write_text(json.dumps({str(i): f"feature {i}" for i in range(0, 256, 2)}))
-    return [a, write_sae(root / "b", layer=1, k=6, seed=6)]
+    return labelled_pair(tmp_path_factory.mktemp("vllm-saes"))
 
 
 @pytest.fixture(scope="module")
@@ -130,15 +126,9 @@ def test_features_equal_the_reference_encoder_on_the_models_own_stream(
 
 def test_a_stream_carries_the_same_features(server: LiveServer) -> None:
     whole = complete(server, features={"top_k": 3, "layers": [1]})["choices"][0]["prismgate"]["features"]
-    streamed = []
-    payload = {"model": TINY_MODEL_ID, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True,
+    payload = {"model": TINY_MODEL_ID, "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
                "features": {"top_k": 3, "layers": [1]}}  # fmt: skip
-    with httpx.stream("POST", server.http_url + "/v1/completions", json=payload, timeout=120) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                choice = json.loads(line[6:])["choices"]
-                if choice and "prismgate" in choice[0]:
-                    streamed += choice[0]["prismgate"]["features"]
+    streamed = streamed_features(server.http_url, payload, timeout=120)
     assert streamed == whole and len(whole) == 4
     assert all([x["layer"] for x in t["layers"]] == [1] for t in whole)
 
@@ -158,14 +148,7 @@ def test_requests_decoded_in_one_batch_each_get_their_own_features(server: LiveS
         together = list(pool.map(ask, asks))
     assert receiver.steps - steps < alone_steps, "the requests never shared an engine step"
     for a, b in zip(alone, together, strict=True):
-        assert [t["position"] for t in a] == [t["position"] for t in b]
-        for x, y in zip(a, b, strict=True):
-            for la, lb in zip(x["layers"], y["layers"], strict=True):
-                assert [f["id"] for f in la["top"]] == [f["id"] for f in lb["top"]]
-                assert [f["activation"] for f in la["top"]] == pytest.approx(
-                    [f["activation"] for f in lb["top"]], abs=SAME
-                )
-                assert la.get("watched") == pytest.approx(lb.get("watched"), abs=SAME)
+        assert_same_features(a, b, SAME)
     assert all(len(entry["top"]) == 0 and len(entry["watched"]) == 2 for t in together[2] for entry in t["layers"])
 
 
