@@ -135,7 +135,13 @@ async def run(engine_name: str, n_layers: int, rounds: int, tokens: int) -> dict
 
 
 def save(
-    engine: str, n_layers: int, rounds: int, tokens: int, result: dict[tuple[int, bool], float], load: list[float]
+    engine: str,
+    n_layers: int,
+    rounds: int,
+    tokens: int,
+    result: dict[tuple[int, bool], float],
+    load: list[float] | None,
+    note: str = "",
 ) -> Path:
     """Merge this run's rows into bench/results/features.json (other engines' and layer counts' rows stay)."""
     from bench.common import RESULTS, write_results
@@ -155,7 +161,15 @@ def save(
         for batch in BATCHES
     ]
     runs.append(
-        {"engine": engine, "layers": n_layers, "rounds": rounds, "tokens": tokens, "load_average": load, "rows": rows}
+        {
+            **({"note": note} if note else {}),
+            "engine": engine,
+            "layers": n_layers,
+            "rounds": rounds,
+            "tokens": tokens,
+            "load_average": load,
+            "rows": rows,
+        }
     )
     runs.sort(key=lambda r: (r["engine"], r["layers"]))
     return write_results("features", {"top_k": TOP_K, "runs": runs})

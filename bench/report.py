@@ -309,6 +309,8 @@ def features_section(data: dict[str, Any]) -> list[str]:
         "features), against none; batches of 1, 4 and 8 greedy requests, with and without features interleaved",
         "round by round, median tokens/s over the rounds. The transformers engine runs the model's dtype on 2",
         "threads, the vLLM engine float32 compiled on 1 (as its tests do). Target: a ratio >= 0.95 at one layer.",
+        "Each run's machine load is given where it was recorded: on a shared 2-core machine the ratios are rough,",
+        "and a ratio above 1 is noise.",
         "",
     ]
     for run in data["runs"]:
@@ -316,6 +318,7 @@ def features_section(data: dict[str, Any]) -> list[str]:
         where = f" (load {load[0]:.1f} -> {load[1]:.1f})" if load else ""
         parts.append(
             f"* {run['engine']}, {run['layers']} layer(s): {run['rounds']} rounds of {run['tokens']} tokens{where}"
+            + (f"; {run['note']}" if run.get("note") else "")
         )
     parts += ["", table([r for run in data["runs"] for r in run["rows"]], list(data["runs"][0]["rows"][0])), ""]
     return parts
