@@ -194,3 +194,28 @@ def test_a_prompt_position_the_store_cannot_answer_skips_the_cache() -> None:
     other = FeatureSpec(top_k=4, ids=(10,), layers=(3,), ranges=(PositionRange(0, 40),))
     _, plan = _plan_for(other, stored)
     assert plan.missing_features() == list(range(40)) and must_skip_cache(plan, 0, 32)
+
+
+def test_the_workers_are_told_the_saes_and_a_wrong_or_unsupported_one_is_refused_at_start(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from prismgate.engines.vllm import config
+    from prismgate.engines.vllm.worker import readout_settings
+
+    good = write_sae(tmp_path / "good", layer=1)
+    options = config.Options(model_path=tiny_model_dir, model_id="tiny", kv_cache_gb=1, saes=((good, None),))
+    extra = config.engine_args(options, on_cpu=True)["additional_config"]
+    assert extra["prismgate"]["saes"] == [str(good)] and len(extra["prismgate"]["sae_digest"]) == 16
+    assert "pack" not in extra["prismgate"]  # SAEs without a concept pack: the worker still installs them
+
+    class VllmConfig:
+        additional_config = extra
+
+    assert readout_settings(VllmConfig()) == extra["prismgate"]
+    assert [s.layer for s in config.load_saes(options)] == [1]
+    wide = write_sae(tmp_path / "wide", d_in=64, layer=1)
+    with pytest.raises(GatewayError, match=r"wide/cfg\.json: d_in is 64"):
+        config.load_saes(config.Options(model_path=tiny_model_dir, model_id="tiny", saes=((wide, None),)))
+    staged = config.Options(model_path=tiny_model_dir, model_id="tiny", pipeline_parallel_size=2, saes=((good, None),))
+    with pytest.raises(GatewayError, match="pipeline_parallel_size > 1"):
+        config.load_saes(staged)
