@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.report
 
 Reads bench/results/{overhead,overhead_readouts,vs_vllm,vs_vllm_frontend,sessions,readouts,steering,
-steering_vllm}.json
+steering_vllm,features}.json
 (whichever exist), draws one PNG per benchmark with matplotlib, and writes docs/benchmarks.md: ratios first, since only
 ratios measured side by side in one run compare across these noisy machines.
 """
@@ -298,6 +298,32 @@ def steering_section(data: dict[str, Any], engine: str) -> list[str]:
     ]
 
 
+def features_section(data: dict[str, Any]) -> list[str]:
+    """bench/features.py's runs: one table, each engine at one and at four SAE layers."""
+    parts = [
+        "### SAE features",
+        "",
+        f"`bench/features.py`: each engine in-process on SmolLM2-135M-Instruct, the top {data['top_k']} SAE features",
+        "of every generated token at one layer (the shipped SAE, layer 15) and at four (that one and three",
+        "random SAEs of its shape at layers 5, 10 and 20, written for the run: a cost needs shapes, not trained",
+        "features), against none; batches of 1, 4 and 8 greedy requests, with and without features interleaved",
+        "round by round, median tokens/s over the rounds. The transformers engine runs the model's dtype on 2",
+        "threads, the vLLM engine float32 compiled on 1 (as its tests do). Target: a ratio >= 0.95 at one layer.",
+        "Each run's machine load is given where it was recorded: on a shared 2-core machine the ratios are rough,",
+        "and a ratio above 1 is noise.",
+        "",
+    ]
+    for run in data["runs"]:
+        load = run.get("load_average")
+        where = f" (load {load[0]:.1f} -> {load[1]:.1f})" if load else ""
+        parts.append(
+            f"* {run['engine']}, {run['layers']} layer(s): {run['rounds']} rounds of {run['tokens']} tokens{where}"
+            + (f"; {run['note']}" if run.get("note") else "")
+        )
+    parts += ["", table([r for run in data["runs"] for r in run["rows"]], list(data["runs"][0]["rows"][0])), ""]
+    return parts
+
+
 def machine_load(load: list[float]) -> str:
     return f"Machine load (1-minute average): {load[0]:.1f} at the start of the measurements, {load[1]:.1f} at the end."
 
@@ -407,6 +433,9 @@ def main() -> int:
         steering = load(name)
         if steering:
             parts += steering_section(steering, engine)
+    features = load("features")
+    if features:
+        parts += features_section(features)
     DOC.write_text("\n".join(parts).rstrip() + "\n")
     print(f"wrote {DOC}")
     return 0

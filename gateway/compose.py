@@ -124,6 +124,7 @@ def _serving_engine(
             block_size=settings.vllm_block_size,
             cache_scope=settings.vllm_cache_scope,
             steering_rounds=settings.vllm_steering_rounds,
+            saes=saes,
         )
     from prismgate.engines.hf import TransformersEngine
 

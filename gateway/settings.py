@@ -155,7 +155,7 @@ class Settings:
         None,
         "Sparse autoencoders to load (docs/sae.md): SAELens folders (cfg.json + sae_weights.safetensors), "
         "comma-separated, one or several layers; 'auto': the one 'prismgate sae train' made for the served model "
-        "(shipped for the embedded model); unset: none. transformers engine only.",
+        "(shipped for the embedded model); unset: none.",
     )
     sae_labels: str | None = setting(
         None,
@@ -456,8 +456,6 @@ class Settings:
                 f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                 f"got {self.distributed_executor_backend!r}"
             )
-        if self.sae and self.engine == "vllm":
-            raise invalid("sae: SAEs are read by the transformers engine only (the vLLM engine does not load them yet)")
         if self.sae_labels and not self.sae:
             raise invalid("sae_labels names labels for the SAEs in sae: give sae too")
         if self.vllm_steering_rounds < 0:  # the vLLM engine checks its own maximum

@@ -1,14 +1,18 @@
-"""The side channel that carries readouts and prompt logprobs from vLLM's worker to the gateway.
+"""The side channel that carries readouts, SAE features and prompt logprobs from vLLM's worker to the gateway.
 
 One ZMQ PUSH socket in each worker that sends (see :mod:`.worker`), one PULL socket bound by the gateway on an
 ``ipc://`` path inside a private temporary folder. One multipart message per engine step:
 
 * frame 0: JSON header ``{"step": n, "layers": [pack indices] | null, "reqs": [{"key", "n",
   "ro": [n, layers, concepts] | null, "lp": [[target_position, logprob, [top ids], [top logprobs]],
-  ...]}, ...]}``; ``layers`` names the pack's layers the readouts hold when the sender computes
-  only some of them (a pipeline stage), null when it computes all;
-* then, per request in header order, its absolute positions (``int64[n]``) and, when
-  ``ro`` is set, its readouts (``float32[n, layers, concepts]``).
+  ...], "fe": [n, sae layers, k] | null, "fw": [n, sae layers, watched] | null}, ...]}``; ``layers``
+  names the pack's layers the readouts hold when the sender computes only some of them (a
+  pipeline stage), null when it computes all;
+* then, per request in header order, five frames: its absolute positions (``int64[n]``); when
+  ``ro`` is set its readouts (``float32[n, layers, concepts]``); when ``fe`` is set its SAE
+  features, top ids (``int32``) and activations (``float32``), both ``[n, sae layers, k]``; when
+  ``fw`` is set its watched features' activations (``float32[n, sae layers, watched]``). A frame
+  whose part is not set is empty.
 
 Plain JSON and raw little-endian arrays, no pickle: the receiving end trusts nothing but
 the shape it was told.
@@ -28,6 +32,15 @@ LogprobRow = tuple[int, float, list[int], list[float]]  # target position, logpr
 
 
 @dataclass
+class FeatureRows:
+    """One step's SAE features for one request: every SAE layer, largest first (see :mod:`.sae_op`)."""
+
+    ids: npt.NDArray[np.int32]  # [n, sae layers, k]
+    values: npt.NDArray[np.float32]  # [n, sae layers, k]
+    watched: npt.NDArray[np.float32] | None = None  # [n, sae layers, the request's watched ids]
+
+
+@dataclass
 class RequestRows:
     """What one step computed for one request."""
 
@@ -35,6 +48,7 @@ class RequestRows:
     positions: npt.NDArray[np.int64]
     readouts: npt.NDArray[np.float32] | None
     logprobs: list[LogprobRow] = field(default_factory=list)
+    features: FeatureRows | None = None
 
 
 @dataclass
@@ -44,7 +58,12 @@ class StepPacket:
     layers: list[int] | None = None  # the pack's layers (indices) the readouts hold; None: all
 
     def add(
-        self, key: str, positions: npt.NDArray[Any], readouts: npt.NDArray[Any] | None, logprobs: Sequence[LogprobRow]
+        self,
+        key: str,
+        positions: npt.NDArray[Any],
+        readouts: npt.NDArray[Any] | None,
+        logprobs: Sequence[LogprobRow],
+        features: FeatureRows | None = None,
     ) -> None:
         self.requests.append(
             RequestRows(
@@ -52,14 +71,40 @@ class StepPacket:
                 np.ascontiguousarray(positions, dtype=np.int64),
                 None if readouts is None else np.ascontiguousarray(readouts, dtype=np.float32),
                 list(logprobs),
+                features,
             )
         )
+
+
+FRAMES_PER_REQUEST = 5  # positions, readouts, feature ids, feature values, watched features
+
+
+def _shape(array: npt.NDArray[Any] | None) -> list[int] | None:
+    return None if array is None else list(array.shape)
+
+
+def _bytes(array: npt.NDArray[Any] | None, dtype: str) -> bytes:
+    return b"" if array is None else np.ascontiguousarray(array).astype(dtype).tobytes()
+
+
+def _array(frame: bytes, dtype: str, shape: list[int] | None, n: int, what: str) -> npt.NDArray[Any] | None:
+    """A frame as an array of ``shape`` (None: the part is absent); refused when it holds another size."""
+    if shape is None:
+        return None
+    dims = tuple(int(x) for x in shape)
+    if not dims or dims[0] != n:
+        raise ValueError(f"{what} of shape {dims} for {n} positions")
+    flat = np.frombuffer(frame, dtype=dtype)
+    if flat.size != int(np.prod(dims)):
+        raise ValueError(f"{what}: {flat.size} values for shape {dims}")
+    return flat.astype(dtype[1:] if dtype.startswith("<") else dtype).reshape(dims)
 
 
 def encode_step(packet: StepPacket) -> list[bytes]:
     header: dict[str, Any] = {"step": packet.step, "layers": packet.layers, "reqs": []}
     frames: list[bytes] = [b""]
     for req in packet.requests:
+        fe = req.features
         header["reqs"].append(
             {
                 "key": req.key,
@@ -69,10 +114,15 @@ def encode_step(packet: StepPacket) -> list[bytes]:
                     [int(t), float(v), [int(i) for i in ids], [float(x) for x in vals]]
                     for t, v, ids, vals in req.logprobs
                 ],
+                "fe": None if fe is None else list(fe.ids.shape),
+                "fw": None if fe is None else _shape(fe.watched),
             }
         )
         frames.append(req.positions.astype("<i8").tobytes())
-        frames.append(b"" if req.readouts is None else req.readouts.astype("<f4").tobytes())
+        frames.append(_bytes(req.readouts, "<f4"))
+        frames.append(b"" if fe is None else _bytes(fe.ids, "<i4"))
+        frames.append(b"" if fe is None else _bytes(fe.values, "<f4"))
+        frames.append(b"" if fe is None else _bytes(fe.watched, "<f4"))
     frames[0] = json.dumps(header, separators=(",", ":")).encode()
     return frames
 
@@ -81,23 +131,27 @@ def decode_step(frames: Sequence[bytes]) -> StepPacket:
     header = json.loads(frames[0])
     layers = header.get("layers")
     packet = StepPacket(step=int(header["step"]), layers=None if layers is None else [int(i) for i in layers])
-    if len(frames) != 1 + 2 * len(header["reqs"]):
+    if len(frames) != 1 + FRAMES_PER_REQUEST * len(header["reqs"]):
         raise ValueError(f"step packet has {len(frames)} frames for {len(header['reqs'])} requests")
     for i, req in enumerate(header["reqs"]):
         n = int(req["n"])
-        positions = np.frombuffer(frames[1 + 2 * i], dtype="<i8").astype(np.int64)
+        own = frames[1 + FRAMES_PER_REQUEST * i : 1 + FRAMES_PER_REQUEST * (i + 1)]
+        positions = np.frombuffer(own[0], dtype="<i8").astype(np.int64)
         if positions.shape[0] != n:
             raise ValueError(f"request {req['key']}: {positions.shape[0]} positions, header says {n}")
-        readouts = None
-        if req["ro"] is not None:
-            shape = tuple(int(x) for x in req["ro"])
-            readouts = np.frombuffer(frames[2 + 2 * i], dtype="<f4").astype(np.float32).reshape(shape)
-            if shape[0] != n:
-                raise ValueError(f"request {req['key']}: {shape[0]} readout rows for {n} positions")
-            if packet.layers is not None and shape[1:2] != (len(packet.layers),):
-                raise ValueError(f"request {req['key']}: readouts of shape {shape} for layers {packet.layers}")
+        what = f"request {req['key']}:"
+        readouts = _array(own[1], "<f4", req["ro"], n, f"{what} readouts")
+        if readouts is not None and packet.layers is not None and readouts.shape[1:2] != (len(packet.layers),):
+            raise ValueError(f"{what} readouts of shape {readouts.shape} for layers {packet.layers}")
+        features = None
+        top_ids = _array(own[2], "<i4", req.get("fe"), n, f"{what} feature ids")
+        if top_ids is not None:
+            values = _array(own[3], "<f4", req["fe"], n, f"{what} feature values")
+            watched = _array(own[4], "<f4", req.get("fw"), n, f"{what} watched features")
+            assert values is not None
+            features = FeatureRows(top_ids, values, watched)
         rows = [(int(t), float(v), [int(x) for x in ids], [float(x) for x in vals]) for t, v, ids, vals in req["lp"]]
-        packet.requests.append(RequestRows(str(req["key"]), positions, readouts, rows))
+        packet.requests.append(RequestRows(str(req["key"]), positions, readouts, rows, features))
     return packet
 
 

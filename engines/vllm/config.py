@@ -31,6 +31,7 @@ from typing import Any
 
 from prismgate.core.engine import EngineInfo, ReadoutManifest
 from prismgate.core.errors import Code, GatewayError, invalid
+from prismgate.core.features import FeatureManifest
 from prismgate.engines.tokenizer import HFTokenizer
 from prismgate.engines.vllm.steer import MAX_ROUNDS
 from prismgate.engines.vllm.vision import VISION_MODEL_TYPES, vision_tokens
@@ -64,6 +65,7 @@ class Options:
     distributed_executor_backend: str | None = None
     max_num_seqs: int | None = None
     steering_rounds: int = MAX_ROUNDS  # vectors a request may add at one layer; 0: no steering in the graph
+    saes: tuple[tuple[Path, Path | None], ...] = ()  # SAELens folders (and labels files) the workers encode with
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -96,13 +98,18 @@ def engine_args(options: Options, *, on_cpu: bool) -> dict[str, Any]:
         kwargs["block_size"] = block
     if options.distributed_executor_backend is not None:  # unset: vLLM's choice (processes on one node)
         kwargs["distributed_executor_backend"] = options.distributed_executor_backend
+    worker: dict[str, Any] = {}
     if options.concept_pack is not None:
         # Read by the worker at load time. Also part of the key of vLLM's compile cache: a graph
         # compiled for one pack's shapes must never be loaded for another's, hence the digest.
         digest = hashlib.sha256(options.concept_pack.read_bytes()).hexdigest()[:16]
-        kwargs["additional_config"] = {
-            EXTRA_KEY: {"pack": str(options.concept_pack), "digest": digest, "steering_rounds": options.steering_rounds}
-        }
+        worker.update(pack=str(options.concept_pack), digest=digest, steering_rounds=options.steering_rounds)
+    if options.saes:
+        # the worker loads them itself; the digest (configs and weight sizes) keys the compile cache likewise
+        worker["saes"] = [str(folder) for folder, _ in options.saes]
+        worker["sae_digest"] = sae_digest([folder for folder, _ in options.saes])
+    if worker:
+        kwargs["additional_config"] = {EXTRA_KEY: worker}
     kwargs.update(memory_args(options, on_cpu=on_cpu))
     if options.max_num_seqs is not None:
         kwargs["max_num_seqs"] = options.max_num_seqs
@@ -110,6 +117,33 @@ def engine_args(options: Options, *, on_cpu: bool) -> dict[str, Any]:
         kwargs["limit_mm_per_prompt"] = {"image": 64, "video": 0}
     kwargs.update(options.engine_kwargs)
     return kwargs
+
+
+def sae_digest(folders: list[Path]) -> str:
+    """What the compiled graph's shapes depend on: each SAE's config and its weights' size."""
+    from prismgate.engines.sae.files import CFG_FILE, WEIGHTS_FILE
+
+    h = hashlib.sha256()
+    for folder in folders:
+        h.update((folder / CFG_FILE).read_bytes())
+        h.update(str((folder / WEIGHTS_FILE).stat().st_size).encode())
+    return h.hexdigest()[:16]
+
+
+def load_saes(options: Options) -> tuple[Any, ...]:
+    """The SAEs, checked against the model's layers and width before vLLM starts (a wrong one names its file)."""
+    if not options.saes:
+        return ()
+    from prismgate.engines.sae.files import load_for_model
+
+    if options.pipeline_parallel_size > 1:
+        raise invalid(
+            "sae: SAE features are not supported with pipeline_parallel_size > 1 on the vllm engine "
+            "(a stage would send the features of its own layers only)"
+        )
+    config = model_config(options.model_path)
+    text = config.get("text_config") or config
+    return load_for_model(options.saes, int(text["num_hidden_layers"]), int(text["hidden_size"]))
 
 
 def memory_args(options: Options, *, on_cpu: bool) -> dict[str, Any]:
@@ -202,7 +236,13 @@ def eos_ids(path: Path, config: dict[str, Any], tokenizer: Any) -> tuple[int, ..
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def engine_info(options: Options, tokenizer: Any, vllm_len: int, manifest: ReadoutManifest | None) -> EngineInfo:
+def engine_info(
+    options: Options,
+    tokenizer: Any,
+    vllm_len: int,
+    manifest: ReadoutManifest | None,
+    features: FeatureManifest | None = None,
+) -> EngineInfo:
     """What the engine serves; ``vllm_len`` is vLLM's context, one longer than the one served."""
     config = model_config(options.model_path)
     text = config.get("text_config") or config
@@ -221,6 +261,7 @@ def engine_info(options: Options, tokenizer: Any, vllm_len: int, manifest: Reado
         steering_off="vllm_steering_rounds = 0" if options.steering_rounds == 0 else None,
         deterministic=deterministic_off() is None,
         deterministic_off=deterministic_off(),
+        features=features,
     )
 
 

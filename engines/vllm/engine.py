@@ -65,11 +65,23 @@ from prismgate.core.actions import covered
 from prismgate.core.engine import Engine, EngineInfo, EngineRequest
 from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.core.events import Done, Event, FinishReason, TokenEvent
+from prismgate.core.features import FeatureManifest
 from prismgate.core.health import LOADING, READY, STOPPING, Health
 from prismgate.core.steering import spans
 from prismgate.engines.readouts.pack import ConceptPack
 from prismgate.engines.vllm import config, events, inputs, steer
-from prismgate.engines.vllm.plan import Plan, check, make_plan, must_skip_cache, request_wants, wants
+from prismgate.engines.vllm.features import FeatureRow, event_features, top_width
+from prismgate.engines.vllm.features import manifest as feature_manifest
+from prismgate.engines.vllm.plan import (
+    Plan,
+    check,
+    feature_wants,
+    make_plan,
+    must_skip_cache,
+    refuse_feature_steering,
+    request_wants,
+    wants,
+)
 from prismgate.engines.vllm.store import LogprobEntry, ValueStore
 from prismgate.engines.vllm.tracker import Receiver, Tracker
 from prismgate.engines.vllm.vision import ImageCounter
@@ -109,6 +121,7 @@ class VLLMEngine:
         cache_scope: str = "session",
         steering_rounds: int = steer.MAX_ROUNDS,
         max_stored_positions: int = 1 << 18,
+        saes: tuple[tuple[Path, Path | None], ...] = (),
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.model_path = Path(model_path)
@@ -130,6 +143,7 @@ class VLLMEngine:
             distributed_executor_backend=distributed_executor_backend,
             max_num_seqs=max_num_seqs,
             steering_rounds=steering_rounds,
+            saes=tuple(saes),
             engine_kwargs=dict(engine_kwargs or {}),
         )
         self._readout_address = readout_address
@@ -152,6 +166,7 @@ class VLLMEngine:
         self._closing = False
         self._pack: ConceptPack | None = None
         self._raw_slots = steer.RawSlots(0)
+        self._top = 0  # the top features per SAE layer the workers keep (0: no SAE)
         self._images: ImageCounter | None = None
         self._cache_block = 16
         self.info: EngineInfo = None  # type: ignore[assignment]  # set by start()
@@ -173,6 +188,8 @@ class VLLMEngine:
         if self._pack_path is not None:
             self._pack = ConceptPack.load(self._pack_path)
             self._raw_slots = steer.RawSlots(len(self._pack.layers))
+        saes = await asyncio.to_thread(config.load_saes, self._options)  # refused here, before vLLM starts
+        self._top = max((top_width(s.architecture, s.d_sae, s.k) for s in saes), default=0)
         from transformers import AutoTokenizer
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -197,9 +214,13 @@ class VLLMEngine:
             got = sorted(layer for shape in shapes if shape["sends"] for layer in shape["readout_layers"])
             if got != want:  # each pipeline stage computes its own layers, and only its first TP rank sends
                 raise GatewayError(Code.INTERNAL, f"vLLM's workers compute readouts at {shapes}, the pack names {want}")
+            sae_layers = [s.layer for s in saes]
+            encoding = sorted(layer for shape in shapes if shape["sends"] for layer in shape.get("feature_layers", []))
+            if encoding != sae_layers:
+                raise GatewayError(Code.INTERNAL, f"vLLM's workers encode SAEs at {shapes}, the SAEs read {sae_layers}")
             vllm_len = int(self._llm.vllm_config.model_config.max_model_len)
             manifest = self._pack.manifest if self._pack is not None else None
-            self.info = config.engine_info(self._options, tokenizer, vllm_len, manifest)
+            self.info = config.engine_info(self._options, tokenizer, vllm_len, manifest, feature_manifest(saes))
             if self.info.vision is not None:
                 self._images = ImageCounter(self.model_path)
             self._cache_block = int(self._llm.vllm_config.cache_config.block_size)
@@ -297,10 +318,10 @@ class VLLMEngine:
             yield Done(0, 0, FinishReason.PREFILL_ONLY)
             return
         values = self._store.lookup(request.session_key, request.tokens, spans(spec.steering, n, n))
-        plan = make_plan(request, self.info, self._pack is not None, values)
+        plan = make_plan(request, self.info, self._pack is not None, values, self._top)
         key = f"pg{next(self._counter)}"
         steering = self._worker_steering(key, request)
-        tracker = self._receiver.open(key)
+        tracker = self._receiver.open(key, plan.features.ids if plan.features is not None else ())
         self._active.add(key)
         self._rank_of[key] = rank
         # a gated request needs the gate readout before its first computed position: it computes them all
@@ -340,6 +361,10 @@ class VLLMEngine:
                         if self._pack is not None and covered(spec.readout_ranges, position):
                             await tracker.require([position], [], f"the readout of position {position}")
                             event.readout = tracker.readouts[position]
+                        if plan.features is not None and covered(plan.features.ranges, position):
+                            what = f"the SAE features of position {position}"
+                            await tracker.require([], [], what, features=[position])
+                            event.features = event_features(tracker.features[position], plan.features, self._manifest)
                         yield event
                         if finish is not None:
                             break
@@ -396,10 +421,16 @@ class VLLMEngine:
         )
         return stream
 
+    @property
+    def _manifest(self) -> FeatureManifest:
+        assert self.info.features is not None
+        return self.info.features
+
     def _worker_steering(self, key: str, request: EngineRequest) -> dict[str, Any] | None:
         """The request's steering as the worker reads it (the core has checked it against the pack)."""
         if not request.spec.steering:
             return None
+        refuse_feature_steering(request.spec.steering)
         if self._pack is None:
             raise invalid(f"model {self.model_id!r} has no concept pack loaded, so it cannot steer")
         if self._options.pipeline_parallel_size > 1 and steer.gated(request.spec.steering):
@@ -434,7 +465,10 @@ class VLLMEngine:
         # what this request computed itself: wait for the side channel to deliver it
         ro_here = [p for p in ro_missing if p >= cached]
         lp_here = [p for p in lp_missing if p - 1 >= cached]
-        await tracker.require(ro_here, lp_here, "readouts/logprobs for this prefill")
+        fe_here = [p for p in plan.missing_features() if p >= cached]
+        await tracker.require(ro_here, lp_here, "readouts/logprobs/features for this prefill", features=fe_here)
+        rows = {p: plan.values.features[p] for p in plan.fe_prompt if p not in plan.missing_features()}
+        rows.update((p, tracker.features[p]) for p in fe_here)
         readouts = dict(plan.values.readouts)
         readouts.update((p, tracker.readouts[p]) for p in ro_here)
         logprobs: dict[int, events.EventLogprob] = {}
@@ -447,30 +481,37 @@ class VLLMEngine:
         # served from a cache the store knows nothing about: recompute that prefix once
         ro_left = [p for p in plan.ro_prompt if p not in readouts]
         lp_left = [p for p in plan.lp_prompt if p not in logprobs]
-        if ro_left or lp_left:
-            got_ro, got_lp = await self._rescore(request, ro_left, lp_left, rank)
+        fe_left = [p for p in plan.fe_prompt if p not in rows]
+        if ro_left or lp_left or fe_left:
+            got_ro, got_lp, got_fe = await self._rescore(request, ro_left, lp_left, rank, plan, fe_left)
             readouts.update(got_ro)
             logprobs.update(got_lp)
-        return events.prompt_events(request.tokens, request.spec, plan, readouts, logprobs)
+            rows.update(got_fe)
+        features = {}
+        if plan.features is not None:
+            features = {p: event_features(row, plan.features, self._manifest) for p, row in rows.items()}
+        return events.prompt_events(request.tokens, request.spec, plan, readouts, logprobs, features)
 
     async def _rescore(
-        self, request: EngineRequest, ro: list[int], lp: list[int], rank: int | None
-    ) -> tuple[dict[int, Any], dict[int, events.EventLogprob]]:
+        self, request: EngineRequest, ro: list[int], lp: list[int], rank: int | None, plan: Plan, fe: list[int]
+    ) -> tuple[dict[int, Any], dict[int, events.EventLogprob], dict[int, FeatureRow]]:
         """Recompute a prefix with the cache off, for values vLLM served from someone else's cache."""
         assert self._receiver is not None
         self.stats["rescored"] += 1
         k = request.spec.logprob_top_k
-        end = max([*ro, *lp]) + 1
+        end = max([*ro, *lp, *fe]) + 1
         key = f"pg{next(self._counter)}r"
-        tracker = self._receiver.open(key)
+        tracker = self._receiver.open(key, plan.features.ids if plan.features is not None else ())
         images = tuple(i for i in request.images if i.end <= end)
         prefix = EngineRequest(request.request_id, request.tokens[:end], request.spec, images, request.session_key)
         steering = self._worker_steering(key, prefix)  # every position of the prefix is a prompt position of both
-        stream = self._submit(key, prefix, inputs.rescore_params(wants(key, bool(ro), lp, k, steering)), rank)
+        features = feature_wants(plan, session=False) if fe else None
+        params = inputs.rescore_params(wants(key, bool(ro), lp, k, steering, features))
+        stream = self._submit(key, prefix, params, rank)
         try:
             async for _ in stream:
                 break
-            await tracker.require(ro, lp, "values for a rescored prefix")
+            await tracker.require(ro, lp, "values for a rescored prefix", features=fe)
         finally:
             with contextlib.suppress(Exception):
                 await stream.aclose()
@@ -479,6 +520,7 @@ class VLLMEngine:
         return (
             {p: tracker.readouts[p] for p in ro},
             {p: events.row_logprob(tracker.logprobs[p], k) for p in lp},
+            {p: tracker.features[p] for p in fe},
         )
 
 

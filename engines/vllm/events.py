@@ -15,6 +15,7 @@ from typing import Any
 from prismgate.core.actions import GenerateSpec, covered
 from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.core.events import FinishReason, TokenEvent
+from prismgate.core.features import Features
 from prismgate.engines.vllm.channel import LogprobRow
 from prismgate.engines.vllm.plan import Plan
 
@@ -29,16 +30,19 @@ def prompt_events(
     plan: Plan,
     readouts: dict[int, Any],
     logprobs: dict[int, EventLogprob],
+    features: dict[int, Features] | None = None,
 ) -> list[TokenEvent]:
     """One event per prompt position the request covers, with the values it asked for there."""
     events: list[TokenEvent] = []
-    wanted = sorted(set(plan.ro_prompt) | set(plan.lp_prompt) | ({0} if plan.lp_zero else set()))
+    features = features or {}
+    wanted = sorted(set(plan.ro_prompt) | set(plan.lp_prompt) | set(plan.fe_prompt) | ({0} if plan.lp_zero else set()))
     for p in wanted:
         event = TokenEvent(id=int(tokens[p]), position=p, is_prefill=True)
         if p in logprobs and covered(spec.logprob_ranges, p):
             event.logprob, event.top_logprobs = logprobs[p]
         if p in readouts and covered(spec.readout_ranges, p):
             event.readout = readouts[p]
+        event.features = features.get(p)
         events.append(event)
     return events
 

@@ -16,6 +16,7 @@ from typing import Any
 from prismgate.core.actions import PositionRange, covered
 from prismgate.core.engine import EngineInfo, EngineRequest
 from prismgate.core.errors import Code, GatewayError, invalid
+from prismgate.core.features import FeatureSpec
 from prismgate.engines.vllm.store import SessionValues
 
 
@@ -31,12 +32,24 @@ class Plan:
     lookahead: bool
     stop_ids: frozenset[int]
     values: SessionValues = field(default_factory=SessionValues)
+    decode_readouts: bool = False  # a decoded position's readout is asked for
+    fe_prompt: list[int] = field(default_factory=list)  # prompt positions whose SAE features the client asked for
+    features: FeatureSpec | None = None  # the request's, when the model has SAEs
+    top: int = 0  # the most top features per layer the worker keeps (what a session stores)
 
     def missing(self, top_k: int) -> tuple[list[int], list[int]]:
         """Prompt positions whose readouts / logprobs the store does not hold."""
         ro = [p for p in self.ro_prompt if p not in self.values.readouts]
         lp = [p for p in self.lp_prompt if self.values.logprob(p, top_k) is None]
         return ro, lp
+
+    def missing_features(self) -> list[int]:
+        """Prompt positions whose features the store does not hold (or not as many, or not these watched ids)."""
+        spec = self.features
+        if spec is None:
+            return []
+        stored = self.values.features
+        return [p for p in self.fe_prompt if p not in stored or not stored[p].serves(spec, self.top)]
 
 
 def check(request: EngineRequest, info: EngineInfo, has_readouts: bool) -> None:
@@ -61,12 +74,17 @@ def check(request: EngineRequest, info: EngineInfo, has_readouts: bool) -> None:
         raise invalid(f"model {info.model_id!r} takes no images (it has no vision encoder)")
 
 
-def make_plan(request: EngineRequest, info: EngineInfo, has_readouts: bool, values: SessionValues) -> Plan:
-    """The plan for ``request``; ``values`` are what the store holds for its session."""
+def make_plan(
+    request: EngineRequest, info: EngineInfo, has_readouts: bool, values: SessionValues, top: int = 0
+) -> Plan:
+    """The plan for ``request``; ``values`` are what the store holds for its session; ``top``: the
+    top features per layer the worker keeps (0: the model has no SAE)."""
     spec = request.spec
     n = len(request.tokens)
     horizon = n + spec.max_tokens
     decode_ro = has_readouts and bool(positions(spec.readout_ranges, n, horizon))
+    fspec = spec.features if top > 0 else None
+    decode_fe = fspec is not None and bool(positions(fspec.ranges, n, horizon))  # features come from the same step
     stop = set(spec.stop_token_ids)
     if not spec.ignore_eos:
         stop.update(info.eos_token_ids)
@@ -76,9 +94,13 @@ def make_plan(request: EngineRequest, info: EngineInfo, has_readouts: bool, valu
         lp_prompt=positions(spec.logprob_ranges, 1, n),
         lp_zero=covered(spec.logprob_ranges, 0),
         decode_logprobs=bool(positions(spec.logprob_ranges, n, horizon)),
-        lookahead=decode_ro and spec.max_tokens > 0,
+        lookahead=(decode_ro or decode_fe) and spec.max_tokens > 0,
+        decode_readouts=decode_ro,
         stop_ids=frozenset(stop),
         values=values,
+        fe_prompt=positions(fspec.ranges, 0, n) if fspec is not None else [],
+        features=fspec if fspec is not None and fspec.wanted else None,
+        top=top,
     )
 
 
@@ -89,19 +111,41 @@ def must_skip_cache(plan: Plan, top_k: int, cache_block: int) -> bool:
     token, so what this session can hit is its computed prefix rounded down to a block.
     """
     ro, lp = plan.missing(top_k)
-    first = min([*ro, *(p - 1 for p in lp)], default=plan.n)
+    first = min([*ro, *plan.missing_features(), *(p - 1 for p in lp)], default=plan.n)
     cacheable = min(plan.values.computed, plan.n - 1) // cache_block * cache_block
     return first < cacheable
 
 
 def wants(
-    key: str, readouts: bool, logprob_positions: Sequence[int], top_k: int, steering: dict[str, Any] | None = None
+    key: str,
+    readouts: bool,
+    logprob_positions: Sequence[int],
+    top_k: int,
+    steering: dict[str, Any] | None = None,
+    features: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """What the worker reads from ``extra_args`` (see :mod:`.worker`): what to send, and what to steer."""
+    """What the worker reads from ``extra_args`` (see :mod:`.worker`): what to send, and what to steer.
+
+    ``features``: ``{"k": top features per layer to send, "ids": watched ids}`` (:func:`feature_wants`).
+    """
     out: dict[str, Any] = {"key": key, "ro": int(readouts), "lp": ranges(logprob_positions), "k": top_k}
     if steering is not None:
         out["st"] = steering
+    if features is not None:
+        out["fe"] = features
     return out
+
+
+def feature_wants(plan: Plan, session: bool) -> dict[str, Any] | None:
+    """The SAE features the worker sends for every position the request computes, or None.
+
+    A session's turn sends the worker's every top feature (``plan.top``), so that the store
+    answers any later ``top_k``; a request without a session only its own ``top_k``.
+    """
+    spec = plan.features
+    if spec is None:
+        return None
+    return {"k": plan.top if session else min(spec.top_k, plan.top), "ids": list(spec.ids)}
 
 
 def request_wants(
@@ -115,17 +159,36 @@ def request_wants(
     """What the worker does for this request, or None when nothing.
 
     Readouts travel for the positions asked for, for the look-ahead, and (to fill the
-    store) for every session request; logprobs only for prompt positions the store lacks.
+    store) for every session request; logprobs only for prompt positions the store lacks;
+    SAE features for every position of a request that asks for features anywhere (the encoder
+    runs only in steps where some request does, so a session turn that asks none pays nothing:
+    a later turn asking about its positions then finds the store empty there and skips the cache).
     ``steering`` is the request's (:func:`.steer.worker_steering`).
     """
     ship_readouts = has_readouts and (
-        bool(plan.ro_prompt) or plan.lookahead or (keep_session_readouts and request.session_key is not None)
+        bool(plan.ro_prompt) or plan.decode_readouts or (keep_session_readouts and request.session_key is not None)
     )
     top_k = request.spec.logprob_top_k
     _, missing_lp = plan.missing(top_k)
-    if not ship_readouts and not missing_lp and steering is None:
+    features = feature_wants(plan, request.session_key is not None)
+    if not ship_readouts and not missing_lp and steering is None and features is None:
         return None
-    return wants(key, ship_readouts, missing_lp, top_k, steering)
+    return wants(key, ship_readouts, missing_lp, top_k, steering, features)
+
+
+def refuse_feature_steering(steering: Sequence[Any]) -> None:
+    """Refuse steering by an SAE feature (a ``feature`` entry, a clamp, a gate on a feature): this engine reads
+    SAE features but does not steer by them, and must not quietly steer by something else instead."""
+    for entry in steering:
+        gate = getattr(entry, "gate", None)
+        for part, what in ((entry, "a steering entry"), (gate, "a steering gate")):
+            for name in ("feature", "clamp"):
+                if part is not None and getattr(part, name, None) is not None:
+                    raise GatewayError(
+                        Code.FAILED_PRECONDITION,
+                        f"{what} with {name!r}: the vllm engine reads SAE features but does not steer by them; "
+                        "serve the model with --engine transformers to steer or clamp features",
+                    )
 
 
 def positions(ranges: Sequence[PositionRange], lo: int, hi: int) -> list[int]:

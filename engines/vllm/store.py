@@ -1,4 +1,4 @@
-"""What the vLLM engine remembers per session: readouts and logprobs it already computed.
+"""What the vLLM engine remembers per session: readouts, SAE features and logprobs it already computed.
 
 vLLM's prefix cache keeps keys and values, not hidden states or logits: a position it
 serves from the cache is never run through the model again, so no readout is computed for it. The
@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from prismgate.core.steering import SteeredSpan, agreed_prefix
+from prismgate.engines.vllm.features import FeatureRow
 
 if TYPE_CHECKING:
     from prismgate.engines.vllm.tracker import Tracker
@@ -38,10 +39,11 @@ class SessionValues:
     logprobs: dict[int, LogprobEntry] = field(default_factory=dict)
     computed: int = 0  # positions [0, computed) were run through the model for this session (cache may hold them)
     steered: tuple[SteeredSpan, ...] = ()  # the steering each run of ``tokens`` was computed under
+    features: dict[int, FeatureRow] = field(default_factory=dict)  # SAE features, when a turn asked for them
 
     @property
     def size(self) -> int:
-        return len(self.readouts) + len(self.logprobs)
+        return len(self.readouts) + len(self.logprobs) + len(self.features)
 
     def valid_for(self, tokens: Sequence[int], steered: Sequence[SteeredSpan]) -> SessionValues:
         """The entries that still hold for ``tokens`` steered as ``steered`` says (the shared prefix)."""
@@ -57,6 +59,7 @@ class SessionValues:
             logprobs={p: v for p, v in self.logprobs.items() if p < shared},
             computed=min(self.computed, shared),
             steered=tuple(steered),
+            features={p: v for p, v in self.features.items() if p < shared},
         )
 
     def logprob(self, position: int, top_k: int) -> LogprobEntry | None:
@@ -86,10 +89,12 @@ class SessionValues:
             if p < limit:
                 logprobs[p] = (len(row[2]), row[1], list(zip(row[2], row[3], strict=True)))
         logprobs.update(decoded)
+        features = dict(self.features)
+        features.update((p, v) for p, v in tracker.features.items() if p < limit)
         computed = max([self.computed, *(p + 1 for p in tracker.computed if p < limit)], default=0)
         if generated:  # vLLM computed at least every prompt position and all but the last token
             computed = max(computed, limit - 1)
-        return SessionValues(timeline, readouts, logprobs, computed, steered)
+        return SessionValues(timeline, readouts, logprobs, computed, steered, features)
 
 
 class ValueStore:

@@ -23,7 +23,8 @@ import numpy as np
 import numpy.typing as npt
 
 from prismgate.core.errors import Code, GatewayError
-from prismgate.engines.vllm.channel import LogprobRow, StepPacket, decode_step
+from prismgate.engines.vllm.channel import FeatureRows, LogprobRow, StepPacket, decode_step
+from prismgate.engines.vllm.features import FeatureRow
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +34,11 @@ SIDE_CHANNEL_TIMEOUT_S = 60.0  # a step's packet arrives within milliseconds; th
 class Tracker:
     """Everything the workers computed for one vLLM request, by absolute position."""
 
-    def __init__(self, key: str, n_layers: int = 0) -> None:
+    def __init__(self, key: str, n_layers: int = 0, watch: tuple[int, ...] = ()) -> None:
         self.key = key
         self.n_layers = n_layers  # the pack's layers: what a complete readout holds
+        self.watch = watch  # the feature ids this request watches: the columns of its rows' ``watched``
+        self.features: dict[int, FeatureRow] = {}
         self.readouts: dict[int, npt.NDArray[np.float32]] = {}
         self._partial: dict[int, tuple[npt.NDArray[np.float32], set[int]]] = {}  # pipeline stages still to come
         self.logprobs: dict[int, LogprobRow] = {}  # by target position
@@ -48,10 +51,17 @@ class Tracker:
         readouts: npt.NDArray[np.float32] | None,
         rows: list[LogprobRow],
         layers: list[int] | None = None,
+        features: FeatureRows | None = None,
     ) -> None:
         """One step's rows; ``layers`` are the pack's layers ``readouts`` holds (None: all of them)."""
         pos = positions.tolist()
         self.computed.update(pos)
+        if features is not None:
+            watched = features.watched
+            for i, p in enumerate(pos):
+                self.features[p] = FeatureRow(
+                    features.ids[i], features.values[i], self.watch, None if watched is None else watched[i]
+                )
         if readouts is not None:
             if layers is None or len(layers) == self.n_layers:
                 for i, p in enumerate(pos):
@@ -91,11 +101,22 @@ class Tracker:
         return True
 
     async def require(
-        self, readouts: Collection[int], logprobs: Collection[int], what: str, limit_s: float = SIDE_CHANNEL_TIMEOUT_S
+        self,
+        readouts: Collection[int],
+        logprobs: Collection[int],
+        what: str,
+        limit_s: float = SIDE_CHANNEL_TIMEOUT_S,
+        features: Collection[int] = (),
     ) -> None:
-        """Wait for these positions' readouts and logprobs; if they never come, an INTERNAL error names ``what``."""
+        """Wait for these positions' readouts, logprobs and features; if they never come, an INTERNAL error
+        names ``what``."""
         ok = await self.wait(
-            lambda: all(p in self.readouts for p in readouts) and all(p in self.logprobs for p in logprobs), limit_s
+            lambda: (
+                all(p in self.readouts for p in readouts)
+                and all(p in self.logprobs for p in logprobs)
+                and all(p in self.features for p in features)
+            ),
+            limit_s,
         )
         if not ok:
             raise GatewayError(Code.INTERNAL, f"the vLLM worker did not deliver {what}")
@@ -136,8 +157,8 @@ class Receiver:
         asyncio.get_running_loop().add_reader(self._fd, self._drain)
         self._drain()  # the descriptor only signals changes: take what came before we listened
 
-    def open(self, key: str) -> Tracker:
-        tracker = Tracker(key, self.n_layers)
+    def open(self, key: str, watch: tuple[int, ...] = ()) -> Tracker:
+        tracker = Tracker(key, self.n_layers, watch)
         self._trackers[key] = tracker
         return tracker
 
@@ -168,7 +189,7 @@ class Receiver:
                 self.rows_seen.popitem(last=False)
             tracker = self._trackers.get(req.key)
             if tracker is not None:
-                tracker.feed(req.positions, req.readouts, req.logprobs, packet.layers)
+                tracker.feed(req.positions, req.readouts, req.logprobs, packet.layers, req.features)
 
     async def close(self) -> None:
         if self._fd is not None:

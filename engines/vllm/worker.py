@@ -28,6 +28,11 @@ data-parallel engine core. A pipeline stage sends the readouts of the pack's lay
 request asked readouts of sends no message, and its in-graph readout ops return at once (a
 host flag set here before the step; under CUDA graphs they still compute, unread).
 
+SAE features ride along: each SAE's layer gets the in-graph encoder (:mod:`.sae_op`) after the
+pack's ops, and a step where a request asks for features (``extra_args``' ``fe``: how many top
+features to send, which ids it watches) writes each row's watched ids before the model call and
+sends each such request's top ids and activations (and watched activations) after it.
+
 Steering rides the same path the other way: before the model call the host writes which
 vector goes to which row into the graph's steering buffers (:mod:`.steer_rows`), from the
 request's ``extra_args`` as well; a request that only steers sends nothing back. After a step,
@@ -42,18 +47,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from prismgate.engines.readouts.probe import decoder_layers
-from prismgate.engines.vllm.channel import StepPacket, encode_step
+from prismgate.engines.vllm.channel import FeatureRows, StepPacket, encode_step
 from prismgate.engines.vllm.steer import MAX_ROUNDS
 from prismgate.engines.vllm.steer_rows import SteeredRows, SteerWriter
 
 if TYPE_CHECKING:
     from prismgate.engines.vllm.capture import SteerBuffers
+    from prismgate.engines.vllm.sae_op import FeatureBuffers, LayerFeatures
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +85,7 @@ SOLE_STAGE = Stage()
 class _RequestPlan:
     """What one request in this step wants, and where its rows lie in the flat batch."""
 
-    __slots__ = ("hi", "key", "lo", "lp_k", "lp_ranges", "positions", "prompt", "readouts")
+    __slots__ = ("fe_ids", "fe_k", "hi", "key", "lo", "lp_k", "lp_ranges", "positions", "prompt", "readouts")
 
     def __init__(self, key: str, lo: int, hi: int, positions: np.ndarray, want: dict[str, Any], prompt: Any) -> None:
         self.key = key
@@ -89,6 +96,13 @@ class _RequestPlan:
         self.lp_ranges = [(int(a), int(b)) for a, b in want.get("lp", ())]
         self.lp_k = int(want.get("k", 0))
         self.prompt = prompt
+        fe = want.get("fe")  # SAE features: {"k": top features to send, "ids": watched ids}, or absent
+        self.fe_k = int(fe["k"]) if fe else 0
+        self.fe_ids = [int(i) for i in fe["ids"]] if fe else []
+
+    @property
+    def features(self) -> bool:
+        return self.fe_k > 0 or bool(self.fe_ids)
 
     def logprob_rows(self) -> list[tuple[int, int, int]]:
         """(flat row, target position, target token) for prompt positions to score."""
@@ -121,6 +135,7 @@ class _Tap:
         stage: Stage = SOLE_STAGE,
         steer: list[SteerBuffers] | None = None,
         wanted: torch.Tensor | None = None,
+        features: tuple[FeatureBuffers, list[LayerFeatures]] | None = None,
     ) -> None:
         self.runner = runner
         self.model = runner.get_model()
@@ -132,6 +147,8 @@ class _Tap:
         self.plans: list[_RequestPlan] = []
         self.n_rows = 0
         self.any_readouts = False
+        self.features = features  # the SAE ops' shared inputs and each SAE layer's outputs
+        self.any_features = False
         self.step = 0
         self._forward = runner._model_forward
         runner._model_forward = self._model_forward
@@ -147,13 +164,18 @@ class _Tap:
         self.steered: list[SteeredRows] = []
         self.n_rows = 0
         self.any_readouts = False
+        self.any_features = False
         try:
             self._plan()
+            self._watch()
         except Exception:  # never break the engine over a readout
             log.exception("prismgate: could not plan readouts for this step")
             self.plans = []
+            self.any_readouts = self.any_features = False
         if self.wanted is not None:
             self.wanted[0] = int(self.any_readouts)
+        if self.features is not None:
+            self.features[0].flags[0] = int(self.any_features)
         if self.steer is not None:  # steering is the request's answer: a failure here fails the step
             self.steer.plan(self.steered, self.n_rows)
 
@@ -181,13 +203,28 @@ class _Tap:
             steering = want.get("st")
             if steering:
                 self.steered.append(SteeredRows(want["key"], lo, hi - lo, int(computed[i]), steering))
-            if not (want.get("ro") or want.get("lp")):
+            if not (want.get("ro") or want.get("lp") or want.get("fe")):
                 continue  # it only steers: nothing to send back
             positions = computed[i] + np.arange(hi - lo, dtype=np.int64)
             prompt = getattr(state, "prompt_token_ids", None)
             plan = _RequestPlan(str(want["key"]), lo, hi, positions, want, prompt)
             self.plans.append(plan)
             self.any_readouts = self.any_readouts or plan.readouts
+            self.any_features = self.any_features or plan.features
+
+    def _watch(self) -> None:
+        """Write each row's watched feature ids for the SAE ops, and how many columns the step uses."""
+        if self.features is None:
+            return
+        shared = self.features[0]
+        width = max((len(plan.fe_ids) for plan in self.plans), default=0) if self.any_features else 0
+        if width:
+            ids = np.zeros((self.n_rows, width), dtype=np.int64)
+            for plan in self.plans:
+                if plan.fe_ids:
+                    ids[plan.lo : plan.hi, : len(plan.fe_ids)] = plan.fe_ids
+            shared.watch[: self.n_rows, :width].copy_(torch.from_numpy(ids))
+        shared.flags[1] = width
 
     def _after(self, output: Any) -> None:
         if self.steer is not None and self.steered:
@@ -228,10 +265,34 @@ class _Tap:
                 for j, (plan, (_, target, _token)) in enumerate(rows):
                     kk = plan.lp_k
                     scored.setdefault(plan.key, []).append((target, float(own[j]), top_i[j][:kk], top_v[j][:kk]))
+        features = self._all_features()
         for plan in self.plans:
             ro = readouts[plan.lo : plan.hi] if (plan.readouts and readouts is not None) else None
-            packet.add(plan.key, plan.positions, ro, scored.get(plan.key, []))
+            fe = None
+            if features is not None and plan.features:
+                top_ids, top_values, watched = features
+                lo, hi, k, w = plan.lo, plan.hi, plan.fe_k, len(plan.fe_ids)
+                fe = FeatureRows(top_ids[lo:hi, :, :k], top_values[lo:hi, :, :k], watched[lo:hi, :, :w] if w else None)
+            packet.add(plan.key, plan.positions, ro, scored.get(plan.key, []), fe)
         return packet
+
+    def _all_features(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The step's features, every row and SAE layer, in host memory: ids, values ``[rows, layers, K]`` and
+        watched ``[rows, layers, W]``, copied once (each request's share is a slice; the frames copy it again)."""
+        if self.features is None or not self.any_features:
+            return None
+        n, k = self.n_rows, max(plan.fe_k for plan in self.plans)
+        w = max(len(plan.fe_ids) for plan in self.plans)
+        layers = self.features[1]
+
+        def host(parts: list[torch.Tensor]) -> np.ndarray:
+            return (torch.stack(parts, dim=1) if len(parts) > 1 else parts[0].unsqueeze(1)).to("cpu").numpy()
+
+        return (
+            host([f.ids[:n, :k] for f in layers]),
+            host([f.values[:n, :k] for f in layers]),
+            host([f.watched[:n, :w] for f in layers]),
+        )
 
     def remove(self) -> None:
         """Put the runner's own model call back."""
@@ -248,12 +309,39 @@ class PrismgateWorkerExtension:
     _prismgate_wanted: torch.Tensor | None = None  # host flag: does this step read readouts
     _prismgate_layers: list[int] | None = None
     _prismgate_slots: list[int] | None = None  # the pack's indices of those layers (None: no pack)
+    _prismgate_features: tuple[FeatureBuffers, list[LayerFeatures]] | None = None  # the SAE ops' buffers
+    _prismgate_sae_layers: list[int] | None = None
 
     def prismgate_install_readouts(self) -> None:
-        """Put the concept pack named in vLLM's config into the model's graph; call before its first run."""
+        """Put the concept pack and SAEs named in vLLM's config into the model's graph; call before its first run."""
         settings = readout_settings(self.vllm_config)  # type: ignore[attr-defined]
         if settings is None:
             return
+        if settings.get("pack"):
+            self._prismgate_install_pack(settings)
+        if settings.get("saes"):  # after the pack: a layer's features read the stream after its steering
+            self._prismgate_install_saes([str(folder) for folder in settings["saes"]])
+
+    def _prismgate_install_saes(self, folders: list[str]) -> None:
+        """Load each SAE and give its layer the in-graph encoder (:mod:`.sae_op`)."""
+        from prismgate.engines.sae.files import load_for_model
+        from prismgate.engines.vllm import sae_op
+        from prismgate.engines.vllm.features import top_width
+
+        if getattr(self.vllm_config.parallel_config, "use_ubatching", False):  # type: ignore[attr-defined]
+            raise ValueError("prismgate SAE features do not support vLLM's micro-batching (dual-batch overlap)")
+        runner = self.model_runner  # type: ignore[attr-defined]
+        model = runner.get_model()
+        hidden = int(runner.model_config.get_hidden_size())
+        saes = load_for_model([(Path(f), None) for f in folders], len(decoder_layers(model)), hidden)
+        rows = max_rows(self.vllm_config)  # type: ignore[attr-defined]
+        device = next(model.parameters()).device
+        shared = sae_op.FeatureBuffers(rows, device)
+        width = max(top_width(s.architecture, s.d_sae, s.k) for s in saes)
+        self._prismgate_features = (shared, sae_op.install(model, saes, rows, shared, width))
+        self._prismgate_sae_layers = [s.layer for s in saes]
+
+    def _prismgate_install_pack(self, settings: dict[str, Any]) -> None:
         from prismgate.engines.readouts.pack import ConceptPack
         from prismgate.engines.vllm import capture
 
@@ -291,16 +379,27 @@ class PrismgateWorkerExtension:
         # pipeline stage sends its own layers' readouts, the last one also the prompt logprobs.
         # Every rank steers its own copy of the stream.
         stage = Stage(self._prismgate_slots, last=bool(get_pp_group().is_last_rank))
-        sends = get_tp_group().rank_in_group == 0 and (stage.last or bool(self._prismgate_layers))
+        sends = get_tp_group().rank_in_group == 0 and (
+            stage.last or bool(self._prismgate_layers) or bool(self._prismgate_sae_layers)
+        )
         sender = Sender(address) if sends else _NullSender()
         buffers = self._prismgate_buffers or []
-        self._prismgate_tap = _Tap(runner, buffers, sender, stage, self._prismgate_steer or [], self._prismgate_wanted)
+        self._prismgate_tap = _Tap(
+            runner,
+            buffers,
+            sender,
+            stage,
+            self._prismgate_steer or [],
+            self._prismgate_wanted,
+            self._prismgate_features,
+        )
         return {
             "n_layers": len(decoder_layers(model)),
             "hidden_size": int(runner.model_config.get_hidden_size()),
             "rank": int(getattr(self, "rank", 0)),
             "sends": sends,
             "readout_layers": list(self._prismgate_layers or []),
+            "feature_layers": list(self._prismgate_sae_layers or []),
         }
 
     def prismgate_shutdown(self) -> None:
@@ -317,7 +416,7 @@ def readout_settings(vllm_config: Any) -> dict[str, Any] | None:
     if not isinstance(extra, dict):
         return None
     settings = extra.get(EXTRA_KEY)
-    return settings if isinstance(settings, dict) and settings.get("pack") else None
+    return settings if isinstance(settings, dict) and (settings.get("pack") or settings.get("saes")) else None
 
 
 def max_rows(vllm_config: Any) -> int:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 from safetensors.torch import save_file
 
@@ -60,3 +61,34 @@ def write_sae(
     save_file({n: t.contiguous() for n, t in weights.items()}, str(folder / "sae_weights.safetensors"))
     (folder / "cfg.json").write_text(json.dumps(config))
     return folder
+
+
+def labelled_pair(root: Path) -> list[Path]:
+    """The servers' SAEs: two random TopK SAEs (k 6) after layers 0 and 1, labels on the even ids of the first."""
+    a = write_sae(root / "a", layer=0, k=6, seed=5)
+    (a / "labels.json").write_text(json.dumps({str(i): f"feature {i}" for i in range(0, 256, 2)}))
+    return [a, write_sae(root / "b", layer=1, k=6, seed=6)]
+
+
+def streamed_features(url: str, payload: dict[str, Any], timeout: float = 60) -> list[Any]:
+    """The features every chunk of a streamed completion carries, in order."""
+    streamed: list[Any] = []
+    with httpx.stream("POST", url + "/v1/completions", json={**payload, "stream": True}, timeout=timeout) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"]
+                if choice and "prismgate" in choice[0]:
+                    streamed += choice[0]["prismgate"]["features"]
+    return streamed
+
+
+def assert_same_features(a: list[Any], b: list[Any], tol: float = 1e-4) -> None:
+    """Two runs' per-token features on the OpenAI wire: the same positions, ids in order, activations within ``tol``."""
+    import pytest
+
+    assert [t["position"] for t in a] == [t["position"] for t in b]
+    for x, y in zip(a, b, strict=True):
+        for la, lb in zip(x["layers"], y["layers"], strict=True):
+            assert [f["id"] for f in la["top"]] == [f["id"] for f in lb["top"]]
+            assert [f["activation"] for f in la["top"]] == pytest.approx([f["activation"] for f in lb["top"]], abs=tol)
+            assert la.get("watched") == pytest.approx(lb.get("watched"), abs=tol)

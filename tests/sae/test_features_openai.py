@@ -8,7 +8,6 @@ top ids in order, their activations, and the watched ids' activations.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY_MODEL_ID, LiveServer
+from tests.sae.saes import assert_same_features, streamed_features
 
 sae_lens = pytest.importorskip("sae_lens", reason="sae-lens is a dev dependency: make setup installs it")
 PROMPT = [1, 17, 42, 99, 7, 3, 250, 11]
@@ -66,15 +66,9 @@ def test_features_match_sae_lens_on_the_models_own_stream(
 
 def test_a_stream_carries_the_same_features(server: LiveServer) -> None:
     whole = complete(server, features={"top_k": 3, "layers": [1]}).json()["choices"][0]["prismgate"]["features"]
-    streamed = []
-    payload = {"model": TINY_MODEL_ID, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True,
+    payload = {"model": TINY_MODEL_ID, "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
                "features": {"top_k": 3, "layers": [1]}}  # fmt: skip
-    with httpx.stream("POST", server.http_url + "/v1/completions", json=payload, timeout=60) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                choice = json.loads(line[6:])["choices"]
-                if choice and "prismgate" in choice[0]:
-                    streamed += choice[0]["prismgate"]["features"]
+    streamed = streamed_features(server.http_url, payload)
     assert streamed == whole and len(whole) == 4
 
 
@@ -139,14 +133,7 @@ def test_requests_decoded_in_one_batch_each_get_their_own_features(server: LiveS
         together = list(pool.map(run, asks))
     assert server_stats(server) > batched_before, "the requests never shared a decode pass"
     for a, b in zip(alone, together, strict=True):
-        assert [t["position"] for t in a] == [t["position"] for t in b]
-        for x, y in zip(a, b, strict=True):
-            for la, lb in zip(x["layers"], y["layers"], strict=True):
-                assert [f["id"] for f in la["top"]] == [f["id"] for f in lb["top"]]
-                assert [f["activation"] for f in la["top"]] == pytest.approx(
-                    [f["activation"] for f in lb["top"]], abs=1e-4
-                )
-                assert la.get("watched") == pytest.approx(lb.get("watched"), abs=1e-4)
+        assert_same_features(a, b, 1e-4)
     assert all(len(entry["top"]) == 0 and len(entry["watched"]) == 2 for t in together[2] for entry in t["layers"])
 
 
