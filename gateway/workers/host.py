@@ -35,11 +35,12 @@ import copyreg
 import logging
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from prismgate.compose import build_engine, build_quota, build_store
-from prismgate.core.engine import EngineInfo
+from prismgate.core.engine import Engine, EngineInfo
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.health import Health
 from prismgate.core.pool import EnginePool
@@ -58,6 +59,14 @@ EVICTION_PERIOD_S = 30.0
 
 # A tokenizer crosses to the front-ends as the Hugging Face tokenizer it wraps (its lock is rebuilt there).
 copyreg.pickle(HFTokenizer, lambda t: (HFTokenizer, (t.hf,)))
+
+
+EngineFactory = Callable[[Settings], list[Engine]]
+
+
+def served_engines(settings: Settings) -> list[Engine]:
+    """One engine per served model and replica, as :func:`prismgate.compose.build_service` builds them."""
+    return [build_engine(served) for served in settings.served() for _ in range(served.replicas)]
 
 
 @dataclass
@@ -87,12 +96,14 @@ class _Peer:
 
 
 class EngineHost:
-    def __init__(self, settings: Settings, path: str) -> None:
+    def __init__(self, settings: Settings, path: str, engines: EngineFactory | None = None) -> None:
+        """``engines``: what builds the engines (default: the settings' models, as one process does;
+        a benchmark passes its null engine)."""
         self.settings = settings
         self.path = path
-        engines = [build_engine(served) for served in settings.served() for _ in range(served.replicas)]
+        built = (engines or served_engines)(settings)
         self.pool = EnginePool(
-            engines,
+            built,
             max_active=settings.max_active,
             max_queued=settings.max_queued,
             reserved_slots=settings.reserved_slots,
@@ -316,11 +327,11 @@ _NAMED = frozenset({"create", "fork"})  # their arguments come as (positional, k
 _STORE_CALLS = frozenset({"create", "get", "fork", "owners", "close", "reserve", "evict_expired", "unreachable"})
 
 
-def host_main(settings: Settings, path: str) -> None:
+def host_main(settings: Settings, path: str, engines: EngineFactory | None = None) -> None:
     """The engine host process's entry point (``multiprocessing`` spawn)."""
     from prismgate import logs
 
     logs.configure(settings)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when the host stops
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(EngineHost(settings, path).run())
+        asyncio.run(EngineHost(settings, path, engines).run())

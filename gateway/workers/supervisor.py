@@ -44,9 +44,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prismgate.settings import Settings
+
+if TYPE_CHECKING:
+    from prismgate.workers.host import EngineFactory
 
 log = logging.getLogger("prismgate.workers")
 
@@ -54,7 +57,11 @@ HOST_SOCKET_WAIT_S = 120.0
 WORKER_HEADER = b"prismgate-worker"
 
 
-def serve_workers(settings: Settings) -> int:
+def serve_workers(settings: Settings, engines: EngineFactory | None = None) -> int:
+    """Run until SIGTERM/SIGINT; 0 after a clean stop, 1 when a port could not be bound or a process failed.
+
+    ``engines``: a picklable function that builds the engines in the host (a benchmark's null
+    engine); None: the settings' models."""
     from prismgate.server import CannotListen, _listen_http
 
     n = settings.workers
@@ -77,7 +84,7 @@ def serve_workers(settings: Settings) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    host = spawn.Process(target=_host_entry, args=(settings, path), name="prismgate-engine-host", daemon=False)
+    host = spawn.Process(target=_host_entry, args=(settings, path, engines), name="prismgate-engine-host", daemon=False)
     host.start()
     frontends: list[Any] = []
     status = 0
@@ -196,10 +203,10 @@ def _write_port_file(path: Path, http_port: int, grpc_port: int) -> None:
     staging.replace(path)
 
 
-def _host_entry(settings: Settings, path: str) -> None:
+def _host_entry(settings: Settings, path: str, engines: EngineFactory | None) -> None:
     from prismgate.workers.host import host_main
 
-    host_main(settings, path)
+    host_main(settings, path, engines)
 
 
 def frontend_main(settings: Settings, http_socket: socket.socket, path: str, index: int, started: Any) -> None:
