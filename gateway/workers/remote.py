@@ -100,18 +100,30 @@ class HostLink:
         if self._channel is not None:
             self._channel.send(message)
 
-    async def call(self, target: str, method: str, *args: Any) -> Any:
+    def _check(self) -> None:
         if self.gone:
             raise GatewayError(Code.UNAVAILABLE, HOST_GONE)
+        if self._channel is None:
+            raise GatewayError(Code.UNAVAILABLE, "not connected to the engine host yet")
+
+    async def call(self, target: str, method: str, *args: Any) -> Any:
+        return (await self._call(target, method, args))[1]
+
+    async def hold(self, session_id: str) -> tuple[int, Session]:
+        """Enter a generation on the host's session: (the hold's id, for its ``exit``; the session)."""
+        call, session = await self._call("store", "hold", (session_id,))
+        return call, session
+
+    async def _call(self, target: str, method: str, args: tuple[Any, ...]) -> tuple[int, Any]:
+        self._check()
         call = next(self._ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call] = future
         self.send(("call", call, target, method, args))
-        return await future
+        return call, await future
 
     async def stream(self, model: str, request: EngineRequest, share: Share) -> AsyncGenerator[Event, None]:
-        if self.gone:
-            raise GatewayError(Code.UNAVAILABLE, HOST_GONE)
+        self._check()
         call = next(self._ids)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[call] = queue
@@ -324,11 +336,7 @@ class RemoteStore(SessionStore):
 
     @contextlib.asynccontextmanager
     async def generation(self, session_id: str) -> AsyncIterator[Session]:
-        call = next(self.link._ids)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.link._calls[call] = future
-        self.link.send(("call", call, "store", "hold", (session_id,)))
-        session: Session = await future
+        call, session = await self.link.hold(session_id)
         try:
             yield session
         finally:
