@@ -28,6 +28,7 @@ from prismgate.workers.remote import HostLink, RemotePool
 from tests.conftest import TINY_MODEL_ID
 from tests.evergreen.wire import Collector, generate, msg, text_leaf
 from tests.ops.helpers import scrape, serve, value
+from tests.ops.test_keys import auth, write_keys
 from tests.ops.test_shutdown import stream_completion
 from tests.salience.conftest import connect
 from tests.serve_process import PRISMGATE, Served
@@ -182,3 +183,43 @@ def test_sigterm_drains_a_stream_on_a_front_end_then_exits_0(tmp_path: Path, lon
     assert messages.index("engine host stopped") > last_drained
     assert logs[-1]["message"] == "stopped" and logs[-1]["exit_status"] == 0
     assert not running.port_file.exists()
+
+
+def test_a_keys_concurrency_limit_holds_across_front_ends(tmp_path: Path, long_model_dir: Path) -> None:
+    """The host counts a key's leases: while its one allowed stream runs on one front-end, the
+    other front-end refuses the key too."""
+    keys = tmp_path / "keys.toml"
+    write_keys(keys, ["single"])
+    with serve(tmp_path, long_model_dir, "--workers", "2", "--keys-file", str(keys)) as running:
+        body = {"model": TINY_MODEL_ID, "prompt": "hello", "max_tokens": 3000, "stream": True, "temperature": 0}
+        first: dict[str, str] = {}
+        streaming = threading.Event()
+        stop = threading.Event()
+
+        def hold() -> None:
+            with httpx.stream("POST", running.http_url + "/v1/completions", json=body, headers=auth("single"),
+                              timeout=120) as response:  # fmt: skip
+                first["worker"] = response.headers["prismgate-worker"]
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        streaming.set()
+                    if stop.is_set():
+                        break
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        try:
+            assert streaming.wait(60)
+            refusals: set[str] = set()
+            for _ in range(TRIES):
+                answer = httpx.post(running.http_url + "/v1/completions", json={**body, "stream": False,
+                                    "max_tokens": 1}, headers=auth("single"), timeout=60)  # fmt: skip
+                assert answer.status_code == 429, answer.text
+                assert "max_concurrent" in answer.json()["error"]["message"]
+                refusals.add(answer.headers["prismgate-worker"])
+                if refusals == {"0", "1"}:
+                    break
+            assert refusals == {"0", "1"}, f"only front-end {refusals} was reached"
+        finally:
+            stop.set()
+            holder.join(120)
