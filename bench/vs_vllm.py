@@ -439,48 +439,22 @@ def main(argv: list[str] | None = None) -> int:
     pack = Path(args.concept_pack) if args.concept_pack else (None if args.model else DEFAULT_PACK)
     prompt = list(AutoTokenizer.from_pretrained(str(model)).encode(PROMPT))
     if args.processes > 1:
-        with (
-            vllm_serve(model, args, eager=False) as base,
-            vllm_serve(model, args, eager=False, api_servers=args.processes) as api,
-            prismgate_serve(model, pack, args) as gateway,
-            prismgate_serve(model, pack, args, workers=args.processes) as gateway_workers,
-        ):
-            load = [os.getloadavg()[0]]
-            rows = asyncio.run(measure((base, api, gateway, gateway_workers), prompt, args))
-            load.append(os.getloadavg()[0])
-        print("\nratios to `vllm serve` (its defaults):\n" + ratios(rows), flush=True)
-        path = write_results(
-            args.results if args.results != "vs_vllm" else "vs_vllm_processes",
-            {
-                "processes": args.processes,
-                "build": args.build,
-                "model": str(model),
-                "vllm": vllm.__version__,
-                "device": "cpu" if not _has_gpu() else "gpu",
-                "settings": {"dtype": args.dtype, "max_model_len": args.max_len, "kv_cache_gb": args.kv_cache_gb},
-                "max_tokens": args.max_tokens,
-                "reps": args.reps,
-                "load_average": load,
-                "rows": rows,
-            },
-        )
-        print(f"results: {path}")
-        return 0
-    # One at a time: three vLLM start-ups (each compiling) at once would starve each other.
-    with (
-        vllm_serve(model, args, eager=False) as base,
-        contextlib.nullcontext(None) if args.frontend_only else vllm_serve(model, args, eager=True) as eager,
-        prismgate_serve(model, pack, args) as gateway,
-    ):
+        servers: contextlib.AbstractContextManager[tuple[Any, ...]] = _scaling_servers(model, pack, args)
+        name = args.results if args.results != "vs_vllm" else "vs_vllm_processes"
+        extra: dict[str, Any] = {"processes": args.processes}
+    else:
+        servers = _servers(model, pack, args)
+        name = args.results
+        extra = {"quick": args.quick, "frontend_only": args.frontend_only}
+    with servers as running:
         load = [os.getloadavg()[0]]  # other work on the machine: the noise every ratio here carries
-        rows = asyncio.run(measure((base, eager, gateway), prompt, args))
+        rows = asyncio.run(measure(running, prompt, args))
         load.append(os.getloadavg()[0])
     print("\nratios to `vllm serve` (its defaults):\n" + ratios(rows), flush=True)
     path = write_results(
-        args.results,
+        name,
         {
-            "quick": args.quick,
-            "frontend_only": args.frontend_only,
+            **extra,
             "build": args.build,
             "model": str(model),
             "vllm": vllm.__version__,
@@ -494,6 +468,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"results: {path}")
     return 0
+
+
+@contextlib.contextmanager
+def _servers(model: Path, pack: Path | None, args: argparse.Namespace) -> Iterator[tuple[Any, ...]]:
+    """``vllm serve``, its eager twin (unless ``--frontend-only``) and prismgate, started one at a time:
+    three vLLM start-ups (each compiling) at once would starve each other."""
+    with (
+        vllm_serve(model, args, eager=False) as base,
+        contextlib.nullcontext(None) if args.frontend_only else vllm_serve(model, args, eager=True) as eager,
+        prismgate_serve(model, pack, args) as gateway,
+    ):
+        yield base, eager, gateway
+
+
+@contextlib.contextmanager
+def _scaling_servers(model: Path, pack: Path | None, args: argparse.Namespace) -> Iterator[tuple[Any, ...]]:
+    """``--processes N``: vllm serve with 1 and N API servers, prismgate with 1 and N front-ends."""
+    with (
+        vllm_serve(model, args, eager=False) as base,
+        vllm_serve(model, args, eager=False, api_servers=args.processes) as api,
+        prismgate_serve(model, pack, args) as gateway,
+        prismgate_serve(model, pack, args, workers=args.processes) as gateway_workers,
+    ):
+        yield base, api, gateway, gateway_workers
 
 
 def _has_gpu() -> bool:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -62,7 +61,7 @@ def serve_workers(settings: Settings, engines: EngineFactory | None = None) -> i
 
     ``engines``: a picklable function that builds the engines in the host (a benchmark's null
     engine); None: the settings' models."""
-    from prismgate.server import CannotListen, _listen_http
+    from prismgate.server import CannotListen, _listen_http, _write_port_file
 
     n = settings.workers
     try:
@@ -194,13 +193,6 @@ def _hold_grpc_port(host: str, port: int) -> socket.socket:
         sock.close()
         raise CannotListen(host, port, "--grpc-port", exc.strerror or str(exc)) from None
     return sock
-
-
-def _write_port_file(path: Path, http_port: int, grpc_port: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    staging.write_text(json.dumps({"http_port": http_port, "grpc_port": grpc_port, "pid": os.getpid()}))
-    staging.replace(path)
 
 
 def _host_entry(settings: Settings, path: str, engines: EngineFactory | None) -> None:
