@@ -281,6 +281,15 @@ class RemotePool(EnginePool):
             )
         return own
 
+    async def start(self) -> None:
+        """Until the host's models are loaded and every front-end is connected: this front-end's
+        gRPC health, ``prismgate_ready`` and "ready" log line then agree with ``/readyz``."""
+        await super().start()
+        while (status := self.link.status) is None or status.frontends < self.link.workers:
+            if self.link.gone:
+                raise RuntimeError(HOST_GONE)
+            await asyncio.sleep(0.05)
+
     def release(self, session_key: str) -> None:
         self.link.send(("release", session_key))
 

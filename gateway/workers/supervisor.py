@@ -16,7 +16,7 @@ The supervisor (the process the user started) does no serving itself:
 4. on SIGTERM or SIGINT it passes SIGTERM to every front-end, each drains as one process
    does (docs/operations.md: Shutdown), and once all have exited it stops the host; a second
    signal is passed on too (cut what still runs). Exit status 0 when every process stopped
-   cleanly.
+   cleanly. SIGHUP is passed to every front-end (each reads the keys file again).
 
 A front-end or the host that dies on its own is not restarted: the supervisor stops the
 rest (the same drain) and exits 1, so that the process manager that started it (systemd,
@@ -81,11 +81,18 @@ def serve_workers(settings: Settings, engines: EngineFactory | None = None) -> i
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         stopping["signals"] += 1
 
+    frontends: list[Any] = []
+
+    def reload_keys(_signum: int, _frame: FrameType | None) -> None:
+        for process in frontends:  # each front-end reads the keys file again (docs/keys.md)
+            if process.is_alive() and process.pid is not None:
+                os.kill(process.pid, signal.SIGHUP)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    signal.signal(signal.SIGHUP, reload_keys)
     host = spawn.Process(target=_host_entry, args=(settings, path, engines), name="prismgate-engine-host", daemon=False)
     host.start()
-    frontends: list[Any] = []
     status = 0
     try:
         deadline = time.monotonic() + HOST_SOCKET_WAIT_S

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -185,7 +186,7 @@ def test_sigterm_drains_a_stream_on_a_front_end_then_exits_0(tmp_path: Path, lon
     assert not running.port_file.exists()
 
 
-def test_a_keys_concurrency_limit_holds_across_front_ends(tmp_path: Path, long_model_dir: Path) -> None:
+def test_a_keys_limit_holds_across_front_ends_and_sighup_keeps_serving(tmp_path: Path, long_model_dir: Path) -> None:
     """The host counts a key's leases: while its one allowed stream runs on one front-end, the
     other front-end refuses the key too."""
     keys = tmp_path / "keys.toml"
@@ -223,3 +224,14 @@ def test_a_keys_concurrency_limit_holds_across_front_ends(tmp_path: Path, long_m
         finally:
             stop.set()
             holder.join(120)
+        running.process.send_signal(signal.SIGHUP)  # passed to the front-ends: the keys file read again
+        time.sleep(1)
+        assert running.process.poll() is None
+        answered: list[int] = []
+        deadline = time.monotonic() + 30  # the held stream's lease is returned once its cancellation reaches the host
+        while answered.count(200) < 4 and time.monotonic() < deadline:
+            answer = httpx.post(running.http_url + "/v1/completions", json={**body, "stream": False, "max_tokens": 1},
+                                headers=auth("single"), timeout=60)  # fmt: skip
+            answered.append(answer.status_code)
+            assert answer.status_code in (200, 429), answer.text
+        assert answered.count(200) == 4 and answered[-4:] == [200] * 4, answered
