@@ -235,3 +235,18 @@ def test_a_keys_limit_holds_across_front_ends_and_sighup_keeps_serving(tmp_path:
             answered.append(answer.status_code)
             assert answer.status_code in (200, 429), answer.text
         assert answered.count(200) == 4 and answered[-4:] == [200] * 4, answered
+
+
+def test_a_front_end_that_dies_stops_the_server_with_status_1(tmp_path: Path, tiny_model_dir: Path) -> None:
+    import psutil
+
+    with serve(tmp_path, tiny_model_dir, "--workers", "2") as running:
+        host = next(line["host_pid"] for line in running.logs() if "host_pid" in line)
+        children = psutil.Process(running.process.pid).children()
+        front = [p for p in children if p.pid != host and "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(front) == 2
+        front[0].send_signal(signal.SIGKILL)
+        assert running.process.wait(60) == 1
+    messages = [line["message"] for line in running.logs()]
+    assert any(m.startswith("prismgate-frontend-") and "exited with status -9" in m for m in messages), messages
+    assert "engine host stopped" in messages  # the rest stopped in order
