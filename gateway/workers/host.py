@@ -21,8 +21,9 @@ It serves them over a Unix socket (:mod:`prismgate.workers.wire`). Messages in:
 * ``("release", session_key)``: drop the session's engine caches.
 
 And pushed to every front-end whenever it changes (checked every :data:`STATUS_PERIOD_S`):
-``("status", Status)``: each model's health and (once loaded) info, admission counts,
-session counts and how many front-ends are connected. A front-end that disconnects has
+``("status", Status)``: each model's health, admission counts, session counts and how many
+front-ends are connected; once the models are loaded, ``("infos", {model: EngineInfo})``
+(in the hello for a front-end that connects later). A front-end that disconnects has
 its generations cancelled, its sessions' generation holds released and its quota leases
 returned.
 """
@@ -74,7 +75,6 @@ class Status:
     """What every front-end mirrors of the host: enough to answer /readyz, /metrics and the pool's questions."""
 
     health: dict[str, Health]
-    infos: dict[str, EngineInfo]
     in_flight: dict[str, int]
     active: int = 0
     queued: int = 0
@@ -157,6 +157,8 @@ class EngineHost:
             return
         self._infos = {model: self.pool.engine(model).info for model in self.pool.models}
         self._started = True
+        for peer in self.peers:  # once: an info (its tokenizer above all) is too big to go with every status
+            peer.channel.send(("infos", self._infos))
 
     async def _evict(self) -> None:
         while self.store is not None:
@@ -169,7 +171,6 @@ class EngineHost:
         admission = self.pool.admission
         return Status(
             health={model: self.pool.health_of(model) for model in self.pool.models},
-            infos=dict(self._infos),
             in_flight={m: sum(e.in_flight() for e in self.pool.replicas(m).engines) for m in self.pool.models},
             active=admission.active,
             queued=admission.queued,
@@ -194,7 +195,7 @@ class EngineHost:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = _Peer(Channel(reader, writer))
         self.peers.append(peer)
-        peer.channel.send(("hello", self.pool.models, self.store is not None, self.status()))
+        peer.channel.send(("hello", self.pool.models, self.store is not None, self.status(), self._infos))
         try:
             while True:
                 for message in await peer.channel.receive():

@@ -48,6 +48,7 @@ class HostLink:
         self.models: list[str] = []
         self.holds_sessions = False
         self.status: Status | None = None
+        self.infos: dict[str, EngineInfo] = {}  # each model's, once the host has loaded it
         self._channel: Channel | None = None
         self._ids = itertools.count(1)
         self._calls: dict[int, asyncio.Future[Any]] = {}
@@ -59,7 +60,7 @@ class HostLink:
         reader, writer = await asyncio.open_unix_connection(self.path, limit=1 << 24)
         self._channel = Channel(reader, writer)
         hello = (await self._channel.receive())[0]
-        _, self.models, self.holds_sessions, self.status = hello
+        _, self.models, self.holds_sessions, self.status, self.infos = hello
         self._reader = asyncio.create_task(self._read(), name="engine-host-link")
 
     async def _read(self) -> None:
@@ -95,6 +96,8 @@ class HostLink:
                     future.set_exception(unpack_error(message[2]))
         elif kind == "status":
             self.status = message[1]
+        elif kind == "infos":
+            self.infos = message[1]
 
     def send(self, message: Message) -> None:
         if self._channel is not None:
@@ -179,8 +182,7 @@ class RemoteEngine:
 
     @property
     def info(self) -> EngineInfo:
-        status = self.link.status
-        info = status.infos.get(self.model_id) if status is not None else None
+        info = self.link.infos.get(self.model_id)
         if info is None:
             raise GatewayError(Code.UNAVAILABLE, f"model {self.model_id!r} is still loading")
         return info
@@ -190,9 +192,9 @@ class RemoteEngine:
         while True:
             if self.link.gone:
                 raise RuntimeError(HOST_GONE)
-            status = self.link.status
-            if status is not None and self.model_id in status.infos:
+            if self.model_id in self.link.infos:
                 return
+            status = self.link.status
             state = status.health.get(self.model_id) if status is not None else None
             if state is not None and state.state is health.HealthState.FAILED:
                 raise RuntimeError(f"the engine host could not load {self.model_id}: {state.reason}")

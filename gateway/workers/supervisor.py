@@ -30,6 +30,7 @@ all (:mod:`prismgate.metrics`).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import multiprocessing
@@ -38,6 +39,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("prismgate.workers")
 
 HOST_SOCKET_WAIT_S = 120.0
+PR_SET_PDEATHSIG = 1
 WORKER_HEADER = b"prismgate-worker"
 
 
@@ -91,7 +94,9 @@ def serve_workers(settings: Settings, engines: EngineFactory | None = None) -> i
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     signal.signal(signal.SIGHUP, reload_keys)
-    host = spawn.Process(target=_host_entry, args=(settings, path, engines), name="prismgate-engine-host", daemon=False)
+    host = spawn.Process(
+        target=_host_entry, args=(settings, path, engines, os.getpid()), name="prismgate-engine-host", daemon=False
+    )
     host.start()
     status = 0
     try:
@@ -109,7 +114,7 @@ def serve_workers(settings: Settings, engines: EngineFactory | None = None) -> i
             for index in range(n):
                 process = spawn.Process(
                     target=frontend_main,
-                    args=(front, http_socket, path, index, started[index]),
+                    args=(front, http_socket, path, index, started[index], os.getpid()),
                     name=f"prismgate-frontend-{index}",
                     daemon=False,
                 )
@@ -202,18 +207,31 @@ def _hold_grpc_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _host_entry(settings: Settings, path: str, engines: EngineFactory | None) -> None:
+def die_with_parent(parent: int) -> None:
+    """SIGTERM this process when the supervisor ``parent`` dies, even by SIGKILL (Linux
+    ``PR_SET_PDEATHSIG``): no engine host or front-end outlives its server."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the call above
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _host_entry(settings: Settings, path: str, engines: EngineFactory | None, parent: int) -> None:
+    die_with_parent(parent)
     from prismgate.workers.host import host_main
 
     host_main(settings, path, engines)
 
 
-def frontend_main(settings: Settings, http_socket: socket.socket, path: str, index: int, started: Any) -> None:
+def frontend_main(
+    settings: Settings, http_socket: socket.socket, path: str, index: int, started: Any, parent: int
+) -> None:
     """One front-end process: a whole gateway over the engine host, on the shared listener."""
     import asyncio
     import gc
-    import sys
 
+    die_with_parent(parent)
     from prismgate import logs
 
     logs.configure(settings)

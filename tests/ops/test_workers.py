@@ -134,15 +134,13 @@ def test_readiness_waits_for_every_front_end() -> None:
     link = HostLink("/nonexistent", workers=3)
     link.models = [TINY_MODEL_ID]
     ready = {TINY_MODEL_ID: health.READY}
-    link.status = Status(health=ready, infos={}, in_flight={}, frontends=2)
+    link.status = Status(health=ready, in_flight={}, frontends=2)
     pool = RemotePool(link)
     assert pool.health().state is health.HealthState.LOADING
     assert "2 of 3" in pool.health().reason
-    link.status = Status(health=ready, infos={}, in_flight={}, frontends=3)
+    link.status = Status(health=ready, in_flight={}, frontends=3)
     assert pool.health().ready
-    link.status = Status(
-        health={TINY_MODEL_ID: Health(health.HealthState.LOADING)}, infos={}, in_flight={}, frontends=3
-    )
+    link.status = Status(health={TINY_MODEL_ID: Health(health.HealthState.LOADING)}, in_flight={}, frontends=3)
     assert not pool.health().ready
     link.gone = True
     assert pool.health().state is health.HealthState.FAILED
@@ -250,3 +248,13 @@ def test_a_front_end_that_dies_stops_the_server_with_status_1(tmp_path: Path, ti
     messages = [line["message"] for line in running.logs()]
     assert any(m.startswith("prismgate-frontend-") and "exited with status -9" in m for m in messages), messages
     assert "engine host stopped" in messages  # the rest stopped in order
+
+
+def test_sigkill_to_the_supervisor_takes_its_processes_with_it(tmp_path: Path, tiny_model_dir: Path) -> None:
+    import psutil
+
+    with serve(tmp_path, tiny_model_dir, "--workers", "2") as running:  # stopped by SIGKILL at the end
+        children = psutil.Process(running.process.pid).children(recursive=True)
+        assert len(children) >= 3  # the host and two front-ends (and multiprocessing's resource tracker)
+    _gone, alive = psutil.wait_procs(children, timeout=60)
+    assert not alive, [p.cmdline() for p in alive]
