@@ -157,7 +157,9 @@ class EngineHost:
             return
         self._infos = {model: self.pool.engine(model).info for model in self.pool.models}
         self._started = True
+        self._last = self.status()  # READY now: it goes first, so a front-end that has the infos is ready
         for peer in self.peers:  # once: an info (its tokenizer above all) is too big to go with every status
+            peer.channel.send(("status", self._last))
             peer.channel.send(("infos", self._infos))
 
     async def _evict(self) -> None:
