@@ -69,21 +69,30 @@ class Salience:
         target: str,
         model: str,
         readout_ranges: Callable[[int, int], Sequence[tuple[int, int]]] | None = None,
+        channels: int = 1,
     ) -> None:
-        """``readout_ranges(prompt_len, max_tokens)``: the [start, end) positions to ask readouts for."""
+        """``readout_ranges(prompt_len, max_tokens)``: the [start, end) positions to ask readouts for;
+        ``channels``: connections to spread the generations over (each its own TCP connection, so
+        that several front-end processes, ``--workers``, all get some)."""
+        import itertools
+
         import grpc
 
         from prismgate.schemas import salience_pb2, salience_pb2_grpc
 
         self.pb = salience_pb2
-        self.channel = grpc.aio.insecure_channel(target)
+        options = [("grpc.use_local_subchannel_pool", 1)]  # a connection per channel, not one shared
+        self.channels = [grpc.aio.insecure_channel(target, options=options) for _ in range(max(1, channels))]
+        self.channel = self.channels[0]
+        self._stubs = itertools.cycle([salience_pb2_grpc.SalienceStub(c) for c in self.channels])
         self.stub = salience_pb2_grpc.SalienceStub(self.channel)
         self.model = model
         self.readout_ranges = readout_ranges
 
     async def __call__(self, prompt: Sequence[int], max_tokens: int) -> StreamResult:
         pb = self.pb
-        sid = (await self.stub.OpenSession(pb.OpenSessionRequest(model=self.model))).session_id
+        stub = next(self._stubs)
+        sid = (await stub.OpenSession(pb.OpenSessionRequest(model=self.model))).session_id
         request = pb.GenerateRequest(session_id=sid, offset=0, append_tokens=prompt, max_tokens=max_tokens, top_k=1)
         if self.readout_ranges is not None:
             for start, end in self.readout_ranges(len(prompt), max_tokens):
@@ -92,16 +101,17 @@ class Salience:
         times: list[float] = []
         received = 0
         try:
-            async for event in self.stub.Generate(request):
+            async for event in stub.Generate(request):
                 received += event.ByteSize()
                 if event.HasField("token") and not event.token.is_prefill:
                     times.append(time.perf_counter() - t0)
         finally:
-            await self.stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+            await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
         return StreamResult(times[0] if times else float("nan"), times, len(times), request.ByteSize(), received)
 
     async def close(self) -> None:
-        await self.channel.close()
+        for channel in self.channels:
+            await channel.close()
 
 
 def evergreen(ws_url: str, decode: Callable[[Sequence[int]], str], readouts: dict[str, Any] | None = None) -> Client:

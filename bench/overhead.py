@@ -28,16 +28,32 @@ round; a round's ratio is its CPU per token over the same round's ``off`` of tha
 protocol; the medians and the spread (lowest, highest) over ``--reps`` rounds go to
 bench/results/overhead_readouts.json (``--results NAME`` to write another name, e.g. a
 baseline run on older code with ``--readouts off,every``).
+
+``--processes 1,2`` measures instead how the front-end scales over processes
+(``serve --workers``): the null engine served by bench/null_server.py in a process tree of
+its own (one process; or the supervisor, the engine host and N front-ends), OpenAI SSE,
+Evergreen and Salience (16 gRPC connections, so every front-end gets some) with readouts
+off and on every token (8 x 8), at 64 and 256 streams, the streams split over
+``--client-processes`` client processes (2) so that one Python client is not the ceiling.
+Per cell: tokens streamed per second (wall) and the server tree's CPU per token; then each
+N-process cell over the 1-process cell (goal for 2: throughput >= 1.8x, on a machine with
+cores to spare for the clients). Results: bench/results/overhead_scaling.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +61,18 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import clients
-from bench.common import CpuMeter, Server, median, model_settings, percentile, serve, settings, table, write_results
+from bench.common import (
+    ROOT,
+    CpuMeter,
+    Server,
+    median,
+    model_settings,
+    percentile,
+    serve,
+    settings,
+    table,
+    write_results,
+)
 from bench.null_engine import NullEngine
 
 PROTOCOLS = ("inproc", "salience", "evergreen", "graphpipe", "openai")
@@ -250,6 +277,186 @@ READOUT_COLUMNS = (
 )
 
 
+# -- scaling: 1 and N front-end processes (--processes) -------------------------------------------
+
+SCALING_PROTOCOLS = ("openai", "evergreen", "salience")
+SCALING_COLUMNS = (
+    "processes",
+    "streams",
+    "protocol",
+    "readouts",
+    "tokens_per_s",
+    "cpu_us_per_token",
+    "tokens_per_cpu_s",
+    "server_cpu_share",
+)
+RATIO_COLUMNS = ("streams", "protocol", "readouts", "processes", "throughput_ratio", "cpu_per_token_ratio")
+
+
+@contextlib.contextmanager
+def null_server(workers: int) -> Iterator[tuple[str, str, Any]]:
+    """``bench.null_server`` with ``workers`` front-ends in a process of its own: (HTTP URL, gRPC target, process)."""
+    import httpx
+    import psutil
+
+    folder = Path(tempfile.mkdtemp(prefix="prismgate-bench-"))
+    port_file = folder / "ports.json"
+    log = (folder / "server.log").open("w")
+    command = [sys.executable, "-m", "bench.null_server", "--workers", str(workers), "--port-file", str(port_file)]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while not port_file.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the null server did not start: " + (folder / "server.log").read_text())
+            time.sleep(0.05)
+        ports = json.loads(port_file.read_text())
+        http_url, grpc_target = f"http://127.0.0.1:{ports['http_port']}", f"127.0.0.1:{ports['grpc_port']}"
+        while httpx.get(http_url + "/readyz", timeout=10).status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the null server never became ready")
+            time.sleep(0.1)
+        yield http_url, grpc_target, psutil.Process(process.pid)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def tree_cpu_s(process: Any) -> float:
+    """CPU seconds (user + system) of a process and all its descendants now alive."""
+    total = 0.0
+    for p in [process, *process.children(recursive=True)]:
+        with contextlib.suppress(Exception):  # a child that exited in between
+            times = p.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def scaling_client(proto: str, mode: str, http_url: str, grpc_target: str) -> clients.Client:
+    """``proto``'s client with readouts ``mode`` (off / every) on the null engine's model."""
+    from tests.tiny_model import build_tokenizer
+
+    hf = build_tokenizer()
+    if proto == "salience":
+        every = None if mode == "off" else (lambda n, m: [(n, n + m)])
+        return clients.Salience(grpc_target, "null", every, channels=16)
+    if proto == "evergreen":
+        ws_url = http_url.replace("http://", "ws://")
+        return clients.evergreen(ws_url, lambda ids: str(hf.decode(list(ids))), None if mode == "off" else {})
+    return clients.openai_sse(http_url, "null", None if mode == "off" else {"readouts": True})
+
+
+def _client_cell(job: tuple[str, str, str, str, list[int], int, int, int]) -> int:
+    """One client process's share of a cell: ``streams`` generations at once, ``rounds`` times; tokens received."""
+    proto, mode, http_url, grpc_target, prompt, max_tokens, streams, rounds = job
+
+    async def go() -> int:
+        client = scaling_client(proto, mode, http_url, grpc_target)
+        results, _ = await run_cell(client, prompt, max_tokens, streams, rounds)
+        for closer in (getattr(client, "close", None), getattr(getattr(client, "client", None), "aclose", None)):
+            if closer is not None:
+                await closer()
+        return sum(r.tokens for r in results)
+
+    return asyncio.run(go())
+
+
+def measure_scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Tokens/s and server CPU per token through 1 and N front-end processes, per protocol and readouts."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from tests.tiny_model import build_tokenizer
+
+    prompt = [int(t) for t in build_tokenizer().encode("Tell me a long story about the sea. Once upon a time")]
+    cells = [(p, m) for p in SCALING_PROTOCOLS if p in args.protocols for m in ("off", "every")]
+    k = args.client_processes
+    rows: list[dict[str, Any]] = []
+    with ProcessPoolExecutor(k, mp_context=get_context("spawn")) as pool:
+        for workers in args.processes:
+            print(f"## {workers} front-end process(es)", flush=True)
+            with null_server(workers) as (http_url, grpc_target, process):
+                for proto, mode in cells:  # warm up every path
+                    list(pool.map(_client_cell, [(proto, mode, http_url, grpc_target, prompt, 8, 2, 1)] * k))
+                for streams in args.concurrency:
+                    measured: dict[tuple[str, str], list[tuple[int, float, float]]] = {c: [] for c in cells}
+                    for rep in range(args.reps):
+                        shift = rep % len(cells)
+                        for proto, mode in cells[shift:] + cells[:shift]:
+                            job = (proto, mode, http_url, grpc_target, prompt, args.max_tokens, streams // k, 1)
+                            cpu0, t0 = tree_cpu_s(process), time.perf_counter()
+                            tokens = sum(pool.map(_client_cell, [job] * k))
+                            wall, cpu = time.perf_counter() - t0, tree_cpu_s(process) - cpu0
+                            measured[(proto, mode)].append((tokens, wall, cpu))
+                    for (proto, mode), runs in measured.items():
+                        tokens = sum(r[0] for r in runs)
+                        wall = sum(r[1] for r in runs)
+                        cpu = max(sum(r[2] for r in runs), 1e-9)
+                        rows.append(
+                            {
+                                "processes": workers,
+                                "streams": streams,
+                                "protocol": proto,
+                                "readouts": mode,
+                                "tokens_per_s": tokens / wall,
+                                "cpu_us_per_token": cpu / tokens * 1e6,
+                                "tokens_per_cpu_s": tokens / cpu,
+                                "server_cpu_share": cpu / wall / (os.cpu_count() or 1),
+                            }
+                        )
+                    print(table([r for r in rows if r["processes"] == workers and r["streams"] == streams],
+                                SCALING_COLUMNS), flush=True)  # fmt: skip
+    return rows
+
+
+def scaling_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each N-process row over the 1-process row of the same cell: throughput and CPU per token."""
+    one = {(r["streams"], r["protocol"], r["readouts"]): r for r in rows if r["processes"] == 1}
+    out = []
+    for r in rows:
+        base = one.get((r["streams"], r["protocol"], r["readouts"]))
+        if r["processes"] == 1 or base is None:
+            continue
+        out.append(
+            {
+                "streams": r["streams"],
+                "protocol": r["protocol"],
+                "readouts": r["readouts"],
+                "processes": r["processes"],
+                "throughput_ratio": r["tokens_per_s"] / base["tokens_per_s"],
+                "cpu_per_token_ratio": r["cpu_us_per_token"] / base["cpu_us_per_token"],
+            }
+        )
+    return out
+
+
+def main_scaling(args: argparse.Namespace) -> int:
+    load = [os.getloadavg()[0]]
+    rows = measure_scaling(args)
+    load.append(os.getloadavg()[0])
+    ratios = scaling_ratios(rows)
+    print("## N processes over 1 (goal for 2: throughput_ratio >= 1.8)")
+    print(table(ratios, RATIO_COLUMNS), flush=True)
+    path = write_results(
+        args.results or "overhead_scaling",
+        {
+            "max_tokens": args.max_tokens,
+            "reps": args.reps,
+            "client_processes": args.client_processes,
+            "load_average": load,
+            "rows": rows,
+            "ratios": ratios,
+        },
+    )
+    print(f"results: {path}")
+    return 0
+
+
 def main_readouts(args: argparse.Namespace) -> int:
     engine = NullEngine(readouts=READOUT_SHAPE, readout_values="random")
     load = [os.getloadavg()[0]]
@@ -297,12 +504,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams-per-cell", type=int, default=None, help="generations per cell per rep (32; quick 8)")
     parser.add_argument("--readouts", default=None, help="measure readouts instead: modes of off, every, base64")
     parser.add_argument("--results", default=None, help="results file name for --readouts (overhead_readouts)")
+    parser.add_argument(
+        "--processes",
+        default=None,
+        help="measure scaling instead: front-end process counts (e.g. 1,2) over the null engine, "
+        "OpenAI/Evergreen/Salience, readouts off and every; concurrency defaults to 64,256",
+    )
+    parser.add_argument(
+        "--client-processes", type=int, default=2, help="--processes: client processes sharing the streams (2)"
+    )
     args = parser.parse_args(argv)
     args.max_tokens = args.max_tokens or (32 if args.quick else 64)
     args.reps = args.reps or (1 if args.quick else 3)
     args.streams_per_cell = args.streams_per_cell or (8 if args.quick else 32)
+    if args.processes is not None and args.concurrency == "1,8,32":
+        args.concurrency = "64,256"
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.protocols = args.protocols.split(",")
+    if args.processes is not None:
+        args.processes = [int(n) for n in args.processes.split(",")]
+        if 1 not in args.processes:
+            parser.error("--processes must include 1 (the ratios are over one process)")
+        return main_scaling(args)
     if args.readouts is not None:
         args.readouts = args.readouts.split(",")
         if "off" not in args.readouts or not set(args.readouts) <= set(READOUT_MODES):

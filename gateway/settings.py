@@ -108,6 +108,12 @@ class Settings:
     )
     grpc_port: int = setting(50051, "gRPC port: salience.v1, evergreen.v2, health and reflection.")
     shutdown_grace_s: float = setting(30.0, "On SIGTERM, how long in-flight streams may run before they are cancelled.")
+    workers: int = setting(
+        1,
+        "Front-end processes sharing the HTTP and gRPC ports. 1: one process, as always. N > 1: N front-ends over "
+        "one engine host process that runs the engines, the admission queue and the in-memory sessions "
+        "(docs/architecture.md: Several front-end processes).",
+    )
     http_keep_alive_s: float = setting(
         75.0,
         "How long an idle HTTP keep-alive connection stays open; keep it above a load balancer's idle timeout, "
@@ -470,6 +476,8 @@ class Settings:
             raise invalid("give the models either as [[models]] in the config file or as --model, not both")
         for model in self.models:
             model.apply(self)  # each model's own engine settings must be valid too
+        if not 1 <= self.workers <= 256:
+            raise invalid(f"workers must be between 1 and 256, got {self.workers}")
         for name in ("http_port", "grpc_port"):
             port = getattr(self, name)
             if not 0 <= port < 65536:
@@ -531,7 +539,7 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "server",
         (
-            "host", "http_port", "grpc_port", "shutdown_grace_s", "port_file", "playground",
+            "host", "http_port", "grpc_port", "workers", "shutdown_grace_s", "port_file", "playground",
             "session_store", "session_ttl_s", "session_lock_s", "openai_default_max_tokens", "evergreen_max_tokens",
             "evergreen_file_root", "evergreen_http_refs", "graphpipe_path", "graphpipe_root", "graphpipe_error_status",
         ),
