@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.conftest import LiveServer, run_server, tiny_settings
-from tests.playground.test_playground import browser, wait_for  # noqa: F401 (a fixture, and its helper)
+from tests.playground.test_playground import wait_for
 from tests.sae.saes import write_sae
 
 LAYER = 1
@@ -49,7 +49,11 @@ def test_search_by_label_and_by_id(sae_server: LiveServer) -> None:
     assert [f["id"] for f in found["features"]] == [12, 120, 122, 124, 126, 128]
     assert found["features"][0] == {"id": 12, "label": "feature 12"} and found["total"] == 6
     by_id = find(q="7", limit="3")  # the id itself first (unlabelled), then labels holding "7"
-    assert by_id["features"] == [{"id": 7, "label": None}, {"id": 70, "label": "feature 70"}, {"id": 72, "label": "feature 72"}]
+    assert by_id["features"] == [
+        {"id": 7, "label": None},
+        {"id": 70, "label": "feature 70"},
+        {"id": 72, "label": "feature 72"},
+    ]
     assert by_id["total"] > 3 and by_id["layer"] == LAYER
     assert find(q="no such words")["features"] == []
     assert len(find(q="")["features"]) == 20 and find(q="")["total"] == 128
@@ -121,7 +125,7 @@ def _generate_configs(browser) -> list[dict]:  # type: ignore[no-untyped-def]
     return [a["configs"][0]["value"] for f in frames for a in f.get("actions", []) if a["name"] == "GENERATE"]
 
 
-def test_hovering_a_token_shows_its_features_with_labels(sae_server: LiveServer, browser) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+def test_hovering_a_token_shows_its_features_with_labels(sae_server: LiveServer, browser) -> None:  # type: ignore[no-untyped-def]
     from selenium.webdriver import ActionChains
     from selenium.webdriver.common.by import By
 
@@ -140,7 +144,8 @@ def test_hovering_a_token_shows_its_features_with_labels(sae_server: LiveServer,
     for token in shown:  # every token but the attention sink lists its features
         ActionChains(browser).move_to_element(token).perform()
         where = f"position {token.get_attribute('data-position')})"
-        tip = wait_for(lambda: where in browser.find_element(By.ID, "tooltip").text and browser.find_element(By.ID, "tooltip"))  # noqa: B023
+        tip = browser.find_element(By.ID, "tooltip")
+        wait_for(lambda: where in tip.text)  # noqa: B023
         assert f"top features at L{LAYER}" in tip.text, tip.text
         for row in tip.find_elements(By.CSS_SELECTOR, "tr.feature"):
             feature = int(row.get_attribute("data-feature"))
@@ -156,7 +161,7 @@ def test_hovering_a_token_shows_its_features_with_labels(sae_server: LiveServer,
     assert "128 of 256 features labelled, from labels.json in the SAE's folder" in source
 
 
-def test_search_then_steer_and_clamp_send_the_feature_entries(sae_server: LiveServer, browser) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+def test_search_then_steer_and_clamp_send_the_feature_entries(sae_server: LiveServer, browser) -> None:  # type: ignore[no-untyped-def]
     from selenium.webdriver.common.by import By
 
     _open(browser, sae_server)
@@ -190,14 +195,16 @@ def test_search_then_steer_and_clamp_send_the_feature_entries(sae_server: LiveSe
     assert steered["features"] == plain["features"] == {"topK": 8}
     # a server without feature steering fails the steered answer alone, and the panel says why
     wait_for(
-        lambda: browser.find_elements(By.CSS_SELECTOR, ".pair .turn.assistant.done.steered")
-        or browser.find_elements(By.CSS_SELECTOR, ".turn.steered.failed")
+        lambda: (
+            browser.find_elements(By.CSS_SELECTOR, ".pair .turn.assistant.done.steered")
+            or browser.find_elements(By.CSS_SELECTOR, ".turn.steered.failed")
+        )
     )
     if browser.find_elements(By.CSS_SELECTOR, ".turn.steered.failed"):
         assert "refused this feature steering" in browser.find_element(By.ID, "feature-error").text
 
 
-def test_a_refused_feature_entry_shows_in_the_panel(sae_server: LiveServer, browser) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+def test_a_refused_feature_entry_shows_in_the_panel(sae_server: LiveServer, browser) -> None:  # type: ignore[no-untyped-def]
     """A feature id past the SAE's width: the server refuses it; the unsteered answer still comes."""
     from selenium.webdriver.common.by import By
 
