@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="prismgate sae",
         description="Sparse autoencoders (SAEs) in SAELens's format: train a small TopK one for a served model "
-        "on text found on this machine, or describe one.",
+        "on text found on this machine, label its features, or describe one.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{train,label,show}")
     defaults = TrainConfig(layer=0)
@@ -69,8 +69,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Write labels.json beside an SAE trained here (train does this itself): each feature's "
         "label is the distinct tokens of its strongest activations on the training texts, most frequent first.",
     )
-    lab.add_argument("sae", metavar="DIR", nargs="?", help="SAE folder (default: the embedded model's shipped SAE)")
-    lab.add_argument("--model", metavar="PATH", help="model folder (default: the embedded one)")
+    _sae_and_model(lab, "model folder (default: the embedded one)")
     lab.add_argument("--threads", type=int, default=defaults.threads, help="torch threads (default %(default)s)")
 
     s = sub.add_parser(
@@ -79,16 +78,21 @@ def _parser() -> argparse.ArgumentParser:
         description="Print an SAE's architecture, layer and size; with --text, the most active features of each "
         "token of the text through the embedded (or --model) model.",
     )
-    s.add_argument("sae", metavar="DIR", nargs="?", help="SAE folder (default: the embedded model's shipped SAE)")
+    _sae_and_model(s, "model folder for --text (default: the embedded one)")
     s.add_argument("--labels", metavar="FILE", help="labels JSON (default: the folder's labels.json)")
-    s.add_argument("--model", metavar="PATH", help="model folder for --text (default: the embedded one)")
     s.add_argument("--text", help="print the top features of each token of this text")
     s.add_argument("--top", type=int, default=DEFAULT_TOP, help="features per token (default %(default)s)")
     return parser
 
 
+def _sae_and_model(parser: argparse.ArgumentParser, model_help: str) -> None:
+    """The SAE folder (the shipped one by default) and the model of the commands that run one."""
+    parser.add_argument("sae", metavar="DIR", nargs="?", help="SAE folder (default: the embedded model's shipped SAE)")
+    parser.add_argument("--model", metavar="PATH", help=model_help)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``prismgate sae {train,show} ...``; returns the exit status."""
+    """``prismgate sae {train,label,show} ...``; returns the exit status."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     return run_command("prismgate sae", args, {"train": _cmd_train, "label": _cmd_label, "show": _cmd_show})
 
