@@ -1,7 +1,7 @@
-"""``prismgate sae``: train a small TopK SAE for a model, or describe one (and its features on a text).
+"""``prismgate sae``: train a small TopK SAE for a model, label its features, or describe one.
 
-Argument parsing and the two commands; the work is done by :mod:`.train`, :mod:`.files` and
-:mod:`.encode`. Bad input ends with a one-line error and exit status 2, never a traceback.
+Argument parsing and the three commands; the work is done by :mod:`.train`, :mod:`.labels`,
+:mod:`.files` and :mod:`.encode`. Bad input ends with a one-line error and exit status 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -12,14 +12,17 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from prismgate.core.errors import invalid
-from prismgate.engines.readouts.capture import load_model
+from prismgate.engines.readouts.capture import deterministic_torch, load_model
 from prismgate.engines.readouts.cli import resolve_model_arg, run_command
 from prismgate.engines.readouts.probe import decoder_layers
 from prismgate.engines.sae.auto import SHIPPED, cached_sae_root, layer_dir, sae_folders, train_settings
 from prismgate.engines.sae.corpus import corpus, split
+from prismgate.engines.sae.encode import SaeEncoder
 from prismgate.engines.sae.files import CFG_FILE, load_sae
+from prismgate.engines.sae.labels import label_features, write_labels
 from prismgate.engines.sae.train import TrainConfig, save, train_and_evaluate
 
 DEFAULT_TOP = 5
@@ -29,9 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="prismgate sae",
         description="Sparse autoencoders (SAEs) in SAELens's format: train a small TopK one for a served model "
-        "on text found on this machine, or describe one.",
+        "on text found on this machine, label its features, or describe one.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,show}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,label,show}")
     defaults = TrainConfig(layer=0)
     t = sub.add_parser(
         "train",
@@ -58,6 +61,16 @@ def _parser() -> argparse.ArgumentParser:
         help="model dtype, as the engine serves it (default %(default)s = bfloat16)",
     )
     t.add_argument("--threads", type=int, default=defaults.threads, help="torch threads (default %(default)s)")
+    t.add_argument("--no-labels", action="store_true", help="skip labelling the features (labels.json)")
+
+    lab = sub.add_parser(
+        "label",
+        help="label an SAE's features by the tokens that activate them most on its training corpus",
+        description="Write labels.json beside an SAE trained here (train does this itself): each feature's "
+        "label is the distinct tokens of its strongest activations on the training texts, most frequent first.",
+    )
+    _sae_and_model(lab, "model folder (default: the embedded one)")
+    lab.add_argument("--threads", type=int, default=defaults.threads, help="torch threads (default %(default)s)")
 
     s = sub.add_parser(
         "show",
@@ -65,18 +78,23 @@ def _parser() -> argparse.ArgumentParser:
         description="Print an SAE's architecture, layer and size; with --text, the most active features of each "
         "token of the text through the embedded (or --model) model.",
     )
-    s.add_argument("sae", metavar="DIR", nargs="?", help="SAE folder (default: the embedded model's shipped SAE)")
+    _sae_and_model(s, "model folder for --text (default: the embedded one)")
     s.add_argument("--labels", metavar="FILE", help="labels JSON (default: the folder's labels.json)")
-    s.add_argument("--model", metavar="PATH", help="model folder for --text (default: the embedded one)")
     s.add_argument("--text", help="print the top features of each token of this text")
     s.add_argument("--top", type=int, default=DEFAULT_TOP, help="features per token (default %(default)s)")
     return parser
 
 
+def _sae_and_model(parser: argparse.ArgumentParser, model_help: str) -> None:
+    """The SAE folder (the shipped one by default) and the model of the commands that run one."""
+    parser.add_argument("sae", metavar="DIR", nargs="?", help="SAE folder (default: the embedded model's shipped SAE)")
+    parser.add_argument("--model", metavar="PATH", help=model_help)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``prismgate sae {train,show} ...``; returns the exit status."""
+    """``prismgate sae {train,label,show} ...``; returns the exit status."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    return run_command("prismgate sae", args, {"train": _cmd_train, "show": _cmd_show})
+    return run_command("prismgate sae", args, {"train": _cmd_train, "label": _cmd_label, "show": _cmd_show})
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -114,6 +132,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         "train_config": train_settings(config),
     }
     save(out, weights, config, model_name=model_id, extra=extra)
+    if not args.no_labels:
+        say("labelling the features by their strongest tokens")
+        _label(model, tokenizer, out, train_texts, config.threads)
     print(
         f"wrote {out}: {config.d_sae} features, k={config.k}, layer {layer} of {n_layers}, "
         f"{quality.train_tokens} training tokens ("
@@ -124,6 +145,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
     print("\n".join(quality.lines()))
     if args.report_json:
         Path(args.report_json).write_text(json.dumps({**quality.to_json(), **times}, indent=1) + "\n")
+    return 0
+
+
+def _label(model: Any, tokenizer: Any, folder: Path, texts: Sequence[str], threads: int) -> None:
+    with deterministic_torch(threads):
+        labels = label_features(model, tokenizer, texts, SaeEncoder(load_sae(folder)))
+    path = write_labels(folder, labels)
+    print(f"wrote {path}: {len(labels)} features labelled", file=sys.stderr)
+
+
+def _cmd_label(args: argparse.Namespace) -> int:
+    if args.threads < 1:
+        raise invalid("--threads must be >= 1")
+    folder = Path(args.sae) if args.sae else _shipped()
+    sae = load_sae(folder)
+    model, tokenizer = load_model(resolve_model_arg(args.model)[0])
+    sae.check_model(len(decoder_layers(model)), int(model.config.get_text_config().hidden_size))
+    _label(model, tokenizer, folder, split(corpus())[0], args.threads)
     return 0
 
 

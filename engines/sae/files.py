@@ -65,6 +65,7 @@ class SparseAutoencoder:
     apply_b_dec_to_input: bool = True
     model_name: str = ""
     labels: dict[int, str] = field(default_factory=dict)
+    labels_from: str = ""  # where the labels come from, in words ("" without labels)
 
     @property
     def d_in(self) -> int:
@@ -133,6 +134,7 @@ def load_sae(folder: str | Path, labels: str | Path | None = None) -> SparseAuto
         apply_b_dec_to_input=bool(cfg.get("apply_b_dec_to_input", True)),
         model_name=str(_metadata(cfg).get("model_name") or cfg.get("model_name") or ""),
         labels=load_labels(_labels_path(folder, labels), d_sae),
+        labels_from=_labels_from(folder, labels, _metadata(cfg)),
     )
 
 
@@ -227,6 +229,15 @@ def _labels_path(folder: Path, labels: str | Path | None) -> Path | None:
         return Path(labels)
     own = folder / LABELS_FILE
     return own if own.is_file() else None
+
+
+def _labels_from(folder: Path, labels: str | Path | None, metadata: dict[str, Any]) -> str:
+    """Where the labels come from: the labels file given, or the folder's own (as its cfg.json says it was made)."""
+    if labels is not None:
+        return f"the labels file {Path(labels).name}"
+    if not (folder / LABELS_FILE).is_file():
+        return ""
+    return str(metadata.get("labels_from") or f"{LABELS_FILE} in the SAE's folder")
 
 
 def load_labels(path: Path | None, d_sae: int) -> dict[int, str]:

@@ -10,7 +10,8 @@ a batch, and each row then takes its own ``k``, layers and ids (:meth:`Captured.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,28 @@ def feature_manifest(encoders: Sequence[SaeEncoder]) -> FeatureManifest | None:
         widths=tuple(e.sae.d_sae for e in encoders),
         labels=tuple(e.sae.labels for e in encoders),
         hidden_size=encoders[0].sae.d_in,
+        labels_from=tuple(e.sae.labels_from for e in encoders),
     )
+
+
+# A decode step's few rows are encoded on one thread: a float32 product of 8 x 576 x 4096 takes
+# about 1 ms on one core, while on two threads of a busy machine its OpenMP barrier waits for a
+# descheduled thread (measured 5-25 ms, a quarter of a batch-8 step). Prefills keep every thread.
+ONE_THREAD_ROWS = 64
+
+
+@contextlib.contextmanager
+def few_threads(rows: int, device: torch.device) -> Iterator[None]:
+    """Run what follows on one intra-op thread when ``rows`` is small and the device is the CPU (this thread only)."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or rows > ONE_THREAD_ROWS or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)  # OpenMP's thread count is per calling thread: other model threads keep theirs
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 _Reduced = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # top ids, their values, watched activations
@@ -39,13 +61,17 @@ _Reduced = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # top ids, th
 class Captured:
     """One forward pass's features: per SAE layer, top ids and values ``[batch, tokens, k]``, watched ``[.., w]``."""
 
-    def __init__(self, layers: tuple[int, ...], parts: list[tuple[Any, Any, Any]], watched: list[int]) -> None:
+    def __init__(
+        self, layers: tuple[int, ...], parts: list[tuple[Any, Any, Any]], watched: list[int], rows: list[int]
+    ) -> None:
         self.layers = layers
-        self.parts = parts  # numpy, per SAE layer
+        self.parts = parts  # numpy, per SAE layer, of the rows that asked
         self.column = {f: i for i, f in enumerate(watched)}
+        self.row = {r: i for i, r in enumerate(rows)}  # the pass's row -> its index in parts
 
     def features(self, row: int, token: int, spec: FeatureSpec) -> Features:
         ids, values, watched = [], [], []
+        row = self.row[row]
         for layer in spec.layers:
             top_ids, top_values, seen = self.parts[self.layers.index(layer)]
             v = top_values[row, token, : spec.top_k]
@@ -69,6 +95,8 @@ class FeatureProbe:
         self._k = 0
         self._watched: list[int] = []
         self._watch_index: torch.Tensor | None = None
+        self._rows: list[int] = []  # the rows of the pass that asked for features
+        self._row_index: torch.Tensor | None = None  # the same, when some rows did not ask
         self._captured: list[_Reduced | None] = [None] * len(encoders)
         blocks = decoder_layers(model)
         self._handles = [blocks[e.layer].register_forward_hook(self._hook(i)) for i, e in enumerate(encoders)]
@@ -80,11 +108,14 @@ class FeatureProbe:
         self._watched = sorted({f for s in asked for f in s.ids})
         device = self.encoders[0].W_enc.device if self.encoders else "cpu"
         self._watch_index = torch.tensor(self._watched, dtype=torch.long, device=device) if self._watched else None
+        self._rows = [r for r, s in enumerate(specs) if s is not None]
+        partial = len(self._rows) < len(specs)  # rows that ask nothing are not encoded
+        self._row_index = torch.tensor(self._rows, dtype=torch.long, device=device) if partial else None
         self._captured = [None] * len(self.encoders)
         return bool(asked)
 
     def disarm(self) -> None:
-        self._k, self._watched, self._watch_index = 0, [], None
+        self._k, self._watched, self._watch_index, self._row_index = 0, [], None, None
 
     @property
     def armed(self) -> bool:
@@ -95,7 +126,10 @@ class FeatureProbe:
             if not self.armed:
                 return
             hidden = output[0] if isinstance(output, tuple) else output
-            self._captured[index] = self._reduce(self.encoders[index], hidden)
+            if self._row_index is not None:
+                hidden = hidden.index_select(0, self._row_index.to(hidden.device))
+            with few_threads(hidden.numel() // hidden.shape[-1], hidden.device):
+                self._captured[index] = self._reduce(self.encoders[index], hidden)
 
         return hook
 
@@ -130,7 +164,7 @@ class FeatureProbe:
                 raise RuntimeError("SAE hooks did not fire on every SAE layer")
             ids, values, watched = item
             parts.append((ids.cpu().numpy(), values.cpu().numpy(), None if watched is None else watched.cpu().numpy()))
-        out = Captured(self.layers, parts, self._watched)
+        out = Captured(self.layers, parts, self._watched, self._rows)
         self._captured = [None] * len(self.encoders)
         self.disarm()
         return out

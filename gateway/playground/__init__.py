@@ -7,7 +7,8 @@ from ``POST /playground/score`` (:mod:`.scoring`). Every token is shaded by ``va
 of a chosen concept at a chosen layer on a fixed scale per concept and layer (:mod:`.calibration`),
 and grids show one layer's concepts or one concept's layers for the whole conversation.
 ``/playground/manifest.json`` tells the page the model, the readout manifest with centers and
-scales, and the view to open with.
+scales, the view to open with, and the SAE features (:mod:`.features`); ``/playground/features``
+searches the features by label or id.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from prismgate.core.principal import current
 from prismgate.core.service import SessionService
 from prismgate.engines.readouts.pack import SteeringRange, view_layer
 from prismgate.playground.calibration import scales_for, steering_for
+from prismgate.playground.features import features_manifest, search
 from prismgate.playground.scoring import BodyTooLarge, parse_messages, read_body, score
 from prismgate.settings import Settings
 
@@ -108,6 +110,7 @@ def manifest(service: SessionService, settings: Settings) -> dict[str, object]:
         "maxModelLen": info.max_model_len,
         "vision": info.vision is not None,
         "readouts": readouts,
+        "features": features_manifest(info.features),
         "evergreen": "/evergreen",
     }
 
@@ -138,6 +141,16 @@ def routes(service: SessionService, settings: Settings) -> list[BaseRoute]:
             return JSONResponse({"error": exc.message}, status_code=http_status(exc.code))
         return JSONResponse(manifest(service, settings), headers=NO_CACHE)
 
+    async def features_json(request: Request) -> Response:
+        try:
+            authorize(request)
+            if not service.pool.ready:
+                return JSONResponse({"error": "the model is still loading"}, status_code=503, headers=NO_CACHE)
+            found = await asyncio.to_thread(search, service.info().features, dict(request.query_params))
+            return JSONResponse(found, headers=NO_CACHE)
+        except GatewayError as exc:
+            return JSONResponse({"error": exc.message, "code": exc.code.name}, status_code=http_status_of(exc))
+
     async def score_json(request: Request) -> Response:
         try:
             authorize(request)
@@ -153,5 +166,6 @@ def routes(service: SessionService, settings: Settings) -> list[BaseRoute]:
         Route("/playground/", slash),
         Route("/playground/manifest.json", manifest_json),
         Route("/playground/score", score_json, methods=["POST"]),
+        Route("/playground/features", features_json),
         Route("/playground/{name}", asset),
     ]

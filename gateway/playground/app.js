@@ -15,6 +15,16 @@
 // by the steering. Both run deterministic (docs/determinism.md): whatever else the server runs,
 // the unsteered answer is bit for bit the one the conversation gets alone. Its readouts shade its tokens like any other answer's.
 //
+// Features: on a model with an SAE (manifest `features`), every answer also asks for the
+// `features` output (the top features of each token at each SAE layer, NDJSON like readouts) and
+// /playground/score returns the prompt tokens' too; hovering a token lists them with their labels
+// (an id alone where the SAE's labels file names none). The Features panel searches the SAE's
+// features by label or id (/playground/features) and adds a control per feature found: steer (a
+// steering entry {feature, layer, scale}: scale times the feature's unit decoder row) or clamp
+// ({feature, layer, clamp}: the feature's activation set to that value). They join the concept
+// sliders' entries in the steered twin's spec; a server that refuses them fails the steered
+// answer alone, and the panel says why.
+//
 // Shading: value - center (the concept's neutral point), on a fixed scale per concept and
 // layer from the concept pack (`scales`): full colour at twice the scale. A pack without
 // scales falls back to the largest value in the conversation, and the legend says so.
@@ -102,9 +112,14 @@ function readoutsManifest() {
   return state.manifest && state.manifest.readouts;
 }
 
+function featuresManifest() {
+  return state.manifest && state.manifest.features;
+}
+
 function showManifest(m) {
   document.body.dataset.ready = "1";
   $("model").textContent = `model ${m.model} · context ${m.maxModelLen} tokens` + (m.readouts ? "" : " · no concept pack: no readouts");
+  if (m.features) showFeatures(m.features);
   const concept = $("concept");
   const layer = $("layer");
   concept.innerHTML = "";
@@ -182,7 +197,110 @@ function summarizeSteering() {
 }
 
 function describeSteering(spec) {
-  return spec.map((e) => `${e.concept} ${e.scale > 0 ? "+" : ""}${e.scale}`).join(", ") + ` at L${spec[0].layer}`;
+  const concepts = spec.filter((e) => e.concept !== undefined);
+  const parts = concepts.length
+    ? [concepts.map((e) => `${e.concept} ${e.scale > 0 ? "+" : ""}${e.scale}`).join(", ") + ` at L${concepts[0].layer}`]
+    : [];
+  for (const e of spec.filter((x) => x.feature !== undefined)) {
+    const how = e.clamp !== undefined ? `= ${e.clamp}` : `${e.scale > 0 ? "+" : ""}${e.scale}`;
+    parts.push(`#${e.feature} ${how} at L${e.layer}`);
+  }
+  return parts.join("; ");
+}
+
+// -- features: search, steer and clamp -------------------------------------------------------
+
+const FEATURE_SCALE = { min: -64, max: 64, step: 1, start: 16 }; // scale x the unit decoder row
+const FEATURE_CLAMP = { min: 0, max: 64, step: 0.5, start: 10 }; // the activation it is held at
+
+function featureName(id, label) {
+  return label ? `#${id} ${label}` : `#${id} (no label)`;
+}
+
+function showFeatures(f) {
+  const layer = $("feature-layer");
+  layer.innerHTML = "";
+  f.layers.forEach((l) => layer.add(new Option(`L${l}`, String(l))));
+  const from = f.layers.map((l, i) => f.labelled[i]
+    ? `L${l}: ${f.labelled[i]} of ${f.widths[i]} features labelled, from ${f.labelsFrom[i] || "the SAE's labels file"}`
+    : `L${l}: ${f.widths[i]} features, no labels (search by id)`);
+  $("feature-source").textContent = `Labels: ${from.join("; ")}.`;
+  $("features").hidden = false;
+  searchFeatures();
+}
+
+async function searchFeatures() {
+  const params = new URLSearchParams({ q: $("feature-search").value.slice(0, 100), layer: $("feature-layer").value, limit: "20" });
+  const list = $("feature-results");
+  try {
+    const response = await fetch(`/playground/features?${params}`, { cache: "no-store", headers: authHeaders() });
+    const body = await response.json();
+    if (!response.ok) throw new Error(body.error || response.statusText);
+    if (params.get("q") !== $("feature-search").value.slice(0, 100)) return; // a newer search is on its way
+    list.innerHTML = "";
+    $("feature-count").textContent = `${body.total} found` + (body.total > body.features.length ? `, first ${body.features.length}` : "");
+    for (const f of body.features) {
+      const item = el("li", "feature-hit");
+      item.dataset.feature = String(f.id);
+      const add = (mode) => {
+        const button = el("button", `add-${mode}`, mode);
+        button.type = "button";
+        button.addEventListener("click", () => addFeatureControl(f.id, f.label, body.layer, mode));
+        return button;
+      };
+      item.append(el("span", "", featureName(f.id, f.label)), add("steer"), add("clamp"));
+      list.appendChild(item);
+    }
+  } catch (err) {
+    $("feature-count").textContent = `search failed: ${err.message || err}`;
+  }
+}
+
+// One control per feature and layer: a slider for the scale (steer) or the value (clamp), and x to remove it.
+function addFeatureControl(id, label, layer, mode) {
+  const key = `${id}@${layer}`;
+  const old = document.querySelector(`#feature-controls [data-key="${key}"]`);
+  if (old) old.remove();
+  const range = mode === "clamp" ? FEATURE_CLAMP : FEATURE_SCALE;
+  const row = el("label", "on");
+  row.dataset.key = key;
+  const slider = el("input", "feature-steer");
+  Object.assign(slider, { type: "range", min: String(range.min), max: String(range.max), step: String(range.step), value: String(range.start) });
+  Object.assign(slider.dataset, { feature: String(id), layer: String(layer), mode });
+  const shown = el("output", "", slider.value);
+  slider.addEventListener("input", () => {
+    shown.textContent = slider.value;
+    summarizeFeatures();
+  });
+  const remove = el("button", "remove", "\u00d7");
+  remove.type = "button";
+  remove.title = "remove";
+  remove.addEventListener("click", () => {
+    row.remove();
+    summarizeFeatures();
+  });
+  row.append(el("span", "", `${mode} ${featureName(id, label)} at L${layer}`), slider, shown, remove);
+  $("feature-controls").appendChild(row);
+  $("feature-error").textContent = "";
+  summarizeFeatures();
+}
+
+// The feature entries of the steering spec: a steer at scale 0 does nothing and is left out; a
+// clamp always counts (clamping to 0 turns a feature off).
+function featureSpec() {
+  return Array.from(document.querySelectorAll("#feature-controls input.feature-steer"))
+    .filter((s) => s.dataset.mode === "clamp" || Number(s.value) !== 0)
+    .map((s) => {
+      const entry = { feature: Number(s.dataset.feature), layer: Number(s.dataset.layer) };
+      if (s.dataset.mode === "clamp") entry.clamp = Number(s.value);
+      else entry.scale = Number(s.value);
+      return entry;
+    });
+}
+
+function summarizeFeatures() {
+  const spec = featureSpec();
+  $("feature-summary").textContent = spec.length ? describeSteering(spec) : "";
 }
 
 function connect() {
@@ -245,17 +363,18 @@ function newTurn(index, ids, part, label, userBox, userBody) {
   };
   state.turns.push(turn);
   state.running.add(turn);
-  for (const kind of ["response", "readouts", "logprobs", "usage"]) state.nodes.set(ids[kind], { turn, kind });
+  for (const kind of ["response", "readouts", "features", "logprobs", "usage"]) state.nodes.set(ids[kind], { turn, kind });
   return turn;
 }
 
 function outputIds() {
-  return { prompt: uuid(), question: uuid(), response: uuid(), readouts: uuid(), logprobs: uuid(), usage: uuid() };
+  return { prompt: uuid(), question: uuid(), response: uuid(), readouts: uuid(), features: uuid(), logprobs: uuid(), usage: uuid() };
 }
 
 function generateAction(ids, config) {
   const outputs = [{ name: "response", id: ids.response }, { name: "logprobs", id: ids.logprobs }, { name: "usage", id: ids.usage }];
   if (readoutsManifest()) outputs.push({ name: "readouts", id: ids.readouts });
+  if (featuresManifest()) outputs.push({ name: "features", id: ids.features });
   return { name: "GENERATE", inputs: [{ name: "prompt", id: ids.prompt }], outputs, configs: [{ "@type": STRUCT_URL, value: config }] };
 }
 
@@ -282,7 +401,11 @@ function runSteered(turn, messages, prompt, config) {
   ws.onclose = (event) => {
     state.sockets.delete(ws);
     if (turn.done) return;
-    turn.box.appendChild(el("span", "stats muted error", `steered run ended: ${event.code} ${event.reason || ""}`.trim()));
+    const why = `steered run ended: ${event.code} ${event.reason || ""}`.trim();
+    if ((config.steering || []).some((e) => e.feature !== undefined)) {
+      $("feature-error").textContent = `The server refused this feature steering (the unsteered answer is unaffected): ${why}`;
+    }
+    turn.box.appendChild(el("span", "stats muted error", why));
     turn.box.classList.add("failed");
     settle(turn);
   };
@@ -318,7 +441,8 @@ async function send(prompt) {
   const temperature = Number($("temperature").value) || 0;
   const config = { maxTokens: Number($("max-tokens").value) || 64, temperature, topLogprobs: 5, deterministic: true };
   if (temperature > 0) config.seed = Math.floor(Math.random() * 2 ** 31);
-  const steering = readoutsManifest() ? steeringSpec() : [];
+  if (featuresManifest()) config.features = { topK: featuresManifest().topK };
+  const steering = [...(readoutsManifest() ? steeringSpec() : []), ...(featuresManifest() ? featureSpec() : [])];
 
   const userBox = el("div", "turn user");
   const userBody = el("span", "prompt", prompt);
@@ -387,7 +511,7 @@ function onMessage(message) {
     if (kind === "response") {
       turn.text += turn.decoder.decode(bytes, { stream: !final });
       if (final) endTurn(turn);
-    } else if (kind === "readouts" || kind === "logprobs") {
+    } else if (kind === "readouts" || kind === "features" || kind === "logprobs") {
       const pending = (turn.lines[kind] || "") + new TextDecoder().decode(bytes);
       const parts = pending.split("\n");
       turn.lines[kind] = parts.pop();
@@ -407,6 +531,7 @@ function makeToken(turn, part, record) {
     turn, part, span,
     position: record.position, id: record.tokenId, text: record.text || "",
     logprob: record.logprob ?? null, top: record.top || null, values: record.values || null,
+    features: record.layers || null, // each SAE layer's top features: [{layer, top: [{id, activation, label}]}]
   };
   span.textContent = token.text;
   if (/^<\|.*\|>$/.test(token.text)) span.classList.add("special");
@@ -436,7 +561,10 @@ function onRecord(turn, kind, record) {
   token.position = record.position;
   token.span.textContent = record.text;
   token.span.dataset.position = String(record.position);
-  if (kind === "readouts") {
+  if (kind === "features") {
+    token.features = record.layers;
+    token.span.dataset.features = String(record.layers.reduce((n, l) => n + l.top.length, 0));
+  } else if (kind === "readouts") {
     token.values = record.values;
     shadeToken(token, selection(), scaleOf(selection()));
   } else {
@@ -684,6 +812,18 @@ function showTip(event, token) {
     });
     tip.appendChild(table);
   }
+  for (const layer of token.features || []) {
+    tip.appendChild(el("div", "", `top features at L${layer.layer} (activation, label):`));
+    const list = el("table", "features");
+    for (const f of layer.top) {
+      const row = el("tr", "feature");
+      row.dataset.feature = String(f.id);
+      row.append(el("td", "", `#${f.id}`), el("td", "", fmt(f.activation, 2)), el("td", f.label ? "label" : "label muted", f.label || "(no label)"));
+      list.appendChild(row);
+    }
+    if (!layer.top.length) list.appendChild(el("tr", "muted", "none active"));
+    tip.appendChild(list);
+  }
   tip.hidden = false;
   moveTip(event);
 }
@@ -715,7 +855,7 @@ function hideTip() {
 function exportRecords() {
   return state.turns.flatMap((turn) => [...turn.prompt, ...turn.tokens].map((t) => ({
     turn: turn.index, part: t.part, position: t.position, tokenId: t.id, text: t.text,
-    logprob: t.logprob, top: t.top, values: t.values,
+    logprob: t.logprob, top: t.top, values: t.values, features: t.features,
   })));
 }
 
@@ -796,6 +936,12 @@ $("layer").addEventListener("change", renderAll);
 document.querySelectorAll("#view input").forEach((input) => input.addEventListener("change", renderAll));
 $("new-chat").addEventListener("click", newChat);
 $("steer-layer").addEventListener("change", summarizeSteering);
+let searchTimer = null;
+$("feature-search").addEventListener("input", () => {
+  clearTimeout(searchTimer);
+  searchTimer = setTimeout(searchFeatures, 150);
+});
+$("feature-layer").addEventListener("change", searchFeatures);
 $("steer-reset").addEventListener("click", () => document.querySelectorAll("#steer-sliders input.steer").forEach((slider) => {
   slider.value = "0";
   slider.dispatchEvent(new Event("input"));

@@ -1,4 +1,4 @@
-"""``POST /playground/score``: the readouts and logprobs of a conversation's prompt tokens.
+"""``POST /playground/score``: the readouts, logprobs and SAE features of a conversation's prompt tokens.
 
 Evergreen's GENERATE streams readouts for the tokens it generates, not for the prompt, and the
 page cannot tokenize. So, beside each answer, the page sends the conversation as it stands
@@ -22,12 +22,15 @@ from collections.abc import Sequence
 
 from starlette.requests import Request
 
+from prismgate.codecs.features import token_features
 from prismgate.core.actions import GenerateAction, GenerateSpec, PositionRange
 from prismgate.core.chat import Message, TextPart, render
 from prismgate.core.engine import Tokenizer
 from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.core.events import Readout, TokenEvent
+from prismgate.core.features import FeatureManifest, FeatureSpec
 from prismgate.core.service import SessionService
+from prismgate.playground.features import TOP_K
 
 MAX_BODY_BYTES = 1 << 20
 MAX_MESSAGES = 512
@@ -93,28 +96,33 @@ async def score(service: SessionService, messages: Sequence[Message]) -> bytes:
         max_tokens=0,
         logprob_ranges=covered,
         readout_ranges=covered if info.readouts is not None else (),
+        features=None if info.features is None else FeatureSpec(TOP_K, info.features.layers, ranges=covered),
     )
     action = GenerateAction(append_tokens=prompt.tokens, spec=spec, origin="playground")
     by_position: dict[int, TokenEvent] = {}
     async for event in service.run(action):
         if isinstance(event, TokenEvent):
             by_position[event.position] = event
-    return await asyncio.to_thread(_encode, info.tokenizer, prompt.tokens, by_position)
+    return await asyncio.to_thread(_encode, info.tokenizer, prompt.tokens, by_position, info.features)
 
 
-def _encode(tokenizer: Tokenizer, ids: Sequence[int], by_position: dict[int, TokenEvent]) -> bytes:
+def _encode(
+    tokenizer: Tokenizer, ids: Sequence[int], by_position: dict[int, TokenEvent], manifest: FeatureManifest | None
+) -> bytes:
     tokens = []
     for position, token_id in enumerate(ids):
         seen = by_position.get(position)
-        tokens.append(
-            {
-                "position": position,
-                "tokenId": token_id,
-                "text": tokenizer.token_text(token_id),
-                "logprob": None if seen is None else seen.logprob,
-                "values": None if seen is None or seen.readout is None else _float32s(seen.readout),
-            }
-        )
+        text = tokenizer.token_text(token_id)
+        record = {
+            "position": position,
+            "tokenId": token_id,
+            "text": text,
+            "logprob": None if seen is None else seen.logprob,
+            "values": None if seen is None or seen.readout is None else _float32s(seen.readout),
+        }
+        if seen is not None and seen.features is not None:  # each SAE layer's top features, as Evergreen writes them
+            record["layers"] = token_features(position, token_id, text, seen.features, manifest)["layers"]
+        tokens.append(record)
     return json.dumps({"tokens": tokens}, separators=(",", ":")).encode()
 
 

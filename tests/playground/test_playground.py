@@ -7,7 +7,6 @@ import dataclasses
 import os
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -113,40 +112,6 @@ def test_manifest_needs_the_token_when_auth_is_on(server_factory) -> None:
 def test_playground_can_be_turned_off(server_factory) -> None:
     with server_factory(playground=False) as server:
         assert httpx.get(server.http_url + "/playground").status_code == 404
-
-
-@pytest.fixture
-def browser():  # type: ignore[no-untyped-def]
-    if CHROMIUM is None or not Path(CHROMEDRIVER).exists():
-        message = "chromium is not installed: apt-get update && apt-get install -y chromium chromium-driver"
-        if os.environ.get("PRISMGATE_REQUIRE_BROWSER"):  # CI installs it: a missing browser is a failure there
-            pytest.fail(message)
-        pytest.skip(message)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    profile = tempfile.mkdtemp(prefix="prismgate-chromium-")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        "--disable-dev-shm-usage",
-        f"--user-data-dir={profile}",
-    ):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    driver.set_page_load_timeout(60)
-    try:
-        yield driver
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
 
 
 def wait_for(condition, timeout: float = 60.0):  # type: ignore[no-untyped-def]

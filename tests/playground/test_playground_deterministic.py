@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tests.playground.test_playground import _ask, _steer, browser, calibrated, calibrated_factory, wait_for
+from tests.playground.test_playground import _ask, _steer, calibrated, calibrated_factory, wait_for
 
-__all__ = ["browser", "calibrated", "calibrated_factory"]  # fixtures used below
+__all__ = ["calibrated", "calibrated_factory"]  # fixtures used below
 
 
 def _answers(browser: Any) -> dict[str, list[dict[str, Any]]]:

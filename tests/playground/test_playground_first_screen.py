@@ -24,9 +24,7 @@ from prismgate.engines.readouts.pack import ConceptPack
 from prismgate.engines.readouts.steering_range import MAX_LOGPROB_DROP, MIN_DISTINCT, distinct
 from prismgate.playground import first_steered
 from tests.conftest import LiveServer, run_server
-from tests.playground.test_playground import browser, wait_for
-
-__all__ = ["browser"]  # the fixture used below
+from tests.playground.test_playground import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -68,10 +68,12 @@ def test_labels_from_the_folder_or_a_file(tmp_path: Path) -> None:
     folder = write_sae(tmp_path / "s")
     (folder / "labels.json").write_text(json.dumps({"3": "French", "7": "code"}))
     assert load_sae(folder).label(3) == "French"
+    assert load_sae(folder).labels_from == "labels.json in the SAE's folder"
     other = tmp_path / "np.json"
     other.write_text(json.dumps([{"index": "5", "description": "questions"}]))
     sae = load_sae(folder, other)
-    assert sae.labels == {5: "questions"}
+    assert sae.labels == {5: "questions"} and sae.labels_from == "the labels file np.json"
+    assert load_sae(write_sae(tmp_path / "bare")).labels_from == ""
 
 
 def refused(folder: Path, labels: Path | None = None) -> str:
