@@ -84,27 +84,26 @@ class ModelAdapter:
         return {}
 
     # Several sequences' decode steps in one forward pass. Each sequence keeps its own
-    # cache (sessions keep theirs between turns), so the step pads the caches to one
-    # length on the left, runs the batch, and hands each sequence its own part back.
+    # cache (sessions keep theirs between turns); the engine merges the caches of those
+    # decoding together into one, left-padded to the longest, and keeps that merge while they
+    # stay together (:mod:`~prismgate.engines.hf.batch_cache`).
     batches_decode = True
 
     def decode_batch(self, ids: Sequence[int], caches: Sequence[Any], positions: Sequence[int]) -> torch.Tensor:
-        """Feed ``ids[j]`` at ``positions[j]`` to ``caches[j]`` (which hold ``positions[j]`` tokens).
+        """Feed ``ids[j]`` at ``positions[j]`` to ``caches[j]`` (which hold ``positions[j]`` tokens), once.
 
         Returns float32 logits ``[batch, vocab]``; every cache comes back one token longer.
+        The engine keeps the merge across steps instead (:class:`~prismgate.engines.hf.batch_cache.BatchCache`).
         """
-        for cache, position in zip(caches, positions, strict=True):
-            check_cache(cache, position)
-        width = max(positions)
-        batch = self.new_cache()
-        for index in range(len(caches[0].layers)):
-            keys, values = [], []
-            for cache, position in zip(caches, positions, strict=True):
-                layer = cache.layers[index]
-                pad = width - position
-                keys.append(torch.nn.functional.pad(layer.keys, (0, 0, pad, 0)))
-                values.append(torch.nn.functional.pad(layer.values, (0, 0, pad, 0)))
-            batch.update(torch.cat(keys), torch.cat(values), index)
+        from prismgate.engines.hf.batch_cache import BatchCache
+
+        batch = BatchCache(self)
+        logits = batch.step(ids, caches, positions)
+        batch.leave_all()
+        return logits
+
+    def forward_batch(self, ids: Sequence[int], merged: Any, positions: Sequence[int], width: int) -> torch.Tensor:
+        """A decode step on a merged cache: row ``j`` holds ``positions[j]`` tokens in its last ``width`` columns."""
         mask = torch.zeros((len(ids), width + 1), dtype=torch.long, device=self.device)
         for row, position in enumerate(positions):
             mask[row, width - position :] = 1
@@ -113,15 +112,10 @@ class ModelAdapter:
             attention_mask=mask,
             position_ids=torch.tensor([[p] for p in positions], dtype=torch.long, device=self.device),
             cache_position=torch.tensor([width], dtype=torch.long, device=self.device),
-            past_key_values=batch,
+            past_key_values=merged,
             use_cache=True,
             logits_to_keep=1,
         )
-        for index, merged in enumerate(batch.layers):
-            for row, (cache, position) in enumerate(zip(caches, positions, strict=True)):
-                layer = cache.layers[index]
-                layer.keys = merged.keys[row : row + 1, :, width - position :].contiguous()
-                layer.values = merged.values[row : row + 1, :, width - position :].contiguous()
         return out.logits[:, -1].to(torch.float32)
 
     def image_tokens(self, data: bytes, mime: str) -> int:

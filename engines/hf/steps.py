@@ -20,6 +20,7 @@ from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.core.events import Done, FinishReason, TokenEvent
 from prismgate.core.steering import spans
 from prismgate.engines.hf.adapters import ModelAdapter
+from prismgate.engines.hf.batch_cache import BatchCache
 from prismgate.engines.hf.job import Job
 from prismgate.engines.hf.kv_reuse import SessionCaches, resume
 from prismgate.engines.hf.sampling import logprobs_of, sample
@@ -58,6 +59,7 @@ class Stepper:
         self.stats = stats
         self.prefill_chunk = prefill_chunk
         self.features = features
+        self.batch = BatchCache(adapter)  # the merged cache of the requests decoding together
 
     def step(self, job: Job) -> None:
         if not job.started:
@@ -98,6 +100,7 @@ class Stepper:
     def end(self, job: Job, reason: FinishReason) -> None:
         """Send Done and keep the session's cache for its next turn."""
         job.ended = True
+        self.batch.leave(job.cache)
         key = job.request.session_key
         if key is not None and job.cache is not None:
             self.caches.keep(
@@ -122,6 +125,7 @@ class Stepper:
     def fail(self, job: Job, error: GatewayError) -> None:
         """End the request with ``error``; its cache is dropped, its contents may be half-written."""
         job.ended = True
+        self.batch.drop(job.cache)
         job.cache = None
         job.cached = []
         job.emit(error)
@@ -153,6 +157,7 @@ class Stepper:
 
     def feed(self, job: Job, start: int, end: int) -> None:
         """Run positions [start, end) of the timeline through the model."""
+        self.batch.leave(job.cache)  # a step of its own runs on its own cache
         spec = job.request.spec
         n = job.prompt_len
         ids = job.timeline[start:end]
