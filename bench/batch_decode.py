@@ -1,6 +1,6 @@
 """Decode tokens/s of the batched step at long contexts: the merge kept across steps against a merge per step.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m bench.batch_decode [--context 2000] [--batches 1,4,8] [--steps 24]
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.batch_decode [--quick] [--context 2000] [--batches 1,4,8] [--steps 24]
 
 The adapter of the embedded SmolLM2 (bf16), driven directly (no engine, no wire): ``B``
 sequences of ``--context`` tokens decode ``--steps`` tokens together, once through
@@ -51,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,4,8")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="one round of 8 steps")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps = 1, 8
     adapter = load(
         default_model_path(),
         model_id=DEFAULT_MODEL_ID,
