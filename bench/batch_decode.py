@@ -8,7 +8,7 @@ sequences of ``--context`` tokens decode ``--steps`` tokens together, once throu
 column appended per step) and once through the per-step merge it replaced
 (``tests/engines/batch_reference.py``: every member's whole cache merged and copied back on
 every step). Batch 1 is the step of its own (``adapter.forward``). Rounds alternate the two
-and the median rate is printed; the process's peak RSS growth is noted per variant.
+and the median rate of each is printed, with their ratio.
 """
 
 from __future__ import annotations
