@@ -7,7 +7,8 @@ process gigabytes larger than what it uses: eight 3,516-token echoes with top-20
 readouts on SmolLM2 (the load of bench/hostile.py row 10) left it 1.5 GB larger, of which
 ``malloc_trim`` gave 1.3 GB back. ``malloc_trim`` walks the whole heap (about 10 ms, up to
 50 ms on a fragmented one), so the scheduler calls it after rounds that prefill or end a
-request, at most once a second, never on every step (README.md, Reliability, has the figures).
+request, at most once a second, never on every step, and once more a second after it goes idle
+(the last answers are built and freed after their generations end; README.md, Reliability, has the figures).
 Elsewhere than glibc it does nothing.
 """
 
@@ -40,13 +41,18 @@ class HeapTrimmer:
         self._trim = _trim_function()
         self._last = 0.0
         self.trims = 0
+        # work has freed memory since the last trim: the engine trims once more when it goes idle,
+        # a second later (a request's answer is built and freed after its generation has ended)
+        self.pending = False
 
     def maybe(self) -> bool:
         """Trim now if it is time; True when it did."""
+        self.pending = self._trim is not None
         now = time.monotonic()
         if self._trim is None or now - self._last < self.interval_s:
             return False
         self._trim(0)
         self._last = time.monotonic()
         self.trims += 1
+        self.pending = False
         return True

@@ -269,10 +269,11 @@ class Settings:
     )
     memory_budget_bytes: int = setting(
         0,
-        "Memory all running generations together may hold for what they report (logprob entries, readouts, "
-        "buffered output; each request's worst case estimated from its spec before it runs). Requests over it "
-        "wait; one that alone exceeds it is refused RESOURCE_EXHAUSTED. 0: 1% of the machine's memory, between "
-        "64 MiB and 256 MiB.",
+        "Memory all running generations together may hold: the keys and values of their prompt and max_tokens "
+        "(transformers engine) and what they report (logprob entries, readouts, buffered output until the answer "
+        "is written); each request's worst case estimated from its spec before it runs. Requests over it wait; one "
+        "that alone exceeds it is refused RESOURCE_EXHAUSTED. 0: 1% of the machine's memory, between 64 MiB and "
+        "256 MiB, and at least one request at the largest served model's whole context.",
     )
 
     # -- security and limits ------------------------------------------------------------

@@ -26,6 +26,7 @@ from prismgate.codecs.openai.plan import Plan, plan_chat, plan_completion
 from prismgate.codecs.openai.request import Common, parse_chat, parse_completion
 from prismgate.codecs.openai.stream import EventStream
 from prismgate.core.errors import GatewayError
+from prismgate.core.memory import AnswerHold, hold_answer
 from prismgate.core.service import SessionService
 from prismgate.settings import Settings
 
@@ -107,6 +108,20 @@ class OpenAIEndpoints:
         return await self._complete(request, chat=False)
 
     async def _complete(self, request: Request, *, chat: bool) -> Response:
+        # a non-streamed answer is built after its generation has ended: the generation's memory
+        # budget bytes (which count that answer) stay held until it is written (HeldResponse)
+        hold = hold_answer()
+        response: Response | None = None
+        try:
+            response = await self._respond(request, chat=chat)
+            return response
+        finally:
+            if not isinstance(response, HeldResponse):
+                hold.release()
+            else:
+                response.hold = hold
+
+    async def _respond(self, request: Request, *, chat: bool) -> Response:
         try:
             body = await self._body(request)
             common: Common
@@ -136,7 +151,7 @@ class OpenAIEndpoints:
                 return JSONResponse(fmt.response(pieces, done, generation.session_length))
             # logprobs and readouts of every position can be tens of MB of JSON: built off the loop
             body = await asyncio.to_thread(_json, fmt.response, pieces, done, generation.session_length)
-            return Response(body, media_type="application/json")
+            return HeldResponse(body, media_type="application/json")
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         except Exception as exc:
@@ -265,6 +280,19 @@ class OpenAIEndpoints:
                 code="unknown_url",
             )
         )
+
+
+class HeldResponse(Response):
+    """A response that gives its generation's memory budget bytes back once it is sent (or the send failed)."""
+
+    hold: AnswerHold | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.hold is not None:
+                self.hold.release()
 
 
 def _too_large(size: str, limit: int) -> OpenAIError:

@@ -66,7 +66,12 @@ class ModelAdapter:
         images: Sequence[ImageSpan],
         rows: Sequence[int],
     ) -> torch.Tensor:
-        """Run ``ids`` (positions ``start``...) and return float32 logits for ``rows``."""
+        """Run ``ids`` (positions ``start``...) and return logits for ``rows``, in the model's dtype.
+
+        Not converted to float32 here: a scored prefill chunk keeps up to 512 rows of the whole
+        vocabulary (50 MB in bf16 at SmolLM2's 49k, 100 MB more as float32); callers convert the
+        rows they use, one at a time (the same bits as converting all of them).
+        """
         check_cache(cache, start)
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         out = self.model(
@@ -76,7 +81,7 @@ class ModelAdapter:
             logits_to_keep=torch.tensor(list(rows), dtype=torch.long, device=self.device),
             **self.extra_inputs(ids, start, timeline, images),
         )
-        return out.logits[0].to(torch.float32)
+        return out.logits[0]
 
     def extra_inputs(
         self, ids: Sequence[int], start: int, timeline: Sequence[int], images: Sequence[ImageSpan]
@@ -84,27 +89,26 @@ class ModelAdapter:
         return {}
 
     # Several sequences' decode steps in one forward pass. Each sequence keeps its own
-    # cache (sessions keep theirs between turns), so the step pads the caches to one
-    # length on the left, runs the batch, and hands each sequence its own part back.
+    # cache (sessions keep theirs between turns); the engine merges the caches of those
+    # decoding together into one, left-padded to the longest, and keeps that merge while they
+    # stay together (:mod:`~prismgate.engines.hf.batch_cache`).
     batches_decode = True
 
     def decode_batch(self, ids: Sequence[int], caches: Sequence[Any], positions: Sequence[int]) -> torch.Tensor:
-        """Feed ``ids[j]`` at ``positions[j]`` to ``caches[j]`` (which hold ``positions[j]`` tokens).
+        """Feed ``ids[j]`` at ``positions[j]`` to ``caches[j]`` (which hold ``positions[j]`` tokens), once.
 
         Returns float32 logits ``[batch, vocab]``; every cache comes back one token longer.
+        The engine keeps the merge across steps instead (:class:`~prismgate.engines.hf.batch_cache.BatchCache`).
         """
-        for cache, position in zip(caches, positions, strict=True):
-            check_cache(cache, position)
-        width = max(positions)
-        batch = self.new_cache()
-        for index in range(len(caches[0].layers)):
-            keys, values = [], []
-            for cache, position in zip(caches, positions, strict=True):
-                layer = cache.layers[index]
-                pad = width - position
-                keys.append(torch.nn.functional.pad(layer.keys, (0, 0, pad, 0)))
-                values.append(torch.nn.functional.pad(layer.values, (0, 0, pad, 0)))
-            batch.update(torch.cat(keys), torch.cat(values), index)
+        from prismgate.engines.hf.batch_cache import BatchCache
+
+        batch = BatchCache(self)
+        logits = batch.step(ids, caches, positions)
+        batch.leave_all()
+        return logits
+
+    def forward_batch(self, ids: Sequence[int], merged: Any, positions: Sequence[int], width: int) -> torch.Tensor:
+        """A decode step on a merged cache: row ``j`` holds ``positions[j]`` tokens in its last ``width`` columns."""
         mask = torch.zeros((len(ids), width + 1), dtype=torch.long, device=self.device)
         for row, position in enumerate(positions):
             mask[row, width - position :] = 1
@@ -113,15 +117,10 @@ class ModelAdapter:
             attention_mask=mask,
             position_ids=torch.tensor([[p] for p in positions], dtype=torch.long, device=self.device),
             cache_position=torch.tensor([width], dtype=torch.long, device=self.device),
-            past_key_values=batch,
+            past_key_values=merged,
             use_cache=True,
             logits_to_keep=1,
         )
-        for index, merged in enumerate(batch.layers):
-            for row, (cache, position) in enumerate(zip(caches, positions, strict=True)):
-                layer = cache.layers[index]
-                layer.keys = merged.keys[row : row + 1, :, width - position :].contiguous()
-                layer.values = merged.values[row : row + 1, :, width - position :].contiguous()
         return out.logits[:, -1].to(torch.float32)
 
     def image_tokens(self, data: bytes, mime: str) -> int:

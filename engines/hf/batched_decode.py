@@ -3,9 +3,10 @@
 On a small model a decode step is dominated by per-call overhead, not arithmetic, so
 requests that are all decoding share one forward pass, each row steered as its own request
 asks (:mod:`~prismgate.engines.hf.steering`). Each keeps its own KV cache (a
-session keeps it between turns); the adapter pads the caches to the longest and splits
-them back (:meth:`~prismgate.engines.hf.adapters.ModelAdapter.decode_batch`). The padding
-is copied every step, so a batch is capped by ``max_batch`` requests and by ``max_batch_tokens``
+session keeps it between turns); their caches are merged into one, padded to the longest,
+and the merge is kept while the same requests decode together
+(:mod:`~prismgate.engines.hf.batch_cache`): it is rebuilt only when one joins or leaves.
+The padding is memory, so a batch is capped by ``max_batch`` requests and by ``max_batch_tokens``
 (its size times its longest context). A batch with a deterministic request in it runs the
 batch-invariant kernels for every row (:mod:`~prismgate.engines.hf.invariant`).
 """
@@ -30,7 +31,7 @@ def batch_members(jobs: list[Job], *, max_batch: int, max_batch_tokens: int) -> 
             continue
         position = len(job.timeline) - 1
         if max(width, position) * (len(members) + 1) > max_batch_tokens:
-            continue  # padding every cache to the longest would copy too much
+            continue  # padding every cache to the longest would hold too much
         members.append(job)
         width = max(width, position)
         if len(members) == max_batch:
@@ -59,7 +60,7 @@ def decode_batch(stepper: Stepper, jobs: list[Job]) -> None:
     rows = [job.steer(row, p, p + 1) for row, (job, p) in enumerate(zip(jobs, positions, strict=True))]
     invariant = any(job.deterministic for job in jobs)  # the kernels are per pass: every row gets them
     with stepper.steered(rows) as gates, SWITCH.on(invariant):
-        logits = stepper.adapter.decode_batch(
+        logits = stepper.batch.step(
             [job.timeline[p] for job, p in zip(jobs, positions, strict=True)], [job.cache for job in jobs], positions
         )
     readouts = probe.take_batch() if probe is not None and any(wants) else None

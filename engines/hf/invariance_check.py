@@ -32,7 +32,7 @@ def _run(adapter: ModelAdapter, ids: Sequence[int], prefill: int, chunk: int) ->
     while position < len(ids):
         end = min(prefill, position + chunk) if position < prefill else position + 1
         out = adapter.forward(ids[position:end], cache, position, ids, [], [end - 1 - position])
-        logits.append(out[-1])
+        logits.append(out[-1].float())  # the batched step's logits are float32
         position = end
     return logits, cache
 

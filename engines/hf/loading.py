@@ -6,6 +6,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -86,9 +87,19 @@ def load(
         deterministic=deterministic_off is None,
         deterministic_off=deterministic_off,
         features=feature_manifest(encoders),
+        kv_bytes_per_token=kv_bytes_per_token(config, model.dtype),
     )
     log.info("loaded %s on %s (%s)", model_id, device, model.dtype)
     return LoadedModel(adapter, probe, steerer, info, encoders, features)
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one token holds in the cache: layers x (keys, values) x kv heads x head size."""
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or (int(config.hidden_size) // heads if heads else 0))
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    return layers * 2 * kv_heads * head_dim * dtype.itemsize
 
 
 # Measured on an H100 (torch 2.11, cuBLAS): with the kernels installed and the start-up check

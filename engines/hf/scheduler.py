@@ -119,6 +119,11 @@ class Scheduler:
                 while not (self._inbox or self._released or self._stopping) and not any(
                     job.cancelled or not job.channel.paused for job in self._active
                 ):
+                    if not self._active and self.trimmer.pending:
+                        # idle: what the last requests' answers freed (built after they ended) goes back too
+                        if not self._cv.wait(timeout=self.trimmer.interval_s):
+                            self.trimmer.maybe()
+                        continue
                     self._cv.wait(timeout=0.05 if self._active else None)
                 if self._stopping:
                     return

@@ -20,6 +20,7 @@ from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.core.events import Done, FinishReason, TokenEvent
 from prismgate.core.steering import spans
 from prismgate.engines.hf.adapters import ModelAdapter
+from prismgate.engines.hf.batch_cache import BatchCache
 from prismgate.engines.hf.job import Job
 from prismgate.engines.hf.kv_reuse import SessionCaches, resume
 from prismgate.engines.hf.sampling import logprobs_of, sample
@@ -29,9 +30,10 @@ from prismgate.engines.readouts.probe import ReadoutProbe
 from prismgate.engines.sae.probe import Captured, FeatureProbe
 
 # Prompt tokens per step while a chunk scores prompt positions: each scored position needs a
-# full-vocabulary row of logits (200 KB at SmolLM2's 49k vocabulary), reduced to its top-k as
-# soon as the chunk has run, so a chunk holds at most 100 MB of them, however large an operator
-# sets prefill_chunk. Not fewer: every chunk grows each layer's keys and values by a copy, and
+# full-vocabulary row of logits (100 KB in bf16 at SmolLM2's 49k vocabulary, kept in the model's
+# dtype and converted a row at a time), reduced to its top-k as soon as the chunk has run, so a
+# chunk holds at most 50 MB of them (100 MB in float32), however large an operator sets
+# prefill_chunk. Not fewer: every chunk grows each layer's keys and values by a copy, and
 # 64-token chunks left the heap so fragmented that eight 3,516-token echoes on SmolLM2 (the load of
 # bench/hostile.py row 10) grew the process by 5.8 GB (512: 1.5 GB; both before the engine trimmed its heap).
 SCORED_CHUNK = 512
@@ -58,6 +60,7 @@ class Stepper:
         self.stats = stats
         self.prefill_chunk = prefill_chunk
         self.features = features
+        self.batch = BatchCache(adapter)  # the merged cache of the requests decoding together
 
     def step(self, job: Job) -> None:
         if not job.started:
@@ -98,6 +101,7 @@ class Stepper:
     def end(self, job: Job, reason: FinishReason) -> None:
         """Send Done and keep the session's cache for its next turn."""
         job.ended = True
+        self.batch.leave(job.cache)
         key = job.request.session_key
         if key is not None and job.cache is not None:
             self.caches.keep(
@@ -122,6 +126,7 @@ class Stepper:
     def fail(self, job: Job, error: GatewayError) -> None:
         """End the request with ``error``; its cache is dropped, its contents may be half-written."""
         job.ended = True
+        self.batch.drop(job.cache)
         job.cache = None
         job.cached = []
         job.emit(error)
@@ -153,6 +158,7 @@ class Stepper:
 
     def feed(self, job: Job, start: int, end: int) -> None:
         """Run positions [start, end) of the timeline through the model."""
+        self.batch.leave(job.cache)  # a step of its own runs on its own cache
         spec = job.request.spec
         n = job.prompt_len
         ids = job.timeline[start:end]
@@ -198,7 +204,7 @@ class Stepper:
                 prev = job.next_logits if p == start else row_of.get(p - 1 - start)
                 if prev is None:
                     raise GatewayError(Code.INTERNAL, f"no logits kept for position {p}")
-                event.logprob, event.top_logprobs = logprobs_of(prev, event.id, spec.logprob_top_k)
+                event.logprob, event.top_logprobs = logprobs_of(prev.float(), event.id, spec.logprob_top_k)
             if ro_cov and readouts is not None:
                 event.readout = readouts[p - start]
             if fe_cov and feats is not None and fspec is not None:
@@ -215,12 +221,12 @@ class Stepper:
         if job.held is not None:
             job.emit(job.held)
             job.held = None
-        # the kept row is a copy: a view would keep this chunk's whole [rows, vocab] logits alive
-        # until the next feed (a prefill chunk of 512 rows is 100 MB at a 49k vocabulary)
+        # the kept row is a float32 copy: a view would keep this chunk's whole [rows, vocab] logits
+        # alive until the next feed (a prefill chunk of 512 rows is 50 MB in bf16 at a 49k vocabulary)
         if needs_next:
-            job.next_logits = logits[-1].clone()
+            job.next_logits = logits[-1].to(torch.float32, copy=True)
         elif end < n and covered(spec.logprob_ranges, end):
-            job.next_logits = row_of[end - 1 - start].clone()
+            job.next_logits = row_of[end - 1 - start].to(torch.float32, copy=True)
         else:
             job.next_logits = None
 

@@ -337,7 +337,7 @@ class Qwen2VLAdapter(ModelAdapter):
         )
         kept = [r for r in self._encoded.get(cache, []) if r[1] <= start]
         self._encoded[cache] = kept + [_image_key(s) for s in inside]
-        return out.logits[0].to(torch.float32)
+        return out.logits[0]  # the model's dtype, as ModelAdapter.forward
 
 
 def _vision_tokens(model: Any, tokenizer: Any) -> VisionTokens:

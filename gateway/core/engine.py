@@ -93,6 +93,9 @@ class EngineInfo:
     deterministic: bool = False
     deterministic_off: str | None = None
     features: FeatureManifest | None = None  # the sparse autoencoders loaded (docs/sae.md), if any
+    # bytes of keys and values the engine holds per token of a running request (the memory budget counts
+    # them); 0 where the engine's KV memory is not per request (vLLM allocates its pool at start)
+    kv_bytes_per_token: int = 0
 
 
 @dataclass(frozen=True, slots=True)

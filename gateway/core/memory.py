@@ -3,20 +3,24 @@
 ``max_active`` counts requests, not bytes: eight requests that each report top-20 logprobs
 and readouts at every position of a long prompt hold gigabytes together while each is
 "one request". So every request's worst case is estimated from its spec before admission
-(:func:`request_bytes`): the logprob entries, readout values and SAE features it will report (held as
-events, then as the wire's encoding until sent) and the one vocabulary row of logits an
-engine keeps for it between steps. The pool admits requests while their estimates fit the
-server's budget (:class:`MemoryBudget`, the ``memory_budget_bytes`` setting), queues the
-rest, and refuses at once (RESOURCE_EXHAUSTED, naming the setting) a request that alone
-would exceed it. A request that fits goes ahead of larger ones waiting (a two-token
-completion must not wait behind a queue of heavy echoes); the large one is not starved for
-long, since a plain request holds a few hundred KB and ``max_active`` bounds how many run.
+(:func:`request_bytes`): the keys and values the engine holds for its prompt and its
+``max_tokens`` (``EngineInfo.kv_bytes_per_token``: a token is 23 KB on SmolLM2, so three
+3,516-token prompts hold 240 MB of them), the logprob entries, readout values and SAE
+features it will report (held as events, then as the wire's encoding until sent) and the one
+vocabulary row of logits an engine keeps for it between steps. The pool admits requests
+while their estimates fit the server's budget (:class:`MemoryBudget`, the
+``memory_budget_bytes`` setting), queues the rest, and refuses at once (RESOURCE_EXHAUSTED,
+naming the setting) a request that alone would exceed it. A request that fits goes ahead of
+larger ones waiting (a two-token completion must not wait behind a queue of heavy echoes);
+the large one is not starved for long, since a plain request holds little and ``max_active``
+bounds how many run. A non-streamed answer is built after its generation has ended: a codec
+that builds one holds its generation's bytes until the answer is written (:func:`hold_answer`).
 
 The per-entry sizes are what CPython and the codecs make of one entry at the peak (the
 event, the response's objects, its JSON text and bytes), not the wire's bytes alone: the
 issue's request (3,532 positions of top-20 logprobs and 2 x 256 readouts, a 21 MB JSON
 answer) was measured at about 200-230 MB of process growth on its own, and is estimated
-here at about 220 MB.
+here at about 220 MB of reports.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 from prismgate.core.actions import GenerateSpec, PositionRange
 from prismgate.core.engine import EngineInfo
@@ -38,7 +43,8 @@ LOGITS_VALUE_BYTES = 4  # the float32 vocabulary row an engine keeps to sample a
 REQUEST_BYTES = 64 << 10  # a request's own bookkeeping (its events' objects, its stream's state)
 AUTO_FRACTION = 100  # the default budget: this fraction of the machine's memory ...
 AUTO_MIN = 64 << 20  # ... at least this ...
-AUTO_MAX = 256 << 20  # ... at most this (the server's growth over idle stays near it, whatever the machine)
+AUTO_MAX = 256 << 20  # ... at most this (the server's growth over idle stays near it, whatever the machine),
+FULL_CONTEXTS = 1  # ... but room for this many requests at the largest served model's whole context
 
 
 def covered(ranges: Sequence[PositionRange], horizon: int) -> int:
@@ -61,6 +67,7 @@ def request_bytes(spec: GenerateSpec, prompt_tokens: int, info: EngineInfo) -> i
     values_per_readout = len(info.readouts.layers) * len(info.readouts.concepts) if info.readouts else 0
     return (
         REQUEST_BYTES
+        + horizon * info.kv_bytes_per_token
         + info.vocab_size * LOGITS_VALUE_BYTES
         + logprob_positions * (spec.logprob_top_k + 1) * LOGPROB_ENTRY_BYTES
         + readout_positions * values_per_readout * READOUT_VALUE_BYTES
@@ -90,15 +97,19 @@ def machine_share(fraction: int, low: int, high: int) -> int:
     return min(max(machine_bytes() // fraction, low), high)
 
 
-def default_budget() -> int:
-    """The budget when the setting is 0: a fraction of the machine's memory, within bounds."""
-    return machine_share(AUTO_FRACTION, AUTO_MIN, AUTO_MAX)
+def default_budget(infos: Iterable[EngineInfo] = ()) -> int:
+    """The budget when the setting is 0: a fraction of the machine's memory, within bounds, and at least
+    :data:`FULL_CONTEXTS` plain requests at the whole context of the largest of the served models (``infos``):
+    a prompt the model can take is never refused for its keys and values alone."""
+    whole = max((request_bytes(GenerateSpec(max_tokens=0), i.max_model_len, i) for i in infos), default=0)
+    return max(machine_share(AUTO_FRACTION, AUTO_MIN, AUTO_MAX), FULL_CONTEXTS * whole)
 
 
 class MemoryBudget:
     """Requests hold their estimate while they run; together at most ``limit`` bytes, the rest wait (first fit)."""
 
     def __init__(self, limit: int, *, max_waiting: int = 1024) -> None:
+        self.auto = limit <= 0
         self.limit = limit if limit > 0 else default_budget()
         self.max_waiting = max_waiting
         self.used = 0
@@ -108,14 +119,24 @@ class MemoryBudget:
     def waiting(self) -> int:
         return sum(1 for _, f in self._waiters if not f.done())
 
+    def fit(self, infos: Iterable[EngineInfo]) -> None:
+        """Size a default budget (the setting 0) to the served models, once they have loaded."""
+        if self.auto:
+            self.limit = default_budget(infos)
+            self._grant()
+
     @contextlib.asynccontextmanager
     async def reserve(self, size: int) -> AsyncIterator[None]:
-        """Hold ``size`` bytes of the budget for the body; RESOURCE_EXHAUSTED when ``size`` alone is over it."""
+        """Hold ``size`` bytes of the budget for the body; RESOURCE_EXHAUSTED when ``size`` alone is over it.
+
+        Inside :func:`hold_answer`, the bytes stay held after the body until that answer is written.
+        """
         if size > self.limit:
             raise exhausted(
-                f"this request may hold about {size >> 20} MiB (its logprob and readout positions), more than the "
-                f"server's memory budget of {self.limit >> 20} MiB (memory_budget_bytes); report fewer positions "
-                "or fewer top logprobs"
+                f"this request may hold about {size >> 20} MiB (the keys and values of its prompt and max_tokens, "
+                f"its logprob and readout positions), more than the server's memory budget of {self.limit >> 20} MiB "
+                "(memory_budget_bytes); send a shorter prompt or max_tokens, report fewer positions or fewer top "
+                "logprobs"
             )
         if self.used + size > self.limit:
             if self.waiting >= self.max_waiting:
@@ -139,7 +160,9 @@ class MemoryBudget:
         try:
             yield
         finally:
-            self._free(size)
+            hold = _ANSWER.get()
+            if hold is None or not hold.keep(self, size):
+                self._free(size)
 
     def _free(self, size: int) -> None:
         self.used -= size
@@ -157,3 +180,36 @@ class MemoryBudget:
             else:
                 kept.append((size, future))
         self._waiters = kept
+
+
+class AnswerHold:
+    """Budget bytes whose generations have ended but whose answer is still being built or written."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[MemoryBudget, int]] = []
+        self._open = True
+
+    def keep(self, budget: MemoryBudget, size: int) -> bool:
+        """Keep ``size`` bytes of ``budget`` until :meth:`release`; False once released (free them now)."""
+        if self._open:
+            self._held.append((budget, size))
+        return self._open
+
+    def release(self) -> None:
+        """The answer is written (or abandoned): its bytes go back to their budgets. Idempotent."""
+        self._open = False
+        held, self._held = self._held, []
+        for budget, size in held:
+            budget._free(size)
+
+
+_ANSWER: contextvars.ContextVar[AnswerHold | None] = contextvars.ContextVar("prismgate_answer_hold", default=None)
+
+
+def hold_answer() -> AnswerHold:
+    """From now on in this context (and tasks started from it), generations that end keep their budget
+    bytes until the returned hold is released: a codec that builds a whole answer after the generation's
+    end (OpenAI's non-streamed JSON) calls this before it starts one and releases once the answer is written."""
+    hold = AnswerHold()
+    _ANSWER.set(hold)
+    return hold

@@ -206,6 +206,7 @@ class EnginePool:
     async def start(self) -> None:
         for engine in self._all:
             await engine.start()
+        self.memory.fit(engine.info for engine in self._all if engine.info is not None)
 
     async def close(self) -> None:
         self._stopping = True

@@ -108,3 +108,55 @@ def test_sae_features_count_in_the_estimate() -> None:
     assert plain < sizes[0] < sizes[1] < sizes[2]
     assert sizes[1] - plain == 3532 * 2 * 64 * 400  # positions x layers (all, when none named) x entries x bytes
     assert request_bytes(top, 3516, INFO) == plain  # a model without SAEs reports none
+
+
+SMOL_KV = 30 * 2 * 3 * 64 * 2  # SmolLM2-135M in bf16: layers x (keys, values) x kv heads x head size x bytes
+
+
+def test_the_keys_and_values_of_the_prompt_and_max_tokens_count() -> None:
+    from dataclasses import replace
+
+    smol = replace(INFO, kv_bytes_per_token=SMOL_KV)
+    plain = GenerateSpec(max_tokens=16)
+    assert request_bytes(plain, 3516, smol) - request_bytes(plain, 3516, INFO) == 3532 * SMOL_KV  # 81 MB
+    longer = GenerateSpec(max_tokens=1016)
+    assert request_bytes(longer, 3516, smol) - request_bytes(plain, 3516, smol) == 1000 * SMOL_KV
+
+
+async def test_the_default_admits_a_whole_context_of_the_largest_model_and_a_set_budget_stays() -> None:
+    from dataclasses import replace
+
+    big = replace(INFO, max_model_len=131072, kv_bytes_per_token=SMOL_KV)  # 3 GB of keys and values at full length
+    whole = request_bytes(GenerateSpec(max_tokens=0), 131072, big)
+    auto, fixed = MemoryBudget(0), MemoryBudget(5 << 20)
+    auto.fit([INFO, big])
+    fixed.fit([INFO, big])
+    assert auto.limit == max(default_budget(), whole) == whole and fixed.limit == 5 << 20
+    async with auto.reserve(whole):  # a prompt as long as the model takes fits alone
+        assert auto.used == whole
+    small = MemoryBudget(0)
+    small.fit([INFO])  # a small model's context needs no more than the machine's share
+    assert small.limit == default_budget()
+
+
+async def test_an_answer_hold_keeps_an_ended_generations_bytes_until_released() -> None:
+    from prismgate.core.memory import hold_answer
+
+    budget = MemoryBudget(10 << 20)
+
+    async def answer() -> int:
+        hold = hold_answer()  # in this task's context only
+        async with budget.reserve(6 << 20):
+            pass
+        kept = budget.used
+        hold.release()
+        hold.release()  # idempotent
+        async with budget.reserve(1 << 20):  # after the release a generation frees its bytes as it ends
+            pass
+        return kept
+
+    assert await asyncio.create_task(answer()) == 6 << 20
+    assert budget.used == 0
+    async with budget.reserve(2 << 20):  # outside any hold: freed at once
+        pass
+    assert budget.used == 0

@@ -71,3 +71,24 @@ async def test_the_heap_is_trimmed_when_requests_end_and_not_more_often_than_its
         assert await trims_reach(2) == 2
     finally:
         await engine.close()
+
+
+async def test_an_engine_gone_idle_trims_once_more_what_ended_within_the_interval(tiny_model_dir: Path) -> None:
+    """A request's answer is built and freed after its generation ends: the idle engine trims once more, later."""
+    engine = TransformersEngine(tiny_model_dir, model_id="tiny", threads=1)
+    await engine.start()
+    try:
+        trimmer = engine._scheduler.trimmer
+        trimmer.interval_s = 2.0
+        prompt = tuple(5 + i % 200 for i in range(100))
+        await run(engine, prompt, max_tokens=1)
+        await asyncio.sleep(0.05)
+        first = trimmer.trims
+        await run(engine, prompt, max_tokens=1)  # ends within the interval: not trimmed at its end
+        assert trimmer.trims == first and trimmer.pending
+        await asyncio.sleep(3.0)
+        assert trimmer.trims == first + 1 and not trimmer.pending  # trimmed once, idle
+        await asyncio.sleep(2.5)
+        assert trimmer.trims == first + 1  # and not again while nothing runs
+    finally:
+        await engine.close()

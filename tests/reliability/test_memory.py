@@ -16,11 +16,13 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from prismgate.core.memory import AUTO_MAX
+from prismgate.core.actions import GenerateSpec
+from prismgate.core.memory import AUTO_MAX, request_bytes
 from tests.conftest import TINY_MODEL_ID, LiveServer, tiny_settings
 from tests.reliability.conftest import UnderAttack, run_gateway
 
@@ -76,7 +78,8 @@ def test_eight_echoing_requests_with_top20_logprobs_and_readouts_fit_the_budget(
     watcher.join()
     assert [status for status, _ in results] == [200] * 8
     assert all(size > 1 << 20 for _, size in results)  # each answer holds the whole echo's logprobs and readouts
-    assert 0 < peak[0] <= memory.limit and memory.used == 0
+    assert 0 < peak[0] <= memory.limit
+    assert released(memory)  # the answers' holds end once they are sent
     print(f"budget {memory.limit >> 20} MiB, peak held {peak[0] >> 20} MiB, {attack.report()}")
 
 
@@ -88,6 +91,36 @@ def test_a_request_larger_than_the_whole_budget_is_refused_at_once_naming_the_se
         reply = httpx.post(tight.http_url + "/v1/completions", json=BODY, timeout=60)
         assert reply.status_code == 429 and "memory_budget_bytes" in reply.text, reply.text[:300]
         assert time.perf_counter() - started < 5
-        assert tight.service.pool.memory.used == 0
+        assert released(tight.service.pool.memory)
         small = httpx.post(tight.http_url + "/v1/completions", json={**BODY, "prompt": PROMPT[:100]}, timeout=60)
         assert small.status_code == 200, small.text[:300]  # the same request over fewer positions fits
+
+
+def released(memory: Any, timeout: float = 5.0) -> bool:
+    """Whether the budget gets back to nothing held (a sent answer gives its bytes back just after the send)."""
+    deadline = time.monotonic() + timeout
+    while memory.used and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(memory.used == 0)
+
+
+def test_the_keys_and_values_a_prompt_and_max_tokens_need_count_against_the_budget(
+    long_model_dir: Path, big_pack: Path
+) -> None:
+    """A plain request (no logprobs, no readouts) whose keys and values alone exceed the budget is refused at once,
+    naming the setting; the same prompt with a max_tokens that fits is served, and nothing stays held."""
+    with run_gateway(tiny_settings(long_model_dir, big_pack, memory_budget_bytes=64 << 20)) as server:
+        info = server.service.pool.engine().info
+        assert info.kv_bytes_per_token > 0
+        memory = server.service.pool.memory
+        memory.limit = request_bytes(
+            GenerateSpec(max_tokens=1000), 1000, info
+        )  # room for 2,000 tokens' keys and values
+        body = {"model": TINY_MODEL_ID, "prompt": PROMPT[:1000], "max_tokens": 2, "temperature": 0}
+        started = time.perf_counter()
+        too_many = httpx.post(server.http_url + "/v1/completions", json={**body, "max_tokens": 1500}, timeout=60)
+        assert too_many.status_code == 429 and "memory_budget_bytes" in too_many.text, too_many.text[:300]
+        assert "keys and values" in too_many.text and time.perf_counter() - started < 5
+        served = httpx.post(server.http_url + "/v1/completions", json=body, timeout=60)
+        assert served.status_code == 200, served.text[:300]
+        assert released(memory)
