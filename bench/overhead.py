@@ -37,7 +37,19 @@ off and on every token (8 x 8), at 64 and 256 streams, the streams split over
 ``--client-processes`` client processes (2) so that one Python client is not the ceiling.
 Per cell: tokens streamed per second (wall) and the server tree's CPU per token; then each
 N-process cell over the 1-process cell (goal for 2: throughput >= 1.8x, on a machine with
-cores to spare for the clients). Results: bench/results/overhead_scaling.json.
+cores to spare for the clients). Every server tree is up for the whole run, and each round
+runs every cell on 1 and N processes back to back (the order alternating from round to
+round); medians and spread over ``--reps`` rounds, and each round's N-over-1 ratio.
+Results: bench/results/overhead_scaling.json.
+
+``--client raw`` (with ``--processes``) drives OpenAI and Evergreen with the cheapest Python
+clients there are (bench/clients.py ``openai_raw``, ``evergreen_raw``): bare asyncio sockets,
+a connection per generation, the tokens counted in the bytes read (``data: `` events; the
+response's fragments) with no parsing, each connection reading at most once per 5 ms tick;
+one client process, and each stream runs generations back to back until the cell has
+``--cell-tokens`` (65,536). So the clients cost a small part of what the server does per
+token and, on a 2-core machine, the server can use the cores. Results:
+bench/results/overhead_scaling_raw.json.
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -280,17 +293,29 @@ READOUT_COLUMNS = (
 # -- scaling: 1 and N front-end processes (--processes) -------------------------------------------
 
 SCALING_PROTOCOLS = ("openai", "evergreen", "salience")
+RAW_PROTOCOLS = ("openai", "evergreen")  # --client raw: no Salience (gRPC has no cheap bare-socket client)
 SCALING_COLUMNS = (
     "processes",
     "streams",
     "protocol",
     "readouts",
     "tokens_per_s",
+    "tokens_per_s_low",
+    "tokens_per_s_high",
     "cpu_us_per_token",
-    "tokens_per_cpu_s",
     "server_cpu_share",
+    "client_cpu_share",
 )
-RATIO_COLUMNS = ("streams", "protocol", "readouts", "processes", "throughput_ratio", "cpu_per_token_ratio")
+RATIO_COLUMNS = (
+    "streams",
+    "protocol",
+    "readouts",
+    "processes",
+    "throughput_ratio",
+    "ratio_low",
+    "ratio_high",
+    "cpu_per_token_ratio",
+)
 
 
 @contextlib.contextmanager
@@ -337,116 +362,179 @@ def tree_cpu_s(process: Any) -> float:
     return total
 
 
-def scaling_client(proto: str, mode: str, http_url: str, grpc_target: str) -> clients.Client:
-    """``proto``'s client with readouts ``mode`` (off / every) on the null engine's model."""
+@functools.cache
+def _tokenizer() -> Any:
+    """The null engine's tokenizer, built once per client process (not inside a timed cell)."""
     from tests.tiny_model import build_tokenizer
 
-    hf = build_tokenizer()
+    return build_tokenizer()
+
+
+def scaling_client(proto: str, mode: str, http_url: str, grpc_target: str, kind: str = "python") -> clients.Client:
+    """``proto``'s client with readouts ``mode`` (off / every) on the null engine's model; ``kind``
+    ``raw``: the bare-socket clients that count tokens in the bytes (OpenAI, Evergreen)."""
+    hf = _tokenizer()
     if proto == "salience":
+        if kind == "raw":
+            raise ValueError("--client raw: OpenAI and Evergreen only")
         every = None if mode == "off" else (lambda n, m: [(n, n + m)])
         return clients.Salience(grpc_target, "null", every, channels=16)
     if proto == "evergreen":
         ws_url = http_url.replace("http://", "ws://")
-        return clients.evergreen(ws_url, lambda ids: str(hf.decode(list(ids))), None if mode == "off" else {})
-    return clients.openai_sse(http_url, "null", None if mode == "off" else {"readouts": True})
+        make = clients.evergreen_raw if kind == "raw" else clients.evergreen
+        return make(ws_url, lambda ids: str(hf.decode(list(ids))), None if mode == "off" else {})
+    make_openai = clients.openai_raw if kind == "raw" else clients.openai_sse
+    return make_openai(http_url, "null", None if mode == "off" else {"readouts": True})
 
 
-def _client_cell(job: tuple[str, str, str, str, list[int], int, int, int]) -> int:
-    """One client process's share of a cell: ``streams`` generations at once, ``rounds`` times; tokens received."""
-    proto, mode, http_url, grpc_target, prompt, max_tokens, streams, rounds = job
+async def run_streams(
+    client: clients.Client, prompt: Sequence[int], max_tokens: int, streams: int, each: int
+) -> list[clients.StreamResult]:
+    """``streams`` loops at once, each ``each`` generations back to back (the concurrency stays
+    ``streams`` until the last loop's last generation)."""
+
+    async def loop() -> list[clients.StreamResult]:
+        return [await client(prompt, max_tokens) for _ in range(each)]
+
+    return [r for rs in await asyncio.gather(*(loop() for _ in range(streams))) for r in rs]
+
+
+ClientJob = tuple[str, str, str, str, str, list[int], int, int, int]
+
+
+def _client_cell(job: ClientJob) -> tuple[int, float]:
+    """One client process's share of a cell: ``streams`` loops of ``each`` generations; (tokens
+    received, this process's CPU seconds)."""
+    kind, proto, mode, http_url, grpc_target, prompt, max_tokens, streams, each = job
 
     async def go() -> int:
-        client = scaling_client(proto, mode, http_url, grpc_target)
-        results, _ = await run_cell(client, prompt, max_tokens, streams, rounds)
+        client = scaling_client(proto, mode, http_url, grpc_target, kind)
+        results = await run_streams(client, prompt, max_tokens, streams, each)
         for closer in (getattr(client, "close", None), getattr(getattr(client, "client", None), "aclose", None)):
             if closer is not None:
                 await closer()
         return sum(r.tokens for r in results)
 
-    return asyncio.run(go())
+    cpu0 = time.process_time()
+    tokens = asyncio.run(go())
+    return tokens, time.process_time() - cpu0
 
 
-def measure_scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Tokens/s and server CPU per token through 1 and N front-end processes, per protocol and readouts."""
+def measure_scaling(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Tokens/s and server CPU per token through 1 and N front-end processes, per protocol and readouts.
+
+    Every server tree is up for the whole run (an idle one costs nothing that counts: its
+    CPU is not read while another runs). Each round runs every (protocol, readouts, streams)
+    cell in an order that rotates from round to round, and each cell on every process count
+    back to back, the order of the process counts alternating from round to round; a
+    round's ratio is its N-process cell over the 1-process cell beside it.
+    """
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
     from tests.tiny_model import build_tokenizer
 
     prompt = [int(t) for t in build_tokenizer().encode("Tell me a long story about the sea. Once upon a time")]
-    cells = [(p, m) for p in SCALING_PROTOCOLS if p in args.protocols for m in ("off", "every")]
+    protocols = RAW_PROTOCOLS if args.client == "raw" else SCALING_PROTOCOLS
+    cells = [(s, p, m) for s in args.concurrency for p in protocols if p in args.protocols for m in ("off", "every")]
     k = args.client_processes
-    rows: list[dict[str, Any]] = []
-    with ProcessPoolExecutor(k, mp_context=get_context("spawn")) as pool:
-        for workers in args.processes:
-            print(f"## {workers} front-end process(es)", flush=True)
-            with null_server(workers) as (http_url, grpc_target, process):
-                for proto, mode in cells:  # warm up every path
-                    list(pool.map(_client_cell, [(proto, mode, http_url, grpc_target, prompt, 8, 2, 1)] * k))
-                for streams in args.concurrency:
-                    measured: dict[tuple[str, str], list[tuple[int, float, float]]] = {c: [] for c in cells}
-                    for rep in range(args.reps):
-                        shift = rep % len(cells)
-                        for proto, mode in cells[shift:] + cells[:shift]:
-                            job = (proto, mode, http_url, grpc_target, prompt, args.max_tokens, streams // k, 1)
-                            cpu0, t0 = tree_cpu_s(process), time.perf_counter()
-                            tokens = sum(pool.map(_client_cell, [job] * k))
-                            wall, cpu = time.perf_counter() - t0, tree_cpu_s(process) - cpu0
-                            measured[(proto, mode)].append((tokens, wall, cpu))
-                    for (proto, mode), runs in measured.items():
-                        tokens = sum(r[0] for r in runs)
-                        wall = sum(r[1] for r in runs)
-                        cpu = max(sum(r[2] for r in runs), 1e-9)
-                        rows.append(
-                            {
-                                "processes": workers,
-                                "streams": streams,
-                                "protocol": proto,
-                                "readouts": mode,
-                                "tokens_per_s": tokens / wall,
-                                "cpu_us_per_token": cpu / tokens * 1e6,
-                                "tokens_per_cpu_s": tokens / cpu,
-                                "server_cpu_share": cpu / wall / (os.cpu_count() or 1),
-                            }
-                        )
-                    print(table([r for r in rows if r["processes"] == workers and r["streams"] == streams],
-                                SCALING_COLUMNS), flush=True)  # fmt: skip
-    return rows
-
-
-def scaling_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each N-process row over the 1-process row of the same cell: throughput and CPU per token."""
-    one = {(r["streams"], r["protocol"], r["readouts"]): r for r in rows if r["processes"] == 1}
-    out = []
-    for r in rows:
-        base = one.get((r["streams"], r["protocol"], r["readouts"]))
-        if r["processes"] == 1 or base is None:
-            continue
-        out.append(
+    cores = os.cpu_count() or 1
+    measured: dict[tuple[int, int, str, str], list[tuple[int, float, float, float]]] = {}
+    with contextlib.ExitStack() as stack, ProcessPoolExecutor(k, mp_context=get_context("spawn")) as pool:
+        servers = {n: stack.enter_context(null_server(n)) for n in args.processes}
+        for workers, (http_url, grpc_target, _) in servers.items():  # warm up every path, check the counts
+            for _, proto, mode in cells[: len(cells) // len(args.concurrency)]:
+                job: ClientJob = (args.client, proto, mode, http_url, grpc_target, prompt, 8, 2, 1)
+                got = [tokens for tokens, _ in pool.map(_client_cell, [job] * k)]
+                if got != [16] * k:
+                    raise RuntimeError(f"{workers} process(es), {proto} {mode}: {got} tokens counted, not 16 each")
+        for rep in range(args.reps):
+            shift = rep % len(cells)
+            order = args.processes if rep % 2 == 0 else args.processes[::-1]
+            for streams, proto, mode in cells[shift:] + cells[:shift]:
+                each = max(1, round(args.cell_tokens / (streams * args.max_tokens))) if args.cell_tokens else 1
+                for workers in order:
+                    http_url, grpc_target, process = servers[workers]
+                    job = (args.client, proto, mode, http_url, grpc_target, prompt, args.max_tokens, streams // k, each)
+                    cpu0, t0 = tree_cpu_s(process), time.perf_counter()
+                    shares = list(pool.map(_client_cell, [job] * k))
+                    wall, cpu = time.perf_counter() - t0, tree_cpu_s(process) - cpu0
+                    tokens, client_cpu = sum(t for t, _ in shares), sum(c for _, c in shares)
+                    measured.setdefault((workers, streams, proto, mode), []).append((tokens, wall, cpu, client_cpu))
+                line = "  ".join(
+                    f"{n}p {r[-1][0] / r[-1][1]:.0f} tok/s"
+                    for n in args.processes
+                    for r in [measured[(n, streams, proto, mode)]]
+                )
+                print(f"round {rep + 1}: {streams} streams {proto} {mode}: {line}", flush=True)
+    rows = []
+    for (workers, streams, proto, mode), runs in measured.items():
+        rates = [t / w for t, w, _, _ in runs]
+        rows.append(
             {
-                "streams": r["streams"],
-                "protocol": r["protocol"],
-                "readouts": r["readouts"],
-                "processes": r["processes"],
-                "throughput_ratio": r["tokens_per_s"] / base["tokens_per_s"],
-                "cpu_per_token_ratio": r["cpu_us_per_token"] / base["cpu_us_per_token"],
+                "processes": workers,
+                "streams": streams,
+                "protocol": proto,
+                "readouts": mode,
+                "rounds": len(runs),
+                "tokens_per_s": median(rates),
+                "tokens_per_s_low": min(rates),
+                "tokens_per_s_high": max(rates),
+                "cpu_us_per_token": median([c / t * 1e6 for t, _, c, _ in runs]),
+                "server_cpu_share": median([c / w / cores for _, w, c, _ in runs]),
+                "client_cpu_share": median([cc / w / cores for _, w, _, cc in runs]),
+                "runs": [{"tokens": t, "wall_s": w, "server_cpu_s": c, "client_cpu_s": cc} for t, w, c, cc in runs],
             }
         )
+    rows.sort(key=lambda r: (r["streams"], r["protocol"], r["readouts"] != "off", r["processes"]))
+    return rows, scaling_ratios(measured)
+
+
+def scaling_ratios(
+    measured: dict[tuple[int, int, str, str], list[tuple[int, float, float, float]]],
+) -> list[dict[str, Any]]:
+    """Each N-process cell over the 1-process cell of the same round: throughput and CPU per token."""
+    out = []
+    for (workers, streams, proto, mode), runs in measured.items():
+        base = measured.get((1, streams, proto, mode))
+        if workers == 1 or base is None:
+            continue
+        pairs = list(zip(runs, base, strict=False))
+        ratios = [(t / w) / (bt / bw) for (t, w, _, _), (bt, bw, _, _) in pairs]
+        cpu_ratios = [(c / t) / (bc / bt) for (t, _, c, _), (bt, _, bc, _) in pairs]
+        out.append(
+            {
+                "streams": streams,
+                "protocol": proto,
+                "readouts": mode,
+                "processes": workers,
+                "throughput_ratio": median(ratios),
+                "ratio_low": min(ratios),
+                "ratio_high": max(ratios),
+                "cpu_per_token_ratio": median(cpu_ratios),
+                "round_ratios": ratios,
+            }
+        )
+    out.sort(key=lambda r: (r["streams"], r["protocol"], r["readouts"] != "off", r["processes"]))
     return out
 
 
 def main_scaling(args: argparse.Namespace) -> int:
     load = [os.getloadavg()[0]]
-    rows = measure_scaling(args)
+    rows, ratios = measure_scaling(args)
     load.append(os.getloadavg()[0])
-    ratios = scaling_ratios(rows)
-    print("## N processes over 1 (goal for 2: throughput_ratio >= 1.8)")
-    print(table(ratios, RATIO_COLUMNS), flush=True)
+    print(table(rows, SCALING_COLUMNS))
+    print("## N processes over 1, medians of the rounds' ratios (goal for 2: throughput_ratio >= 1.8)")
+    print(table(ratios, RATIO_COLUMNS))
+    print(f"load average (1 minute): {load[0]:.2f} at the start, {load[1]:.2f} at the end", flush=True)
     path = write_results(
-        args.results or "overhead_scaling",
+        args.results or ("overhead_scaling_raw" if args.client == "raw" else "overhead_scaling"),
         {
+            "command": " ".join(sys.argv),
+            "client": args.client,
             "max_tokens": args.max_tokens,
             "reps": args.reps,
+            "cell_tokens": args.cell_tokens,
             "client_processes": args.client_processes,
             "load_average": load,
             "rows": rows,
@@ -511,7 +599,24 @@ def main(argv: list[str] | None = None) -> int:
         "OpenAI/Evergreen/Salience, readouts off and every; concurrency defaults to 64,256",
     )
     parser.add_argument(
-        "--client-processes", type=int, default=2, help="--processes: client processes sharing the streams (2)"
+        "--client-processes",
+        type=int,
+        default=None,
+        help="--processes: client processes sharing the streams (2; --client raw: 1)",
+    )
+    parser.add_argument(
+        "--client",
+        choices=("python", "raw"),
+        default="python",
+        help="--processes: python (the protocols' own client libraries, parsing every message) or raw "
+        "(bare sockets counting tokens in the bytes; OpenAI and Evergreen)",
+    )
+    parser.add_argument(
+        "--cell-tokens",
+        type=int,
+        default=None,
+        help="--processes: tokens per cell, each stream running generations back to back "
+        "(0: one generation per stream; --client raw: 65536)",
     )
     args = parser.parse_args(argv)
     args.max_tokens = args.max_tokens or (32 if args.quick else 64)
@@ -522,6 +627,9 @@ def main(argv: list[str] | None = None) -> int:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.protocols = args.protocols.split(",")
     if args.processes is not None:
+        raw = args.client == "raw"
+        args.client_processes = args.client_processes or (1 if raw else 2)
+        args.cell_tokens = (65536 if raw else 0) if args.cell_tokens is None else args.cell_tokens
         args.processes = [int(n) for n in args.processes.split(",")]
         if 1 not in args.processes:
             parser.error("--processes must include 1 (the ratios are over one process)")
