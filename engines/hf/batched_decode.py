@@ -13,6 +13,8 @@ batch-invariant kernels for every row (:mod:`~prismgate.engines.hf.invariant`).
 
 from __future__ import annotations
 
+import torch
+
 from prismgate.core.actions import covered
 from prismgate.engines.hf.job import Job
 from prismgate.engines.hf.steps import Stepper
@@ -20,27 +22,69 @@ from prismgate.engines.invariant_rows import SWITCH
 
 
 def batch_members(jobs: list[Job], *, max_batch: int, max_batch_tokens: int) -> list[Job]:
-    """The first of ``jobs`` (in their order) whose next step is a plain decode step, as many
-    as fit in one batch; none when fewer than two do (one request alone takes the plain step)."""
+    """The first of ``jobs`` (in their order) whose next step is a plain decode step, as many as
+    fit in one batch; none when fewer than two do (one request alone takes the plain step).
+
+    Every member's cache is padded to the longest, and the padding is memory no request's
+    budget counts (a 3,516-token prompt decoding beside seven short chats would hold eight times
+    its keys and values), so a request joins only while the padding stays within
+    :func:`padding_allowance`. A request too long for the others decodes on its own, and
+    the others still batch together.
+    """
     if max_batch < 2:
         return []
+    ready = [job for job in jobs if not (job.cancelled or job.channel.paused or not job.decoding)]
+    for first in range(len(ready) - 1):
+        members = _fill(ready[first:], max_batch, max_batch_tokens)
+        if len(members) >= 2:
+            return members
+    return []
+
+
+def padding_allowance(tokens: int, max_batch_tokens: int) -> int:
+    """Padding positions a batch may hold beside its members' ``tokens``: a quarter of them, or an
+    eighth of ``max_batch_tokens`` (2,048 by default), whichever is more."""
+    return max(tokens // 4, max_batch_tokens // 8)
+
+
+def _fill(ready: list[Job], max_batch: int, max_batch_tokens: int) -> list[Job]:
     members: list[Job] = []
-    width = 0
-    for job in jobs:
-        if job.cancelled or job.channel.paused or not job.decoding:
-            continue
+    width = tokens = 0
+    for job in ready:
         position = len(job.timeline) - 1
-        if max(width, position) * (len(members) + 1) > max_batch_tokens:
+        padded = max(width, position) * (len(members) + 1)
+        if padded > max_batch_tokens:
             continue  # padding every cache to the longest would hold too much
+        if padded - (tokens + position) > padding_allowance(tokens + position, max_batch_tokens):
+            continue
         members.append(job)
-        width = max(width, position)
+        width, tokens = max(width, position), tokens + position
         if len(members) == max_batch:
             break
-    return members if len(members) >= 2 else []
+    return members
 
 
 def decode_batch(stepper: Stepper, jobs: list[Job]) -> None:
-    """Feed each job's last sampled token in one forward pass, then sample each job's next token."""
+    """Feed each job's last sampled token in one forward pass, then sample each job's next token.
+
+    A job that ends on this step with its last token still held (its readout or features come
+    from the pass that feeds it) gets that pass too; the jobs ending together share it, so a batch
+    of requests that end on the same step costs one more batched pass, not one pass each.
+    """
+    logits = _feed_batch(stepper, jobs)
+    for row, job in enumerate(jobs):
+        job.next_logits = logits[row]
+        stepper.decode_one(job)
+    ending = [job for job in jobs if job.finish is not None and job.held is not None]
+    if len(ending) >= 2:  # one alone takes the plain step in finish_if_done
+        _feed_batch(stepper, ending)
+    for job in jobs:
+        stepper.finish_if_done(job)
+
+
+def _feed_batch(stepper: Stepper, jobs: list[Job]) -> torch.Tensor:
+    """Run each job's last timeline token through one forward pass; a held event gets its readout
+    and features from it and is sent. Returns the logits ``[batch, vocab]``."""
     probe = stepper.probe
     positions = [len(job.timeline) - 1 for job in jobs]
     wants = [
@@ -78,6 +122,4 @@ def decode_batch(stepper: Stepper, jobs: list[Job]) -> None:
                 job.held.features = feats.features(row, 0, fspec)
             job.emit(job.held)
             job.held = None
-        job.next_logits = logits[row]
-        stepper.decode_one(job)
-        stepper.finish_if_done(job)
+    return logits

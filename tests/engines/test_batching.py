@@ -124,3 +124,90 @@ async def test_a_newcomer_prefills_before_the_batched_decode_step(engine: Any, m
     its_round = max(i for i in range(first) if log[i] == "round")
     assert "batch" not in log[its_round:first], log[its_round - 2 : first + 3]
     assert "batch" in log[first:]  # the others' batched step still ran in that round
+
+
+async def test_requests_ending_together_share_the_pass_of_their_last_token(engine: Any) -> None:
+    # The last decoded token's readout comes from a pass that feeds it. Requests that end on the
+    # same batched step get that pass together (one more batched pass), not one pass each: with
+    # readouts on every token, four requests ending together once cost four single passes at the end.
+    from prismgate.engines.readouts.probe import decoder_layers
+
+    passes: list[tuple[int, int]] = []  # (rows, tokens) of every forward pass, in order
+    layer = decoder_layers(engine._scheduler.stepper.adapter.model)[0]
+    handle = layer.register_forward_hook(
+        lambda _m, _a, out: passes.append(tuple((out[0] if isinstance(out, tuple) else out).shape[:2]))
+    )
+    p = prompts(engine)[1]
+    n, k = 12, 4
+    spec = {"max_tokens": n, "ignore_eos": True, "readout_ranges": (PositionRange(len(p), len(p) + n),)}
+    try:
+        for _ in range(10):  # until the four start decoding on the same round (a loaded machine may stagger them)
+            passes.clear()
+            together = await asyncio.gather(*(run(engine, p, **spec) for _ in range(k)))
+            batched = [rows for rows, _ in passes if rows > 1]
+            if batched and set(batched) == {k}:
+                break
+        else:
+            pytest.skip("the four requests never decoded in step (a machine too loaded to arrange it)")
+    finally:
+        handle.remove()
+    for events, done in together:
+        assert done.completion_tokens == n
+        assert all(e.readout is not None for e in events)  # the last token's readout too
+    last_batch = max(i for i, (rows, _) in enumerate(passes) if rows == k)
+    assert passes[last_batch] == (k, 1)
+    assert passes[last_batch + 1 :] == []  # no single pass of one request's last token after it
+    alone, _ = await run(engine, p, **spec)
+    for events, _ in together:
+        assert [e.id for e in events] == [e.id for e in alone]
+        for a, b in zip(alone, events, strict=True):
+            assert np.allclose(a.readout, b.readout, atol=1e-4)
+
+
+def test_a_request_joins_a_batch_only_while_its_padding_is_small() -> None:
+    # Every member's cache is padded to the longest: a long request beside short ones would make
+    # them hold its length each. It decodes on its own and the short ones batch together.
+    from types import SimpleNamespace
+
+    from prismgate.engines.hf.batched_decode import batch_members, padding_allowance
+
+    def job(tokens: int) -> Any:
+        return SimpleNamespace(
+            cancelled=False, channel=SimpleNamespace(paused=False), decoding=True, timeline=[0] * (tokens + 1)
+        )
+
+    long, shorts = job(3516), [job(n) for n in (40, 60, 200)]
+    assert batch_members([long, *shorts], max_batch=8, max_batch_tokens=16384) == shorts
+    assert batch_members([*shorts, long], max_batch=8, max_batch_tokens=16384) == shorts
+    near = [job(3516), job(3000)]  # 516 positions of padding beside 6,516 tokens: within a quarter
+    assert batch_members(near, max_batch=8, max_batch_tokens=16384) == near
+    assert padding_allowance(6516, 16384) == 2048
+    assert batch_members([long, shorts[0]], max_batch=8, max_batch_tokens=16384) == []  # 3,476 > 2,048
+
+
+async def test_a_long_request_decodes_beside_short_ones_without_padding_them(tiny_model_dir: Path) -> None:
+    eng = TransformersEngine(tiny_model_dir, model_id="tiny", threads=1, prefill_chunk=512, max_batch_tokens=2048)
+    await eng.start()
+    try:
+        stepper = eng._scheduler.stepper
+        held: list[tuple[int, int]] = []  # (rows, width) of the merged cache after every batched step
+        real_step = stepper.batch.step
+
+        def step(ids: Any, caches: Any, positions: Any) -> Any:
+            out = real_step(ids, caches, positions)
+            held.append((len(caches), stepper.batch.width))
+            return out
+
+        stepper.batch.step = step  # type: ignore[method-assign]
+        long = tuple(eng.info.tokenizer.encode("prisms " * 60))[:300]
+        short = tuple(eng.info.tokenizer.encode("hello"))
+        results = await asyncio.gather(
+            run(eng, long, max_tokens=24, ignore_eos=True),
+            *(run(eng, short, max_tokens=24, ignore_eos=True) for _ in range(3)),
+        )
+        assert all(done.completion_tokens == 24 for _, done in results)
+        assert held, "the short requests never decoded together"
+        assert max(rows * width for rows, width in held) <= 256  # never a short one padded to the long one
+        assert max(width for _, width in held) < len(long)
+    finally:
+        await eng.close()
