@@ -7,7 +7,8 @@ The engine in-process (no wire), the embedded SmolLM2-135M-Instruct, greedy, the
 every request; batches of 1, 4 and 8 requests at once, with and without features, interleaved
 round by round; tokens/s counted from the last request's first token to the end, median over the
 rounds. The rows go to bench/results/features.json (replacing that engine's rows at that many
-layers), which ``bench/report.py`` turns into docs/benchmarks.md's section.
+layers on the same device: ``cpu`` or the GPU's name), which ``bench/report.py`` turns into
+docs/benchmarks.md's section.
 
 ``--layers 1``: the shipped SAE (layer 15, TopK, 4096 features, k = 32). ``--layers 4``:
 that one plus three SAEs of the same shape at layers 5, 10 and 20 with random weights in
@@ -123,7 +124,7 @@ async def run(engine_name: str, n_layers: int, rounds: int, tokens: int) -> dict
             await _one(engine, prompt, 4, layers, "warm-up")  # vLLM compiles on its first shapes
             for r in range(rounds):
                 for batch in BATCHES:
-                    for features in (False, True):
+                    for features in (False, True) if r % 2 == 0 else (True, False):  # alternate which runs first
                         ids = [f"{r}-{batch}-{features}-{i}" for i in range(batch)]
                         asked = layers if features else None
                         firsts = await asyncio.gather(*[_one(engine, prompt, tokens, asked, i) for i in ids])
@@ -148,10 +149,12 @@ def save(
 
     old = RESULTS / "features.json"
     runs = json.loads(old.read_text()).get("runs", []) if old.exists() else []
-    runs = [r for r in runs if (r["engine"], r["layers"]) != (engine, n_layers)]
+    device = device_name()
+    runs = [r for r in runs if (r["engine"], r["layers"], r.get("device", "cpu")) != (engine, n_layers, device)]
     rows = [
         {
             "engine": engine,
+            "device": device,
             "sae_layers": n_layers,
             "batch": batch,
             "off_tokens_per_s": result[(batch, False)],
@@ -164,6 +167,7 @@ def save(
         {
             **({"note": note} if note else {}),
             "engine": engine,
+            "device": device,
             "layers": n_layers,
             "rounds": rounds,
             "tokens": tokens,
@@ -171,8 +175,15 @@ def save(
             "rows": rows,
         }
     )
-    runs.sort(key=lambda r: (r["engine"], r["layers"]))
+    runs.sort(key=lambda r: (r.get("device", "cpu") != "cpu", r["engine"], r["layers"]))
     return write_results("features", {"top_k": TOP_K, "runs": runs})
+
+
+def device_name() -> str:
+    """Where the engine ran: ``cpu``, or the GPU's name (the engines take the GPU when there is one)."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
 def main() -> None:

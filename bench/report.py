@@ -4,8 +4,10 @@
 
 Reads bench/results/{overhead,overhead_readouts,vs_vllm,vs_vllm_frontend,sessions,readouts,steering,
 steering_vllm,features}.json
-(whichever exist), draws one PNG per benchmark with matplotlib, and writes docs/benchmarks.md: ratios first, since only
-ratios measured side by side in one run compare across these noisy machines.
+(whichever exist), draws one PNG per benchmark with matplotlib, and writes their sections of docs/benchmarks.md:
+ratios first, since only ratios measured side by side in one run compare across these noisy machines. A section
+(a ``### `` heading and what follows it) that this script writes replaces the section of the same heading;
+the sections written by hand (runs on other machines, runs stopped early, their readings) stay as they are.
 """
 
 from __future__ import annotations
@@ -271,7 +273,7 @@ def readout_wire_section(after: dict[str, Any], before: dict[str, Any] | None) -
         f"`tokens/s`: tokens the gateway streamed per second of wall time (its clients, in the same process,\n"
         f"share the 2 cores); `cores for {CORES_FOR:,} tokens/s`: {CORES_FOR:,} over the tokens streamed per\n"
         "gateway CPU-second, the front-end cores an engine of that throughput would keep busy if front-end\n"
-        "processes scaled linearly (one process measured here; several processes are not built yet). Salience's\n"
+        "processes scaled linearly (one process measured here; two processes: the next section). Salience's\n"
         "CPU includes the gRPC client's own C threads (they run in the gateway's process), so it reads high.",
         "",
         "Median ratios to off over the concurrencies, "
@@ -317,11 +319,29 @@ def features_section(data: dict[str, Any]) -> list[str]:
         load = run.get("load_average")
         where = f" (load {load[0]:.1f} -> {load[1]:.1f})" if load else ""
         parts.append(
-            f"* {run['engine']}, {run['layers']} layer(s): {run['rounds']} rounds of {run['tokens']} tokens{where}"
-            + (f"; {run['note']}" if run.get("note") else "")
+            f"* {run['engine']} on {run.get('device', 'cpu')}, {run['layers']} layer(s): {run['rounds']} rounds of"
+            f" {run['tokens']} tokens{where}" + (f"; {run['note']}" if run.get("note") else "")
         )
-    parts += ["", table([r for run in data["runs"] for r in run["rows"]], list(data["runs"][0]["rows"][0])), ""]
+    rows = [{"device": run.get("device", "cpu"), **r} for run in data["runs"] for r in run["rows"]]
+    parts += ["", table(rows, list(dict.fromkeys(k for r in rows for k in r))), ""]
     return parts
+
+
+def sections(text: str) -> tuple[str, dict[str, str]]:
+    """``text`` cut at its ``### `` headings: what comes before the first, and each section by its heading."""
+    head, *rest = ("\n" + text).split("\n### ")
+    return head.lstrip("\n"), {"### " + part.split("\n", 1)[0]: "### " + part.rstrip("\n") for part in rest}
+
+
+def merge(old: str, new: str) -> str:
+    """``old`` with each section of ``new`` in the place of its namesake (new sections at the end); the
+    introduction is ``new``'s, and the sections only ``old`` has stay where they were."""
+    head, written = sections(new)
+    _, kept = sections(old)
+    out = [head.rstrip("\n")]
+    out += [written.pop(title, body) for title, body in kept.items()]
+    out += list(written.values())
+    return "\n\n".join(part.rstrip("\n") for part in out) + "\n"
 
 
 def machine_load(load: list[float]) -> str:
@@ -436,7 +456,7 @@ def main() -> int:
     features = load("features")
     if features:
         parts += features_section(features)
-    DOC.write_text("\n".join(parts).rstrip() + "\n")
+    DOC.write_text(merge(DOC.read_text() if DOC.exists() else "", "\n".join(parts)))
     print(f"wrote {DOC}")
     return 0
 
