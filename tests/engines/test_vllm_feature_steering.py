@@ -247,3 +247,46 @@ async def test_rows_that_ask_nothing_and_clamps_that_move_nothing_are_the_unstee
         for x, y in zip(a, m, strict=True):
             assert np.allclose(x.readout, y.readout, atol=1e-4)
     assert same(mixed[0][0], unsteered[0][0])  # beside three feature-steered neighbours: bit for bit
+
+
+async def test_a_model_served_with_saes_and_no_pack_steers_by_feature(tiny_model_dir: Path, saes: list[Path]) -> None:
+    """No concept pack: the SAEs' layers alone steer (a feature, a clamp, a gate on a feature), as transformers does."""
+    from prismgate.core.checks import check_steering
+    from prismgate.core.errors import GatewayError
+    from prismgate.engines.hf import TransformersEngine
+
+    specs = tuple((folder, None) for folder in saes[1:])  # after layers 1 and 2
+    hf = TransformersEngine(tiny_model_dir, model_id="tiny-llama", threads=1, dtype="float32", saes=specs)
+    vl = make_vllm_engine(tiny_model_dir, saes=specs)
+    await hf.start()
+    await vl.start()
+    try:
+        assert vl.info.readouts is None and vl.info.steering and vl.info.steering_features
+        p = prompt(vl, "no pack, only sparse autoencoders")
+        n = len(p)
+        steering = (
+            SteeringEntry(layer=1, scale=5.0, feature=12),
+            SteeringEntry(
+                layer=2, scale=0.0, feature=30, clamp=4.0, gate=Gate(None, 1, Comparison.ABOVE, 0.1, feature=12)
+            ),
+        )
+        whole = (PositionRange(0, n + MAX),)
+        ask: dict[str, Any] = {
+            "max_tokens": MAX, "ignore_eos": True, "logprob_top_k": 2, "logprob_ranges": (PositionRange(1, n + MAX),),
+            "features": FeatureSpec(top_k=4, layers=(1, 2), ids=(12, 30), ranges=whole), "steering": steering,
+        }  # fmt: skip
+        hf_events, _ = await run(hf, p, **ask)
+        vl_events, _ = await run(vl, p, **ask)
+        plain, _ = await run(vl, p, **{**ask, "steering": ()})
+        compare(hf_events, vl_events)
+        for a, b in zip(hf_events, vl_events, strict=True):
+            scale = np.maximum(1.0, np.abs(a.features.watched))
+            assert np.all(np.abs(a.features.watched - b.features.watched) <= RTOL * scale), a.position
+        assert ids(vl_events) != ids(plain) or any(
+            not np.array_equal(a.features.watched, b.features.watched) for a, b in zip(plain, vl_events, strict=True)
+        )
+        with pytest.raises(GatewayError, match="no concept pack"):  # a concept needs a pack, here as on transformers
+            check_steering(vl.info, (SteeringEntry(layer=1, scale=1.0, concept="concept0"),))
+    finally:
+        await vl.close()
+        await hf.close()
