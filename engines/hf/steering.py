@@ -34,11 +34,11 @@ from typing import Any
 import torch
 
 from prismgate.core.errors import invalid
-from prismgate.core.steering import Comparison, Gate, Positions, Steering, SteeringEntry, unit_vector
+from prismgate.core.steering import Comparison, Gate, Positions, Steering, SteeringEntry
 from prismgate.engines.invariant_rows import SWITCH
 from prismgate.engines.readouts.pack import ConceptPack
 from prismgate.engines.readouts.probe import decoder_layers
-from prismgate.engines.sae.encode import SaeEncoder
+from prismgate.engines.sae.encode import SaeEncoder, decoder_direction
 
 # (kind, layer, index): a concept readout ("concept", layer, concept index in the pack) or an SAE
 # feature's activation ("feature", layer, feature id)
@@ -128,12 +128,12 @@ class Steerer:
             raise invalid(f"steering layer {entry.layer} is not a layer of the concept pack or of an SAE")
         clamp = None
         if entry.feature is not None:
-            row = self._encoder(entry.layer, entry.feature).W_dec[entry.feature]
+            W_dec = self._encoder(entry.layer, entry.feature).W_dec
             if entry.clamp is not None:
-                clamp = ClampRef(entry.feature, entry.clamp, row)
-                unit = torch.zeros_like(row)
+                clamp = ClampRef(entry.feature, entry.clamp, W_dec[entry.feature])
+                unit = torch.zeros_like(W_dec[entry.feature])
             else:  # normalised exactly as a raw direction is: a feature and its row as a direction add the same bits
-                unit = self._tensor(unit_vector(row.tolist()))
+                unit = decoder_direction(W_dec, entry.feature)
         elif entry.concept is not None:
             if self.pack is None or self._directions is None or entry.layer not in self.pack.layers:
                 raise invalid(f"steering layer {entry.layer} is not a layer of the concept pack")

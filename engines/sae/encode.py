@@ -10,12 +10,16 @@ the same weights), in float32 whatever the model's dtype:
 
 The products go through :func:`~prismgate.engines.invariant_rows.matmul_rows`, so a token's
 features do not depend on what else is in the batch (the readouts' rule).
+
+:func:`decoder_direction` is what a steering entry naming a feature with a ``scale`` adds per unit
+of scale, on every engine (docs/steering.md).
 """
 
 from __future__ import annotations
 
 import torch
 
+from prismgate.core.steering import unit_vector
 from prismgate.engines.invariant_rows import matmul_rows
 from prismgate.engines.sae.files import SparseAutoencoder
 
@@ -68,3 +72,14 @@ class SaeEncoder:
         acts = self.encode(x)
         values, ids = torch.topk(acts, min(k, acts.shape[-1]), dim=-1, sorted=True)
         return ids, values
+
+
+def decoder_direction(W_dec: torch.Tensor, feature: int) -> torch.Tensor:
+    """``W_dec[feature]`` at unit length, float32 on ``W_dec``'s device: a feature entry's direction.
+
+    Normalised by :func:`~prismgate.core.steering.unit_vector`, as a raw direction is, so a feature
+    and its decoder row sent as a ``direction`` add the same bits. The one statement of the rule:
+    the transformers engine's hooks and the vLLM worker's vector table both take it from here.
+    """
+    row = W_dec[feature].to(torch.float32)
+    return torch.tensor(unit_vector(row.tolist()), dtype=torch.float32, device=W_dec.device)

@@ -103,12 +103,13 @@ def engine_args(options: Options, *, on_cpu: bool) -> dict[str, Any]:
         # Read by the worker at load time. Also part of the key of vLLM's compile cache: a graph
         # compiled for one pack's shapes must never be loaded for another's, hence the digest.
         digest = hashlib.sha256(options.concept_pack.read_bytes()).hexdigest()[:16]
-        worker.update(pack=str(options.concept_pack), digest=digest, steering_rounds=options.steering_rounds)
+        worker.update(pack=str(options.concept_pack), digest=digest)
     if options.saes:
         # the worker loads them itself; the digest (configs and weight sizes) keys the compile cache likewise
         worker["saes"] = [str(folder) for folder, _ in options.saes]
         worker["sae_digest"] = sae_digest([folder for folder, _ in options.saes])
-    if worker:
+    if worker:  # the pack's layers and the SAEs' steer (by feature at the SAEs'), up to this many vectors each
+        worker["steering_rounds"] = options.steering_rounds
         kwargs["additional_config"] = {EXTRA_KEY: worker}
     kwargs.update(memory_args(options, on_cpu=on_cpu))
     if options.max_num_seqs is not None:
@@ -246,7 +247,7 @@ def engine_info(
     """What the engine serves; ``vllm_len`` is vLLM's context, one longer than the one served."""
     config = model_config(options.model_path)
     text = config.get("text_config") or config
-    steers = manifest is not None and options.steering_rounds > 0
+    steers = (manifest is not None or features is not None) and options.steering_rounds > 0
     return EngineInfo(
         model_id=options.model_id,
         max_model_len=vllm_len - 1,
@@ -258,6 +259,7 @@ def engine_info(
         engine_name="vllm",
         steering=steers,
         steering_gates=steers,  # the engine refuses gates itself under pipeline parallelism
+        steering_features=steers and features is not None,  # at the SAEs' layers, in the same op (.sae_steer)
         steering_off="vllm_steering_rounds = 0" if options.steering_rounds == 0 else None,
         deterministic=deterministic_off() is None,
         deterministic_off=deterministic_off(),

@@ -78,7 +78,6 @@ from prismgate.engines.vllm.plan import (
     feature_wants,
     make_plan,
     must_skip_cache,
-    refuse_feature_steering,
     request_wants,
     wants,
 )
@@ -166,6 +165,7 @@ class VLLMEngine:
         self._closing = False
         self._pack: ConceptPack | None = None
         self._raw_slots = steer.RawSlots(0)
+        self._sae_layers: list[int] = []  # the layers the SAEs read after (they steer by feature there)
         self._top = 0  # the top features per SAE layer the workers keep (0: no SAE)
         self._images: ImageCounter | None = None
         self._cache_block = 16
@@ -187,9 +187,10 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the worker reads the V1 runner's batch layout
         if self._pack_path is not None:
             self._pack = ConceptPack.load(self._pack_path)
-            self._raw_slots = steer.RawSlots(len(self._pack.layers))
         saes = await asyncio.to_thread(config.load_saes, self._options)  # refused here, before vLLM starts
         self._top = max((top_width(s.architecture, s.d_sae, s.k) for s in saes), default=0)
+        self._sae_layers = [s.layer for s in saes]
+        self._raw_slots = steer.RawSlots(len(self._steering_layers))
         from transformers import AutoTokenizer
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -218,6 +219,10 @@ class VLLMEngine:
             encoding = sorted(layer for shape in shapes if shape["sends"] for layer in shape.get("feature_layers", []))
             if encoding != sae_layers:
                 raise GatewayError(Code.INTERNAL, f"vLLM's workers encode SAEs at {shapes}, the SAEs read {sae_layers}")
+            steering = sorted(slot for shape in shapes if shape["sends"] for slot in shape.get("steering_slots", []))
+            steered = list(range(len(self._steering_layers))) if self._options.steering_rounds > 0 else []
+            if steering != steered:  # the worker numbers its steering layers as this side does, or steers elsewhere
+                raise GatewayError(Code.INTERNAL, f"vLLM's workers steer at slots {shapes}, this engine at {steered}")
             vllm_len = int(self._llm.vllm_config.model_config.max_model_len)
             manifest = self._pack.manifest if self._pack is not None else None
             self.info = config.engine_info(self._options, tokenizer, vllm_len, manifest, feature_manifest(saes))
@@ -426,13 +431,17 @@ class VLLMEngine:
         assert self.info.features is not None
         return self.info.features
 
+    @property
+    def _steering_layers(self) -> list[int]:
+        """The layers the workers steer at, in slot order (:func:`.steer.steering_layers`): the pack's, the SAEs'."""
+        return steer.steering_layers(list(self._pack.layers) if self._pack is not None else [], self._sae_layers)
+
     def _worker_steering(self, key: str, request: EngineRequest) -> dict[str, Any] | None:
-        """The request's steering as the worker reads it (the core has checked it against the pack)."""
+        """The request's steering as the worker reads it (the core has checked it against the pack and SAEs)."""
         if not request.spec.steering:
             return None
-        refuse_feature_steering(request.spec.steering)
-        if self._pack is None:
-            raise invalid(f"model {self.model_id!r} has no concept pack loaded, so it cannot steer")
+        if self._pack is None and not self._sae_layers:
+            raise invalid(f"model {self.model_id!r} has no concept pack or SAE loaded, so it cannot steer")
         if self._options.pipeline_parallel_size > 1 and steer.gated(request.spec.steering):
             # a gate and the layer it steers may lie on different stages, which never see each other's stream
             raise invalid("readout-gated steering is not supported with pipeline_parallel_size > 1 on the vllm engine")
@@ -441,10 +450,11 @@ class VLLMEngine:
             key,
             request.spec.steering,
             len(request.tokens),
-            list(pack.layers),
-            list(pack.concepts),
+            list(pack.layers) if pack is not None else [],
+            list(pack.concepts) if pack is not None else [],
             self._raw_slots,
             self._options.steering_rounds,
+            self._sae_layers,
         )
 
     def _salt(self, session_key: str | None) -> str | None:

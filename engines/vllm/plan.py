@@ -176,21 +176,6 @@ def request_wants(
     return wants(key, ship_readouts, missing_lp, top_k, steering, features)
 
 
-def refuse_feature_steering(steering: Sequence[Any]) -> None:
-    """Refuse steering by an SAE feature (a ``feature`` entry, a clamp, a gate on a feature): this engine reads
-    SAE features but does not steer by them, and must not quietly steer by something else instead."""
-    for entry in steering:
-        gate = getattr(entry, "gate", None)
-        for part, what in ((entry, "a steering entry"), (gate, "a steering gate")):
-            for name in ("feature", "clamp"):
-                if part is not None and getattr(part, name, None) is not None:
-                    raise GatewayError(
-                        Code.FAILED_PRECONDITION,
-                        f"{what} with {name!r}: the vllm engine reads SAE features but does not steer by them; "
-                        "serve the model with --engine transformers to steer or clamp features",
-                    )
-
-
 def positions(ranges: Sequence[PositionRange], lo: int, hi: int) -> list[int]:
     """The positions in ``[lo, hi)`` that ``ranges`` cover, sorted."""
     out: set[int] = set()

@@ -5,7 +5,8 @@ reads after gets a forward that, after the layer's own (and after its steering a
 so the features see the stream the next layer gets), calls the custom op
 ``prismgate::features``. The op encodes ``hidden + residual`` of every row of the batch in
 float32 (``pre = (x - b_dec) @ W_enc + b_enc``; ReLU, TopK or JumpReLU as SAELens computes
-them, :mod:`prismgate.engines.sae.encode`) and writes only what leaves the device: the top
+them, :mod:`prismgate.engines.sae.encode`; the arithmetic the steering op's clamps and feature
+gates share, :mod:`.encoder`) and writes only what leaves the device: the top
 ``K`` feature ids (int32) and activations (float32) per row, largest first, and the
 activations of the ids each row watches. ``K`` is fixed at load time (the most a request may
 ask, :data:`~prismgate.core.features.MAX_FEATURE_TOP_K`, or the SAE's width or TopK ``k`` when
@@ -39,11 +40,9 @@ import torch
 from prismgate.core.features import MAX_WATCHED_FEATURES
 from prismgate.engines.readouts.probe import decoder_layers
 from prismgate.engines.vllm.capture import recording
+from prismgate.engines.vllm.encoder import JUMPRELU, TOPK, SaeWeights, pre_activations
 from prismgate.engines.vllm.features import top_width
 
-ARCHITECTURES = {"standard": 0, "topk": 1, "jumprelu": 2}
-TOPK = ARCHITECTURES["topk"]
-JUMPRELU = ARCHITECTURES["jumprelu"]
 PREFIX = "prismgate_sae_"  # the buffers' names on the layer
 
 
@@ -86,7 +85,7 @@ def features(
     if not on or n == 0:
         return
     stream = hidden[:n] if residual is None else hidden[:n] + residual[:n]
-    pre = torch.addmm(b_enc, stream.to(torch.float32) - b_dec, W_enc)
+    pre = pre_activations(stream, W_enc, b_enc, b_dec)
     index = watch[:n, :width].clamp(0, int(W_enc.shape[1]) - 1) if width else None
     if arch == TOPK:  # the active features are exactly the top k of pre (through relu): no dense activations
         best, best_ids = torch.topk(pre, k, dim=-1, sorted=True)
@@ -131,29 +130,34 @@ class LayerFeatures:
         self.ids, self.values, self.watched = ids, values, watched
 
 
-def install(model: Any, saes: Sequence[Any], rows: int, shared: FeatureBuffers, width: int) -> list[LayerFeatures]:
+def install(
+    model: Any,
+    saes: Sequence[Any],
+    rows: int,
+    shared: FeatureBuffers,
+    width: int,
+    weights: Sequence[SaeWeights] | None = None,
+) -> list[LayerFeatures]:
     """Give each SAE's layer the in-graph encoder (after whatever that layer computes already).
 
     ``saes`` are :class:`~prismgate.engines.sae.files.SparseAutoencoder` values; ``width`` is
     the top features every layer keeps (the largest :func:`top_width`; a layer that keeps fewer
-    leaves the rest at activation 0, which nobody reports). Returns the outputs in ``saes``' order.
+    leaves the rest at activation 0, which nobody reports). ``weights``: their tensors on the
+    device, when the worker already made them for steering (one copy serves both ops). Returns
+    the outputs in ``saes``' order.
     """
     decoder = decoder_layers(model)
     device = next(model.parameters()).device
+    if weights is None:
+        weights = [SaeWeights(sae, device, decoder=False) for sae in saes]
     out: list[LayerFeatures] = []
-    for sae in saes:
+    for sae, w in zip(saes, weights, strict=True):
         layer = decoder[sae.layer]
-
-        def put(array: Any) -> torch.Tensor:
-            return torch.as_tensor(array, dtype=torch.float32).to(device).contiguous()
-
-        b_dec = put(sae.b_dec) if sae.apply_b_dec_to_input else torch.zeros(sae.d_in, device=device)
-        threshold = put(sae.threshold) if sae.threshold is not None else torch.zeros(0, device=device)
         tensors = {
-            "W_enc": put(sae.W_enc),
-            "b_enc": put(sae.b_enc),
-            "b_dec": b_dec,
-            "threshold": threshold,
+            "W_enc": w.W_enc,
+            "b_enc": w.b_enc,
+            "b_dec": w.b_dec,
+            "threshold": w.threshold,
             "ids": torch.zeros(rows, width, dtype=torch.int32, device=device),
             "values": torch.zeros(rows, width, dtype=torch.float32, device=device),
             "watched": torch.zeros(rows, MAX_WATCHED_FEATURES, dtype=torch.float32, device=device),
@@ -162,9 +166,8 @@ def install(model: Any, saes: Sequence[Any], rows: int, shared: FeatureBuffers, 
         }
         for name, tensor in tensors.items():  # buffers: compilers treat them as static inputs
             layer.register_buffer(PREFIX + name, tensor, persistent=False)
-        arch = ARCHITECTURES[sae.architecture]
-        k = int(sae.k or 0) if arch == TOPK else 0
-        layer.forward = _with_features(layer, layer.forward, arch, k, top_width(sae.architecture, sae.d_sae, sae.k))
+        top = top_width(sae.architecture, sae.d_sae, sae.k)
+        layer.forward = _with_features(layer, layer.forward, w.arch, w.k, top)
         out.append(LayerFeatures(tensors["ids"], tensors["values"], tensors["watched"]))
     return out
 

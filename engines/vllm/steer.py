@@ -6,6 +6,13 @@ to requests in flight (:class:`RawSlots`) so that two requests never share a row
 request steers travels in ``SamplingParams.extra_args`` with the rest of what the worker
 reads (:func:`.plan.wants`), as plain lists.
 
+The steered layers are the pack's and, with SAEs, each SAE's (:func:`steering_layers`). An SAE
+feature steers there as the transformers engine steers by it: a feature with a ``scale`` takes a
+raw row, which the worker fills with the feature's unit decoder row
+(:func:`prismgate.engines.sae.encode.decoder_direction`, from the SAE it loaded itself); a
+``clamp`` and a gate on a feature need the feature's activation in the stream, which the
+steering op encodes on the device (:mod:`.sae_steer`).
+
 vLLM's prefix cache keys blocks by their tokens and the request's ``cache_salt``; it knows
 nothing of steering. :func:`cache_salt` therefore folds the steering a request applies into
 its salt: requests that steer their positions alike share blocks, requests that steer
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from prismgate.core.errors import Code, GatewayError, invalid
@@ -30,6 +38,16 @@ from prismgate.core.steering import Comparison, Steering, active, digest
 
 MAX_ROUNDS = 8  # the most vectors one request may add at one layer (``vllm_steering_rounds`` picks up to this)
 RAW_SLOTS = 32  # table rows per steered layer for raw directions of requests in flight
+FEATURE_GATES = 8  # entries of one request gated on an SAE feature (gate value columns after the concepts')
+
+
+def steering_layers(pack_layers: Sequence[int], sae_layers: Sequence[int]) -> list[int]:
+    """The layers the worker steers at, in the order of their slots: the pack's, then each SAE layer not among them.
+
+    The engine and the worker both take the order from here, so a slot names one layer on both
+    sides; without SAEs a slot is the pack's own index of its layer.
+    """
+    return [*pack_layers, *(layer for layer in sae_layers if layer not in pack_layers)]
 
 
 class RawSlots:
@@ -64,31 +82,52 @@ def worker_steering(
     concepts: list[str],
     slots: RawSlots,
     rounds: int = MAX_ROUNDS,
+    sae_layers: Sequence[int] = (),
 ) -> dict[str, Any] | None:
     """What the worker reads for ``steering`` (None: none); raw directions take slots under ``key``.
 
-    ``rounds`` is how many vectors the worker's graph adds at one layer (``vllm_steering_rounds``).
+    ``layers`` and ``concepts`` are the pack's (empty without one), ``sae_layers`` the SAEs'; entries
+    name a layer by its slot in :func:`steering_layers`. ``rounds`` is how many vectors the worker's
+    graph adds at one layer (``vllm_steering_rounds``).
 
-    ``e`` lists the entries in order as ``[layer index, table row, scale, norm matched,
-    positions value, gate]``, ``gate`` None or ``[layer index, concept index, above, threshold]``;
-    ``raw`` the rows to fill as ``[layer index, table row, unit vector]``.
+    ``e`` lists the entries in order as ``[slot, table row, scale, norm matched, positions value,
+    gate, clamp]``: ``gate`` None or ``[slot, column, above, threshold]`` (column: a concept's index)
+    or ``[slot, column, above, threshold, feature]`` (column: ``len(concepts)`` + the request's
+    count of feature gates before it); ``clamp`` None or ``[feature, target]`` (table row 0, scale 0).
+    ``raw`` the rows to fill as ``[slot, table row, unit vector]``; ``dec`` as ``[slot, table row,
+    feature]``, the feature's unit decoder row, which the worker takes from its own copy of the SAE.
     """
     if not steering:
         return None
+    order = steering_layers(layers, sae_layers)
     per_layer: dict[int, int] = {}
     entries: list[list[Any]] = []
     raw: list[list[Any]] = []
-    for entry in steering:
-        if entry.layer not in layers:
-            raise invalid(f"steering layer {entry.layer} is not a layer of the concept pack")
-        index = layers.index(entry.layer)
+    dec: list[list[Any]] = []
+    feature_gates = 0
+    for i, entry in enumerate(steering):
+        if entry.layer not in order:
+            raise invalid(f"steering layer {entry.layer} is not a layer of the concept pack or of an SAE")
+        index = order.index(entry.layer)
         per_layer[index] = per_layer.get(index, 0) + 1
         if per_layer[index] > rounds:
             raise invalid(
                 f"this server's vLLM engine adds at most {rounds} steering vectors at one layer "
                 f"(vllm_steering_rounds); layer {entry.layer} has more"
             )
-        if entry.concept is not None:
+        clamp: list[Any] | None = None
+        if entry.feature is not None:
+            if entry.layer not in sae_layers:
+                raise invalid(f"steering entry {i}: layer {entry.layer} has no SAE, so no feature {entry.feature}")
+            if entry.clamp is not None:
+                row = 0
+                clamp = [entry.feature, float(entry.clamp)]
+            else:
+                row = 1 + len(concepts) + slots.take(key, index)
+                dec.append([index, row, entry.feature])
+        elif entry.concept is not None:
+            if entry.layer not in layers:
+                raise invalid(f"steering layer {entry.layer} is not a layer of the concept pack")
             if entry.concept not in concepts:
                 raise invalid(f"unknown steering concept {entry.concept!r}")
             row = 1 + concepts.index(entry.concept)
@@ -98,12 +137,27 @@ def worker_steering(
         gate: list[Any] | None = None
         if entry.gate is not None:
             g = entry.gate
-            if g.layer not in layers or g.concept not in concepts:
-                raise invalid(f"steering gate {g.concept!r} at layer {g.layer} is not a readout of the pack")
             above = int(g.comparison is Comparison.ABOVE)
-            gate = [layers.index(g.layer), concepts.index(g.concept), above, g.threshold]
-        entries.append([index, row, float(entry.scale), int(entry.norm_match), entry.positions.value, gate])
-    return {"n": prompt_len, "e": entries, "raw": raw}
+            if g.feature is not None:
+                if g.layer not in sae_layers:
+                    raise invalid(f"steering entry {i}: gate layer {g.layer} has no SAE, so no feature {g.feature}")
+                if feature_gates == FEATURE_GATES:
+                    raise invalid(
+                        f"steering entry {i}: gate.feature: the vllm engine gates at most {FEATURE_GATES} entries "
+                        "of one request on an SAE feature"
+                    )
+                column = len(concepts) + feature_gates
+                feature_gates += 1
+                gate = [order.index(g.layer), column, above, g.threshold, g.feature]
+            else:
+                if g.layer not in layers or g.concept not in concepts:
+                    raise invalid(f"steering gate {g.concept!r} at layer {g.layer} is not a readout of the pack")
+                gate = [order.index(g.layer), concepts.index(g.concept), above, g.threshold]
+        entries.append([index, row, float(entry.scale), int(entry.norm_match), entry.positions.value, gate, clamp])
+    out: dict[str, Any] = {"n": prompt_len, "e": entries, "raw": raw}
+    if dec:
+        out["dec"] = dec
+    return out
 
 
 def gated(steering: Steering) -> bool:

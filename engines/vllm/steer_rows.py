@@ -18,6 +18,11 @@ readout its request carried from the step before (:meth:`SteerWriter.carry` keep
 each step), or NaN, a closed gate, at position 0 or when the carried value is not the
 previous position's. A step with a gated request is always written in full: its carried
 values change from step to step.
+
+Entries by SAE feature (:func:`.steer.worker_steering`): a feature with a scale is a raw row the
+writer fills with the feature's unit decoder row, from the SAE the worker loaded; a clamp and a
+gate on a feature go to the SAE layer's own buffers (:mod:`.sae_rows`). A feature gate's value
+is carried from step to step like a readout's: it is a column of the same gate buffer.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import numpy as np
 import torch
 
 from prismgate.core.steering import Positions
+from prismgate.engines.sae.encode import decoder_direction
+from prismgate.engines.vllm.sae_rows import FeaturePlan
 
 if TYPE_CHECKING:
     from prismgate.engines.vllm.capture import SteerBuffers
@@ -66,6 +73,7 @@ class SteerWriter:
         self._carried: dict[str, tuple[int, int, np.ndarray]] = {}
         self._local = {slot: i for i, slot in enumerate(slots if slots is not None else range(len(buffers)))}
         self._dirty = [0] * len(buffers)  # rows of each layer the last step wrote (to clear)
+        self._clamped = [0] * len(buffers)  # rows of each SAE layer whose clamp buffers the last step wrote
         self._raw: dict[tuple[int, int], str] = {}  # (layer, table row) -> the request whose vector is there
         self._layout: tuple[Any, ...] = ()  # what the buffers hold now, as _layout() names it
         self._gates_last = False  # whether the last step written had gates (their flags to clear)
@@ -75,7 +83,7 @@ class SteerWriter:
         self.step += 1
         if self._gates_last:  # a replayed CUDA graph reads the gates whatever the flags say: clear them
             for buffer in self.buffers:
-                buffer.rounds[2:] = 0
+                buffer.rounds[2:5] = 0  # readout reads, gated rounds, feature reads
                 buffer.gate.fill_(-1)
             self._gates_last = False
         if not requests and not any(self._dirty):
@@ -91,11 +99,13 @@ class SteerWriter:
         scale = np.zeros((n_layers, n_rows, width), dtype=np.float32)
         normed = np.zeros((n_layers, n_rows, width), dtype=np.bool_)
         gates = _Gates(n_layers, n_rows, width) if gates_now else None
+        features = FeaturePlan(n_layers, n_rows, width, self.buffers[0].reads.n_concepts)
         rounds = [0] * n_layers
         for req in requests:
             self._fill_raw(req)
             used = [0] * n_layers
-            for slot, row, value, norm_match, positions, gate in req.steering["e"]:
+            for slot, row, value, norm_match, positions, gate, *rest in req.steering["e"]:
+                clamp = rest[0] if rest else None
                 layer = self._local.get(slot)
                 if layer is None:  # another pipeline stage's layer
                     continue
@@ -103,7 +113,9 @@ class SteerWriter:
                 used[layer] += 1
                 if gate is not None:  # read even where it steers no row: the request's next step needs it
                     assert gates is not None
-                    gates.read(gate[0], self._local)
+                    gates.read(gate[0], self._local, concept=len(gate) <= 4)
+                    if len(gate) > 4:  # a gate on an SAE feature: its layer encodes every row of the request
+                        features.gate(self._local[gate[0]], req.lo, req.rows, gate[1], gate[4])
                 lo, hi = Positions(positions).span(req.start, req.rows, int(req.steering["n"]))
                 if hi <= lo:
                     continue
@@ -112,6 +124,8 @@ class SteerWriter:
                 scale[layer, rows, k] = value
                 normed[layer, rows, k] = bool(norm_match)
                 rounds[layer] = max(rounds[layer], k + 1)
+                if clamp is not None:
+                    features.clamp(layer, k, rows, clamp[0], clamp[1])
                 if gate is not None:
                     assert gates is not None
                     gates.add(layer, k, rows, req, gate, self._carried_before(req))
@@ -119,6 +133,8 @@ class SteerWriter:
             stale = self._dirty[layer]
             if gates is not None:
                 gates.write(layer, buffer)
+            if buffer.sae is not None:
+                self._clamped[layer] = features.write(layer, buffer, self._clamped[layer])
             if rounds[layer] == 0 and stale == 0:
                 continue
             if rounds[layer]:
@@ -158,11 +174,19 @@ class SteerWriter:
         return held[2]
 
     def _fill_raw(self, req: SteeredRows) -> None:
+        """Put the request's raw directions, and its features' unit decoder rows, into its table rows."""
         for slot, row, vector in req.steering.get("raw", ()):
             layer = self._local.get(slot)
             if layer is not None and self._raw.get((layer, row)) != req.key:
-                table = self.buffers[layer].table
-                table[row].copy_(torch.tensor(vector, dtype=torch.float32))
+                self.buffers[layer].table[row].copy_(torch.tensor(vector, dtype=torch.float32))
+                self._raw[(layer, row)] = req.key
+        for slot, row, feature in req.steering.get("dec", ()):
+            layer = self._local.get(slot)
+            if layer is not None and self._raw.get((layer, row)) != req.key:
+                sae = self.buffers[layer].sae
+                if sae is None:  # the engine names only SAE layers; a worker without that SAE must not guess
+                    raise ValueError(f"steering by feature {feature} at a layer this worker has no SAE for")
+                self.buffers[layer].table[row].copy_(decoder_direction(sae.weights.W_dec, int(feature)))
                 self._raw[(layer, row)] = req.key
 
 
@@ -181,25 +205,32 @@ class _Gates:
         self.gated = np.zeros(n_layers, dtype=np.bool_)  # layers with a gated round
         self.local: dict[int, int] = {}  # pack slot -> this worker's layer, for the slots gates read
 
-    def read(self, slot: int, local: dict[int, int]) -> None:
-        """Have the layer of pack slot ``slot`` write its readouts before its vectors (a gate reads them)."""
+    def read(self, slot: int, local: dict[int, int], *, concept: bool = True) -> None:
+        """Have the layer of slot ``slot`` write its gate values before its vectors (a gate reads them).
+
+        A concept gate's layer writes its readouts; a feature gate's also its features' activations,
+        which :meth:`.sae_rows.FeaturePlan.gate` names.
+        """
         source = local.get(slot)
         if source is None:  # the engine refuses gates under pipeline parallelism
-            raise ValueError(f"the gate of a steering entry reads pack layer {slot}, which this stage lacks")
-        self.reads[source] = True
+            raise ValueError(f"the gate of a steering entry reads steering layer {slot}, which this stage lacks")
+        self.reads[source] |= concept
         self.local[slot] = source
 
     def add(
         self, layer: int, k: int, rows: np.ndarray, req: SteeredRows, gate: list[Any], carried: np.ndarray | None
     ) -> None:
-        """Gate round ``k`` of ``layer`` at ``rows`` of ``req`` (the gate's slot already :meth:`read`)."""
-        slot, concept, above, threshold = gate
+        """Gate round ``k`` of ``layer`` at ``rows`` of ``req`` (the gate's slot already :meth:`read`).
+
+        ``gate[1]`` is the column of the gate value: a concept's readout, or (past the concepts) a
+        feature activation; both are carried between steps the same way."""
+        slot, column, above, threshold = gate[:4]
         source = self.local[slot]
-        self.gate[layer, rows, k] = (source, concept)
+        self.gate[layer, rows, k] = (source, column)
         self.threshold[layer, rows, k] = threshold
         self.above[layer, rows, k] = bool(above)
         if carried is not None:
-            self.carried[layer, req.lo, k] = carried[source, concept]
+            self.carried[layer, req.lo, k] = carried[source, column]
         self.gated[layer] = True
 
     def write(self, layer: int, buffer: SteerBuffers) -> None:

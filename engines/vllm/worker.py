@@ -136,14 +136,16 @@ class _Tap:
         steer: list[SteerBuffers] | None = None,
         wanted: torch.Tensor | None = None,
         features: tuple[FeatureBuffers, list[LayerFeatures]] | None = None,
+        steer_slots: list[int] | None = None,
     ) -> None:
+        """``steer_slots``: the engine's slot numbers of ``steer``'s layers (None: ``stage.slots``)."""
         self.runner = runner
         self.model = runner.get_model()
         self.sender = sender
         self.stage = stage
         self.buffers = buffers
         self.wanted = wanted  # the graph's readout ops run only in steps where this is 1
-        self.steer = SteerWriter(steer, stage.slots) if steer else None
+        self.steer = SteerWriter(steer, steer_slots if steer_slots is not None else stage.slots) if steer else None
         self.plans: list[_RequestPlan] = []
         self.n_rows = 0
         self.any_readouts = False
@@ -311,60 +313,85 @@ class PrismgateWorkerExtension:
     _prismgate_slots: list[int] | None = None  # the pack's indices of those layers (None: no pack)
     _prismgate_features: tuple[FeatureBuffers, list[LayerFeatures]] | None = None  # the SAE ops' buffers
     _prismgate_sae_layers: list[int] | None = None
+    _prismgate_steer_slots: list[int] | None = None  # the steering slots of this worker's steering layers
 
     def prismgate_install_readouts(self) -> None:
-        """Put the concept pack and SAEs named in vLLM's config into the model's graph; call before its first run."""
+        """Put the concept pack and SAEs named in vLLM's config into the model's graph; call before its first run.
+
+        The pack's layers get the readout op, and with steering (``steering_rounds`` > 0) they and every
+        SAE's layer the steering op (an SAE layer steers by feature: :mod:`.sae_steer`); then each SAE's
+        layer the feature op (:mod:`.sae_op`), after its steering and readout.
+        """
+        from prismgate.engines.readouts.pack import ConceptPack
+        from prismgate.engines.vllm import capture
+        from prismgate.engines.vllm.encoder import SaeWeights
+        from prismgate.engines.vllm.steer import steering_layers
+
         settings = readout_settings(self.vllm_config)  # type: ignore[attr-defined]
         if settings is None:
             return
-        if settings.get("pack"):
-            self._prismgate_install_pack(settings)
-        if settings.get("saes"):  # after the pack: a layer's features read the stream after its steering
-            self._prismgate_install_saes([str(folder) for folder in settings["saes"]])
-
-    def _prismgate_install_saes(self, folders: list[str]) -> None:
-        """Load each SAE and give its layer the in-graph encoder (:mod:`.sae_op`)."""
-        from prismgate.engines.sae.files import load_for_model
-        from prismgate.engines.vllm import sae_op
-        from prismgate.engines.vllm.features import top_width
-
         if getattr(self.vllm_config.parallel_config, "use_ubatching", False):  # type: ignore[attr-defined]
-            raise ValueError("prismgate SAE features do not support vLLM's micro-batching (dual-batch overlap)")
+            # each micro-batch would write its rows from row 0 of the same buffers
+            raise ValueError(
+                "prismgate readouts and features do not support vLLM's micro-batching (dual-batch overlap)"
+            )
+        runner = self.model_runner  # type: ignore[attr-defined]
+        model = runner.get_model()
+        device = next(model.parameters()).device
+        rows = max_rows(self.vllm_config)  # type: ignore[attr-defined]
+        rounds = int(settings.get("steering_rounds", MAX_ROUNDS))
+        saes = self._prismgate_load_saes([str(f) for f in settings.get("saes") or ()])
+        weights = [SaeWeights(sae, device, decoder=rounds > 0) for sae in saes]
+        pack_layers: list[int] = []
+        layers: list[int] = []
+        directions: list[Any] = []
+        if settings.get("pack"):
+            pack = ConceptPack.load(settings["pack"])
+            pack.check_model(len(decoder_layers(model)), int(runner.model_config.get_hidden_size()))
+            pack_layers = list(pack.layers)
+            # with pipeline parallelism only this stage's layers are real; the others are placeholders
+            slots = [i for i, layer in enumerate(pack.layers) if is_local(decoder_layers(model)[layer])]
+            layers = [pack.layers[i] for i in slots]
+            directions = [pack.directions[i] for i in slots]
+            self._prismgate_layers = layers
+            self._prismgate_slots = slots
+        wanted = torch.ones(1, dtype=torch.int64)
+        buffers, steer = capture.install(
+            model, directions, layers, rows, steering_rounds=rounds, wanted=wanted, saes=weights
+        )
+        if settings.get("pack"):
+            self._prismgate_buffers, self._prismgate_wanted = buffers, wanted
+        sae_layers = [s.layer for s in saes]
+        if steer:  # the slots of this worker's steering layers, numbered as the engine numbers them
+            everywhere = steering_layers(pack_layers, sae_layers)
+            self._prismgate_steer = steer
+            self._prismgate_steer_slots = [everywhere.index(x) for x in steering_layers(layers, sae_layers)]
+        if saes:  # after the pack: a layer's features read the stream after its steering
+            self._prismgate_install_saes(saes, weights)
+
+    def _prismgate_load_saes(self, folders: list[str]) -> list[Any]:
+        """The SAEs named in the config, checked against this model (none: an empty list)."""
+        if not folders:
+            return []
+        from prismgate.engines.sae.files import load_for_model
+
         runner = self.model_runner  # type: ignore[attr-defined]
         model = runner.get_model()
         hidden = int(runner.model_config.get_hidden_size())
-        saes = load_for_model([(Path(f), None) for f in folders], len(decoder_layers(model)), hidden)
+        return list(load_for_model([(Path(f), None) for f in folders], len(decoder_layers(model)), hidden))
+
+    def _prismgate_install_saes(self, saes: list[Any], weights: list[Any]) -> None:
+        """Give each SAE's layer the in-graph encoder (:mod:`.sae_op`), on the tensors steering uses too."""
+        from prismgate.engines.vllm import sae_op
+        from prismgate.engines.vllm.features import top_width
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
         rows = max_rows(self.vllm_config)  # type: ignore[attr-defined]
         device = next(model.parameters()).device
         shared = sae_op.FeatureBuffers(rows, device)
         width = max(top_width(s.architecture, s.d_sae, s.k) for s in saes)
-        self._prismgate_features = (shared, sae_op.install(model, saes, rows, shared, width))
+        self._prismgate_features = (shared, sae_op.install(model, saes, rows, shared, width, weights))
         self._prismgate_sae_layers = [s.layer for s in saes]
-
-    def _prismgate_install_pack(self, settings: dict[str, Any]) -> None:
-        from prismgate.engines.readouts.pack import ConceptPack
-        from prismgate.engines.vllm import capture
-
-        if getattr(self.vllm_config.parallel_config, "use_ubatching", False):  # type: ignore[attr-defined]
-            # each micro-batch would write its rows from row 0 of the same buffers
-            raise ValueError("prismgate readouts do not support vLLM's micro-batching (dual-batch overlap)")
-        runner = self.model_runner  # type: ignore[attr-defined]
-        model = runner.get_model()
-        pack = ConceptPack.load(settings["pack"])
-        pack.check_model(len(decoder_layers(model)), int(runner.model_config.get_hidden_size()))
-        # with pipeline parallelism only this stage's layers are real; the others are placeholders
-        slots = [i for i, layer in enumerate(pack.layers) if is_local(decoder_layers(model)[layer])]
-        layers = [pack.layers[i] for i in slots]
-        directions = [pack.directions[i] for i in slots]
-        rows = max_rows(self.vllm_config)  # type: ignore[attr-defined]
-        wanted = torch.ones(1, dtype=torch.int64)
-        rounds = int(settings.get("steering_rounds", MAX_ROUNDS))
-        self._prismgate_buffers, self._prismgate_steer = capture.install(
-            model, directions, layers, rows, steering_rounds=rounds, wanted=wanted
-        )
-        self._prismgate_wanted = wanted
-        self._prismgate_layers = layers
-        self._prismgate_slots = slots
 
     def prismgate_setup(self, address: str) -> dict[str, Any]:
         """Connect the side channel and start reading each step; returns the model's shape."""
@@ -392,6 +419,7 @@ class PrismgateWorkerExtension:
             self._prismgate_steer or [],
             self._prismgate_wanted,
             self._prismgate_features,
+            self._prismgate_steer_slots,
         )
         return {
             "n_layers": len(decoder_layers(model)),
@@ -400,6 +428,7 @@ class PrismgateWorkerExtension:
             "sends": sends,
             "readout_layers": list(self._prismgate_layers or []),
             "feature_layers": list(self._prismgate_sae_layers or []),
+            "steering_slots": list(self._prismgate_steer_slots or []),
         }
 
     def prismgate_shutdown(self) -> None:

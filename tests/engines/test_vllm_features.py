@@ -208,3 +208,23 @@ def test_the_models_sae_layers_are_advertised_and_a_request_without_features_get
     assert info.features.label(0, 2) == "feature 2" and info.features.label(1, 2) is None
     choice = complete(server)["choices"][0]
     assert "features" not in (choice.get("prismgate") or {})
+
+
+def test_steering_by_feature_goes_through_the_openai_wire(server: LiveServer) -> None:
+    """The engine steers by feature, so the core lets the entries through: a clamp and a feature's direction
+    change what the layer's SAE reads after them (the cross-checks are tests/engines/test_vllm_feature_steering.py)."""
+    ask = {"top_k": 3, "layers": [1], "ids": [3]}
+    plain = complete(server, features=ask)["choices"][0]
+    steering = [{"feature": 3, "layer": 1, "clamp": 20}, {"feature": 9, "layer": 0, "scale": 4}]
+    steered = complete(server, features=ask, steering=steering)["choices"][0]
+    assert steered["prismgate"]["features"] != plain["prismgate"]["features"]
+    info = server.engine.info
+    assert info.steering_features and info.features is not None
+    payload = {
+        "model": TINY_MODEL_ID,
+        "prompt": PROMPT,
+        "max_tokens": 2,
+        "steering": [{"feature": 256, "layer": 1, "scale": 1}],
+    }
+    refused = httpx.post(server.http_url + "/v1/completions", json=payload, timeout=60)
+    assert refused.status_code == 400 and "feature 256 is outside the SAE's features [0, 256)" in refused.text

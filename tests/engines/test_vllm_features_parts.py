@@ -1,11 +1,10 @@
 """The vLLM engine's SAE-feature parts that need no vLLM: the in-graph encoder op under torch.compile
 (against :class:`~prismgate.engines.sae.encode.SaeEncoder`, the transformers engine's encoder), the side
 channel's feature frames, the tracker, the session store's rule for stored features, a row cut to
-what a request asked, and the refusal of feature steering. These run in every environment."""
+what a request asked. These run in every environment (steering by feature: test_vllm_feature_steering_parts)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +13,15 @@ import pytest
 import torch
 
 from prismgate.core.actions import PositionRange
-from prismgate.core.errors import Code, GatewayError
+from prismgate.core.errors import GatewayError
 from prismgate.core.features import MAX_FEATURE_TOP_K, FeatureManifest, FeatureSpec
-from prismgate.core.steering import SteeringEntry, spans
+from prismgate.core.steering import spans
 from prismgate.engines.sae.encode import SaeEncoder
 from prismgate.engines.sae.files import load_sae
 from prismgate.engines.vllm import sae_op
 from prismgate.engines.vllm.channel import FeatureRows, StepPacket, decode_step, encode_step
 from prismgate.engines.vllm.features import FeatureRow, event_features, top_width
-from prismgate.engines.vllm.plan import make_plan, must_skip_cache, refuse_feature_steering, request_wants
+from prismgate.engines.vllm.plan import make_plan, must_skip_cache, request_wants
 from prismgate.engines.vllm.store import SessionValues
 from prismgate.engines.vllm.tracker import Tracker
 from tests.engines.test_vllm_parts import _Model
@@ -143,24 +142,6 @@ def test_the_tracker_keys_feature_rows_by_position_with_the_ids_it_watches() -> 
     )
     assert set(tracker.features) == {4, 5} and tracker.features[5].watch == (7, 8)
     assert tracker.features[4].watched is not None and tracker.features[4].watched.shape == (1, 2)
-
-
-@dataclass(frozen=True)
-class _FeatureEntry:
-    """What a steering entry by SAE feature would look like to this engine (another change adds the field)."""
-
-    layer: int
-    scale: float
-    feature: int
-    gate: None = None
-
-
-def test_steering_by_a_feature_is_refused_naming_why() -> None:
-    refuse_feature_steering((SteeringEntry(layer=1, scale=2.0, concept="joy"),))  # a concept: fine
-    with pytest.raises(GatewayError) as error:
-        refuse_feature_steering((_FeatureEntry(layer=1, scale=2.0, feature=12),))
-    assert error.value.code == Code.FAILED_PRECONDITION
-    assert "does not steer by them" in error.value.message and "'feature'" in error.value.message
 
 
 def _plan_for(features: FeatureSpec | None, values: SessionValues | None = None, session: str | None = None) -> Any:

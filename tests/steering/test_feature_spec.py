@@ -142,10 +142,11 @@ async def test_the_model_decides_which_features_can_steer(tiny_service: Any) -> 
         with pytest.raises(GatewayError, match=message) as caught:
             checks.check_steering(info, (entry,))
         assert caught.value.code is Code.INVALID_ARGUMENT
-    # an engine that reads features but cannot steer by them (the vLLM engine): named, for entries and gates
-    reads_only = replace(info, steering_features=False, engine_name="vllm")
+    # an engine that reads features but cannot steer by them (both of prismgate's engines now can): named,
+    # for entries and gates
+    reads_only = replace(info, steering_features=False, engine_name="remote")
     for entry in (ADD, replace(SteeringEntry(layer=1, scale=1.0, concept="concept0"), gate=FEATURE_GATE)):
-        with pytest.raises(GatewayError, match=r"steering by SAE feature .* is not supported by the vllm engine"):
+        with pytest.raises(GatewayError, match=r"steering by SAE feature .* is not supported by the remote engine"):
             checks.check_steering(reads_only, (entry,))
     with pytest.raises(GatewayError, match="layer 2 is not a layer of the concept pack"):  # nor a direction there
         checks.check_steering(reads_only, (SteeringEntry(layer=2, scale=1.0, direction=(1.0,) * 128),))
