@@ -5,6 +5,9 @@ A marker is an HTML comment on the line right above a fence (GitHub does not ren
     <!-- doc-test: skip: starts Docker, which the test machines do not have -->
     <!-- doc-test: default-model -->          run against the real default model (its output is quoted)
     <!-- doc-test: output -->                 the stdout the block above prints ("..." matches anything)
+    <!-- doc-test: output-also: CPU -->       what it prints instead on another kind of CPU, which the
+                                              reason names (bfloat16's last bits depend on the kernels
+                                              a CPU's instruction set selects, and near-ties can flip)
     <!-- doc-test: evergreen -->              a WebSocket exchange with the default model: "> " lines
                                               are sent, "< " lines received
 
@@ -19,7 +22,7 @@ from pathlib import Path
 
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)(?P<info>[^`]*)$")
 MARKER = re.compile(r"^\s*<!--\s*doc-test:\s*(?P<kind>[a-z-]+)\s*(?::\s*(?P<reason>.*?))?\s*-->\s*$")
-KINDS = {"skip", "default-model", "output", "evergreen"}
+KINDS = {"skip", "default-model", "output", "output-also", "evergreen"}
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,8 @@ def blocks(path: Path) -> list[Block]:
         kind, reason = (marker["kind"], marker["reason"] or "") if marker else (None, "")
         if kind is not None and kind not in KINDS:
             raise ValueError(f"{path.name}:{i}: unknown doc-test marker {kind!r} (known: {sorted(KINDS)})")
-        if kind == "skip" and not reason:
-            raise ValueError(f"{path.name}:{i}: a doc-test skip needs its reason")
+        if kind in ("skip", "output-also") and not reason:
+            raise ValueError(f"{path.name}:{i}: a doc-test {kind} needs its reason")
         lang = m["info"].strip().split()[0] if m["info"].strip() else ""
         found.append(Block(path, i + 1, lang, "\n".join(body) + "\n", kind, reason))
         i = j + 1
