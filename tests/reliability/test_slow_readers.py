@@ -249,21 +249,28 @@ def test_a_connection_whose_client_takes_nothing_is_closed_after_the_send_timeou
     """nginx's send_timeout: the socket itself goes, so a client that stopped reading holds no connection."""
     with UnderAttack(send_timeout.http_url, victim_limit_s=60) as attack, sse_reader(send_timeout, ENDLESS) as sock:
         assert wait_until(lambda: engine_busy(send_timeout), 10), "the generation never started"
-        time.sleep(TIMEOUT_S + 3)  # the writes block once the socket buffers are full, then the timer runs out
+        # The writes block once the socket buffers are full (megabytes: how long that takes is the
+        # machine's speed), then the timer runs out and the connection goes, and its generation with
+        # it: long before the 3,000 tokens it asked for.
+        closed = wait_until(lambda: not engine_busy(send_timeout), 240)
+        assert closed, "the server kept the connection of a client that took nothing"
         # the client comes back: what was buffered, then the end of the connection (not a stream that goes on)
         sock.settimeout(0.5)
-        ended = False
+        ended, received = False, b""
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
-                if not sock.recv(1 << 20):
-                    ended = True
-                    break
+                chunk = sock.recv(1 << 20)
             except TimeoutError:
                 continue
             except OSError:  # reset: the server aborted the connection
                 ended = True
                 break
-        assert ended, "the server kept the connection of a client that took nothing"
+            if not chunk:
+                ended = True
+                break
+            received += chunk
+        assert ended, "the connection stayed open after its generation ended"
+        assert b"[DONE]" not in received, "the generation ran to its end: the send timeout never acted"
         assert wait_engine_idle(send_timeout, 30), "the generation went on after its connection was closed"
         attack.wait_for_victims(1, timeout=10)
