@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             clients = _ECHO_CLIENTS.replace("range(8)", f"range({n})").replace("Executor(8)", f"Executor({n})")
             started = time.perf_counter()
             argv_ = [sys.executable, "-c", clients, server.http_url + "/v1/completions", json.dumps(body)]
-            done = subprocess.run(argv_, capture_output=True, text=True, timeout=1200, check=False)
+            done = subprocess.run(argv_, capture_output=True, text=True, timeout=2400, check=False)
             took = time.perf_counter() - started
             stop.set()
             watcher.join()

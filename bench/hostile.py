@@ -206,14 +206,15 @@ def extreme_directions(server: RunningGateway) -> None:
 # The eight clients of row 10 in a process of their own: reading eight 21 MB answers takes the
 # interpreter lock for seconds, and in the gateway's process that is the attacker's cost, not the
 # server's (in-process the probe's worst was 0.96-1.25 s). Each may wait long: the memory budget, which
-# counts each one's 81 MB of keys and values on SmolLM2, runs them one or two at a time.
+# counts each one's 81 MB of keys and values on SmolLM2, runs them one or two at a time (on a CPU with
+# AVX2 only, eight take over 15 minutes: the clients wait up to 30).
 _ECHO_CLIENTS = """
 import json, sys
 from concurrent.futures import ThreadPoolExecutor
 import httpx
 url, body = sys.argv[1], json.loads(sys.argv[2])
 def one(_):
-    with httpx.stream("POST", url, json=body, timeout=900) as reply:
+    with httpx.stream("POST", url, json=body, timeout=1800) as reply:
         for _ in reply.iter_bytes():
             pass
         return reply.status_code
@@ -228,7 +229,7 @@ def echo_flood(server: RunningGateway) -> None:
     body = {"model": model_of(server), "prompt": [5 + i % 200 for i in range(3516)], "max_tokens": 16, "echo": True}
     body |= {"logprobs": 20, "readouts": True}
     argv = [sys.executable, "-c", _ECHO_CLIENTS, server.http_url + "/v1/completions", json.dumps(body)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=1200, check=False)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=2400, check=False)
     codes = json.loads(done.stdout) if done.returncode == 0 else done.stderr[-500:]
     if codes != [200] * 8:
         raise RuntimeError(f"statuses {codes}")
