@@ -169,6 +169,8 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     def cell(v: Any) -> str:
         if isinstance(v, float):
             return "nan" if v != v else f"{v:.3g}"
+        if isinstance(v, list) and all(isinstance(x, float) for x in v):
+            return "-".join(cell(x) for x in v)  # a spread: lowest-highest
         return str(v)
 
     out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

@@ -107,7 +107,8 @@ def build_engine(name: str, saes: list[Path]) -> Any:
     return TransformersEngine(model, threads=2, saes=specs)
 
 
-async def run(engine_name: str, n_layers: int, rounds: int, tokens: int) -> dict[tuple[int, bool], float]:
+async def run(engine_name: str, n_layers: int, rounds: int, tokens: int) -> dict[tuple[int, bool], list[float]]:
+    """Tokens/s of every round, by (batch, features on)."""
     from prismgate.engines.sae.auto import SHIPPED, sae_folders
 
     shipped = sae_folders(SHIPPED)[0]
@@ -132,7 +133,7 @@ async def run(engine_name: str, n_layers: int, rounds: int, tokens: int) -> dict
                         speeds.setdefault((batch, features), []).append(batch * (tokens - 1) / elapsed)
         finally:
             await engine.close()
-    return {key: statistics.median(values) for key, values in speeds.items()}
+    return speeds
 
 
 def save(
@@ -140,7 +141,7 @@ def save(
     n_layers: int,
     rounds: int,
     tokens: int,
-    result: dict[tuple[int, bool], float],
+    speeds: dict[tuple[int, bool], list[float]],
     load: list[float] | None,
     note: str = "",
 ) -> Path:
@@ -151,18 +152,23 @@ def save(
     runs = json.loads(old.read_text()).get("runs", []) if old.exists() else []
     device = device_name()
     runs = [r for r in runs if (r["engine"], r["layers"], r.get("device", "cpu")) != (engine, n_layers, device)]
-    rows = [
-        {
-            "engine": engine,
-            "device": device,
-            "sae_layers": n_layers,
-            "batch": batch,
-            "off_tokens_per_s": result[(batch, False)],
-            "features_tokens_per_s": result[(batch, True)],
-            "ratio_to_off": result[(batch, True)] / result[(batch, False)],
-        }
-        for batch in BATCHES
-    ]
+    rows = []
+    for batch in BATCHES:
+        off, on = speeds[(batch, False)], speeds[(batch, True)]
+        paired = [b / a for a, b in zip(off, on, strict=True)]  # the two halves of one round, back to back
+        rows.append(
+            {
+                "engine": engine,
+                "device": device,
+                "sae_layers": n_layers,
+                "batch": batch,
+                "off_tokens_per_s": statistics.median(off),
+                "features_tokens_per_s": statistics.median(on),
+                "ratio_to_off": statistics.median(on) / statistics.median(off),
+                "round_ratio_median": statistics.median(paired),
+                "round_ratio_range": [min(paired), max(paired)],
+            }
+        )
     runs.append(
         {
             **({"note": note} if note else {}),
@@ -186,6 +192,14 @@ def device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
+def cpu_description() -> str:
+    """The CPU a run's figures belong to: bf16 kernels differ by instruction set (AVX-512 or AVX2 only)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    isa = "AVX-512" if "avx512f" in info else "AVX2 without AVX-512" if "avx2" in info else "no AVX2"
+    return f"{model}, {isa}, {os.cpu_count()} cores"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
@@ -194,13 +208,20 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     args = parser.parse_args()
     before = os.getloadavg()[0]
-    result = asyncio.run(run(args.engine, args.layers, args.rounds, args.tokens))
-    path = save(args.engine, args.layers, args.rounds, args.tokens, result, [before, os.getloadavg()[0]])
+    speeds = asyncio.run(run(args.engine, args.layers, args.rounds, args.tokens))
+    note = cpu_description() if device_name() == "cpu" else ""
+    path = save(args.engine, args.layers, args.rounds, args.tokens, speeds, [before, os.getloadavg()[0]], note)
     where = f"layer {SHIPPED_LAYER}" if args.layers == 1 else f"{args.layers} layers"
+    key = (args.engine, args.layers, device_name())
     print(f"engine {args.engine}, top-{TOP_K} features at {where}")
-    for batch in BATCHES:
-        off, on = result[(batch, False)], result[(batch, True)]
-        print(f"batch {batch}: off {off:.1f} tok/s, features {on:.1f} tok/s, ratio {on / off:.3f}")
+    run_ = next(r for r in json.loads(path.read_text())["runs"] if (r["engine"], r["layers"], r["device"]) == key)
+    for row in run_["rows"]:
+        (low, high), mid = row["round_ratio_range"], row["round_ratio_median"]
+        print(
+            f"batch {row['batch']}: off {row['off_tokens_per_s']:.1f} tok/s, "
+            f"features {row['features_tokens_per_s']:.1f} tok/s, ratio {row['ratio_to_off']:.3f} "
+            f"(round by round {mid:.3f}, {low:.3f}-{high:.3f})"
+        )
     print(f"wrote {path}")
 
 
