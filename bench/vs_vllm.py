@@ -340,14 +340,23 @@ async def measure(servers: tuple[Any, ...], prompt: list[int], args: argparse.Na
                 cpu[t.name].append(spent / max(sum(r.tokens for r in got), 1) * 1e3)
                 rates = [x for r in got if (x := rate(r)) is not None]
                 rounds[t.name].append((median([r.ttft_s for r in got]), median(rates) if rates else float("nan")))
+                ttft, decode = rounds[t.name][-1]
+                print(  # each round as it ends: a run stopped early keeps what it measured
+                    f"round {rep + 1}/{args.reps} {streams:>3} streams  {t.name:<52} TTFT {ttft * 1e3:7.1f} ms  "
+                    f"decode {decode:7.1f} tok/s  front-end CPU {cpu[t.name][-1]:.3f} ms/token",
+                    flush=True,
+                )
         block = [summarize(t.name, streams, results[t.name], cpu[t.name]) for t in ts]
         for row in block:
             # Every ratio is the median of per-round ratios against the base's round of the same
             # rep: rounds of one rep run back to back, so the machine's drift between reps cancels.
             mine, theirs = rounds[row["server"]], rounds[BASE]
-            row["ttft_ratio"] = paired([a[0] for a in mine], [b[0] for b in theirs])
-            row["decode_rate_ratio"] = paired([a[1] for a in mine], [b[1] for b in theirs])
-            row["frontend_cpu_ratio"] = paired(cpu[row["server"]], cpu[BASE])
+            for key, a, b in (
+                ("ttft_ratio", [x[0] for x in mine], [x[0] for x in theirs]),
+                ("decode_rate_ratio", [x[1] for x in mine], [x[1] for x in theirs]),
+                ("frontend_cpu_ratio", cpu[row["server"]], cpu[BASE]),
+            ):
+                row[key], row[f"{key}_range"] = paired(a, b), spread(a, b)
         print(table(block, list(block[0])), flush=True)
         rows += block
     for t in ts:
@@ -361,6 +370,12 @@ def paired(mine: list[float], base: list[float]) -> float:
     """The median of round-by-round ratios ``mine[i] / base[i]`` (rounds without a value skipped)."""
     ratios = [a / b for a, b in zip(mine, base, strict=True) if b and a == a and b == b]
     return median(ratios) if ratios else float("nan")
+
+
+def spread(mine: list[float], base: list[float]) -> list[float]:
+    """The lowest and highest of the round-by-round ratios (the noise around :func:`paired`'s median)."""
+    ratios = [a / b for a, b in zip(mine, base, strict=True) if b and a == a and b == b]
+    return [min(ratios), max(ratios)] if ratios else []
 
 
 def summarize(name: str, streams: int, results: list[clients.StreamResult], cpu_ms: list[float]) -> dict[str, Any]:
