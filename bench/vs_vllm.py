@@ -191,6 +191,9 @@ def prismgate_serve(model: Path, pack: Path | None, args: argparse.Namespace, wo
             "--vllm-kv-cache-gb", str(args.kv_cache_gb), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
             "--http-port", "0", "--grpc-port", "0",
             "--port-file", str(port_file), "--log-level", "warning", "--max-active", "256",
+            # every stream comes from this one address, and vllm serve caps nothing per address: the
+            # default cap (128 connections per client) refused the 256-stream cell of the first run
+            "--max-connections-per-client", "0",
         ]  # fmt: skip
         if pack is not None:
             command += ["--concept-pack", str(pack)]

@@ -36,7 +36,7 @@ PROMPTS = [[10 + 7 * i + j for j in range(12 + 3 * i)] for i in range(8)]  # eig
 def served(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Served]:
     require_vllm()
     folder = tmp_path_factory.mktemp("vllm-workers")
-    pack = build_random_pack(folder / "pack", tiny_model_dir, layers=(1, 2))
+    pack = build_random_pack(folder, tiny_model_dir, layers=(1, 2))
     for name, value in CPU_ENV.items():
         os.environ.setdefault(name, value)
     args = (
@@ -70,7 +70,7 @@ def test_each_front_end_gets_its_own_requests_readouts(served: Served) -> None:
     alone = [streamed(served.http_url, prompt) for prompt in PROMPTS]
     for _, ids, values in alone:
         assert len(ids) == MAX_TOKENS and len(values) == MAX_TOKENS
-        assert np.asarray(values).shape == (MAX_TOKENS, 2, 8)  # two layers of the pack's eight concepts
+        assert np.asarray(values).shape == (MAX_TOKENS, 2, 3)  # the random pack's two layers and three concepts
     for _ in range(3):  # eight at once, three times: the kernel spreads the connections over both front-ends
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             together = list(pool.map(lambda p: streamed(served.http_url, p), PROMPTS))
