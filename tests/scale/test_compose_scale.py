@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from prismgate.settings import Settings
 from tests.ops.test_deploy import COMPOSE, ROOT, container_ports, load_yaml
 from tests.scale.conftest import NGINX_CONFIG
 
@@ -36,3 +37,19 @@ def test_nginx_hashes_on_the_session_and_reaches_every_replica_on_both_ports() -
         assert re.findall(r"server ([\w-]+):(\d+)", body) == [("gateway-a", str(port)), ("gateway-b", str(port))]
     assert "$http_x_session_id" in text and "grpc_pass grpc://prismgate_grpc;" in text
     assert "proxy_set_header Upgrade $http_upgrade;" in text  # WebSockets (Evergreen)
+
+
+def test_the_per_client_connection_cap_moves_to_nginx() -> None:
+    """Behind nginx every connection comes from nginx's address: a replica's own cap would count all
+    clients as one, so the replicas run without it and nginx caps each real client, at the same default."""
+    services = load_yaml(COMPOSE)["services"]
+    for name in ("gateway-a", "gateway-b"):
+        assert services[name]["environment"]["PRISMGATE_MAX_CONNECTIONS_PER_CLIENT"] == "0"
+    text = NGINX_CONFIG.read_text()
+    assert "limit_conn_zone $binary_remote_addr zone=prismgate_per_client:" in text
+    assert "limit_conn_status 503;" in text  # what a replica answers past its cap
+    servers = re.findall(r"\n    server \{(.*?)\n    \}", text, flags=re.S)
+    assert len(servers) == 2  # HTTP and gRPC
+    default = Settings.load({}, env={}).max_connections_per_client
+    for body in servers:
+        assert f"limit_conn prismgate_per_client {default};" in body
