@@ -346,7 +346,7 @@ async def measure(servers: tuple[Any, ...], prompt: list[int], args: argparse.Na
                 ttft, decode = rounds[t.name][-1]
                 print(  # each round as it ends: a run stopped early keeps what it measured
                     f"round {rep + 1}/{args.reps} {streams:>3} streams  {t.name:<52} TTFT {ttft * 1e3:7.1f} ms  "
-                    f"decode {decode:7.1f} tok/s  front-end CPU {cpu[t.name][-1]:.3f} ms/token",
+                    f"decode {decode:7.2f} tok/s  front-end CPU {cpu[t.name][-1]:.3f} ms/token",
                     flush=True,
                 )
         block = [summarize(t.name, streams, results[t.name], cpu[t.name]) for t in ts]
@@ -369,15 +369,20 @@ async def measure(servers: tuple[Any, ...], prompt: list[int], args: argparse.Na
     return rows
 
 
+def round_ratios(mine: list[float], base: list[float]) -> list[float]:
+    """``mine[i] / base[i]`` for each round (rounds without a value skipped)."""
+    return [a / b for a, b in zip(mine, base, strict=True) if b and a == a and b == b]
+
+
 def paired(mine: list[float], base: list[float]) -> float:
-    """The median of round-by-round ratios ``mine[i] / base[i]`` (rounds without a value skipped)."""
-    ratios = [a / b for a, b in zip(mine, base, strict=True) if b and a == a and b == b]
+    """The median of round-by-round ratios ``mine[i] / base[i]``."""
+    ratios = round_ratios(mine, base)
     return median(ratios) if ratios else float("nan")
 
 
 def spread(mine: list[float], base: list[float]) -> list[float]:
     """The lowest and highest of the round-by-round ratios (the noise around :func:`paired`'s median)."""
-    ratios = [a / b for a, b in zip(mine, base, strict=True) if b and a == a and b == b]
+    ratios = round_ratios(mine, base)
     return [min(ratios), max(ratios)] if ratios else []
 
 
