@@ -12,7 +12,6 @@ SIGTERM draining both front-ends and the host to exit 0.
 from __future__ import annotations
 
 import json
-import os
 import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.engines.vllm_factory import CPU_ENV, require_vllm
+from tests.engines.vllm_factory import require_vllm, use_cpu_env
 from tests.serve_process import Served, serve_process
 from tests.tiny_model import build_random_pack
 
@@ -37,8 +36,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> It
     require_vllm()
     folder = tmp_path_factory.mktemp("vllm-workers")
     pack = build_random_pack(folder, tiny_model_dir, layers=(1, 2))
-    for name, value in CPU_ENV.items():
-        os.environ.setdefault(name, value)
+    use_cpu_env()
     args = (
         "--engine", "vllm", "--model", str(tiny_model_dir), "--model-name", MODEL, "--concept-pack", str(pack),
         "--dtype", "float32", "--vllm-block-size", "32", "--vllm-kv-cache-gb", "0.25", "--workers", "2",

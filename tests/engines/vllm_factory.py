@@ -41,13 +41,18 @@ def require_vllm() -> None:
         pytest.skip(SKIP_REASON)
 
 
+def use_cpu_env() -> None:
+    """:data:`CPU_ENV` in this process's environment (values already set win); servers started from it inherit them."""
+    for name, value in CPU_ENV.items():
+        os.environ.setdefault(name, value)
+
+
 def make_vllm_engine(
     model_dir: Path, *, model_id: str = "tiny-llama", concept_pack: Path | None = None, **overrides: Any
 ) -> Any:
     """An unstarted VLLMEngine with test settings (skips the test when vLLM is missing)."""
     require_vllm()
-    for name, value in CPU_ENV.items():
-        os.environ.setdefault(name, value)
+    use_cpu_env()
     from prismgate.engines.vllm import VLLMEngine
 
     kwargs: dict[str, Any] = {"dtype": "float32", "block_size": 32, "kv_cache_gb": 1}
