@@ -6,10 +6,11 @@ chunked, and whether its keys and values were decoded one by one or prefilled at
 operation of the forward pass is computed row by row already except two, and this module
 makes those two invariant while the switch is on (docs/determinism.md tells the whole story):
 
-- **Matrix products** (every linear layer, the LM head, the readout projection): a GEMM's
-  kernel depends on its number of rows, so while the switch is on every product runs on at
-  least ``MIN_ROWS`` rows (:mod:`prismgate.engines.invariant_rows` says why that suffices);
-  :func:`install` gives every linear layer a forward that pads its input.
+- **Matrix products** (every linear layer, the LM head, the readout projection, attention's
+  two products): a GEMM's kernel depends on its number of rows, so while the switch is on
+  every product runs in blocks of exactly ``BLOCK_ROWS`` rows
+  (:mod:`prismgate.engines.invariant_rows` says why); :func:`install` gives every linear layer
+  a forward that does so.
 - **Attention**: the sum over keys is where batching, padding and chunking change the order
   of additions. :func:`invariant_attention` computes it in one canonical order that depends
   only on the query's absolute position: keys re-based so that key ``j`` of the sequence
@@ -32,14 +33,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from prismgate.engines.invariant_rows import MIN_ROWS, SWITCH, on_rows
+from prismgate.engines.invariant_rows import BLOCK_ROWS, SWITCH, on_rows
 
 ATTENTION = "prismgate_invariant"  # the name this module registers with transformers' attention interface
 BLOCK = 64  # keys per fixed-length partial sum
 
 
 def _padding_forward(layer: torch.nn.Linear) -> Any:
-    """``layer``'s forward, on at least ``MIN_ROWS`` rows while this thread's switch is on.
+    """``layer``'s forward, in blocks of ``BLOCK_ROWS`` rows while this thread's switch is on.
 
     An instance attribute rather than hooks: while the switch is off it costs one attribute
     read, and a module without hooks keeps PyTorch's fast call path.
@@ -49,7 +50,7 @@ def _padding_forward(layer: torch.nn.Linear) -> Any:
         return F.linear(x, layer.weight, layer.bias)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return on_rows(x, linear) if SWITCH.active else linear(x)
+        return on_rows(x, linear)
 
     return forward
 
@@ -59,8 +60,7 @@ class _Geometry(NamedTuple):
 
     width: int  # key columns after re-basing, a whole number of blocks
     source: torch.Tensor | None  # [batch, 1, width, 1]: the column each re-based key comes from; None: no shift
-    padded: int  # query rows per head after padding the product to MIN_ROWS rows
-    hidden: torch.Tensor  # [batch, 1, 1, padded, width] bool: keys a query may not see
+    hidden: torch.Tensor  # [batch, 1, 1, queries, width] bool: keys a query may not see
 
 
 class _Memo(threading.local):
@@ -90,13 +90,19 @@ def _geometry(mask: torch.Tensor | None, batch: int, group: int, queries: int, k
     width = -(-(keys - int(first.min())) // BLOCK) * BLOCK
     columns = torch.arange(width, device=device)
     index = (first[:, None] + columns[None, :])[:, None, :, None] if bool((first != 0).any()) else None
-    padded = max(queries, -(-MIN_ROWS // group))
-    if padded > queries:
-        counts = F.pad(counts, (0, padded - queries), value=1)
     hidden = (columns[None, None, :] >= counts[:, :, None])[:, None, None]
-    geometry = _Geometry(width, index, padded, hidden)
+    geometry = _Geometry(width, index, hidden)
     _MEMO.last = (mask, key, geometry)
     return geometry
+
+
+def _block_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (batched, ``a`` ``[..., M, K]``) with ``a``'s rows in products of exactly ``BLOCK_ROWS``."""
+    m = a.shape[-2]
+    blocks = -(-m // BLOCK_ROWS)
+    a = F.pad(a, (0, 0, 0, blocks * BLOCK_ROWS - m)).unflatten(-2, (blocks, BLOCK_ROWS))
+    out = torch.matmul(a, b.unsqueeze(-3))
+    return out.flatten(-3, -2)[..., :m, :]
 
 
 def invariant_attention(
@@ -118,7 +124,7 @@ def invariant_attention(
     kv_heads, keys = key.shape[1], key.shape[2]
     group = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
-    width, source, padded, hidden = _geometry(attention_mask, batch, group, queries, keys, query.device)
+    width, source, hidden = _geometry(attention_mask, batch, group, queries, keys, query.device)
 
     # keys and values re-based so that column j holds the sequence's key j, padded to whole blocks
     k32 = F.pad(key.to(torch.float32), (0, 0, 0, width))
@@ -129,21 +135,19 @@ def invariant_attention(
     else:
         k32, v32 = k32[:, :, :width], v32[:, :, :width]
 
-    # every query row of a key head in one product of at least MIN_ROWS rows
-    q32 = query.to(torch.float32).reshape(batch, kv_heads, group, queries, dim)
-    if padded > queries:
-        q32 = F.pad(q32, (0, 0, 0, padded - queries))
-    rows = group * padded
-    scores = torch.matmul(q32.reshape(batch, kv_heads, rows, dim), k32.transpose(-1, -2)) * scale
-    scores = scores.view(batch, kv_heads, group, padded, width).masked_fill(hidden, float("-inf"))
+    # every query row of a key head in products of BLOCK_ROWS rows
+    rows = group * queries
+    q32 = query.to(torch.float32).reshape(batch, kv_heads, rows, dim)
+    scores = _block_matmul(q32, k32.transpose(-1, -2)) * scale
+    scores = scores.view(batch, kv_heads, group, queries, width).masked_fill(hidden, float("-inf"))
     weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # keys it may not see: exactly 0
 
     blocks = width // BLOCK
     w = weights.view(batch, kv_heads, rows, blocks, BLOCK)
     total = torch.cumsum(w.sum(dim=-1), dim=-1)[..., -1:]  # [batch, kv_heads, rows, 1], blocks added in order
-    parts = torch.matmul(w.transpose(2, 3), v32.view(batch, kv_heads, blocks, BLOCK, dim))
+    parts = _block_matmul(w.transpose(2, 3), v32.view(batch, kv_heads, blocks, BLOCK, dim))
     summed = torch.cumsum(parts, dim=2)[:, :, -1]  # [batch, kv_heads, rows, dim], blocks added in order
-    out = (summed / total).view(batch, kv_heads, group, padded, dim)[:, :, :, :queries]
+    out = (summed / total).view(batch, kv_heads, group, queries, dim)
     return out.reshape(batch, heads, queries, dim).transpose(1, 2).to(query.dtype).contiguous(), None
 
 

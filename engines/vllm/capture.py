@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from prismgate.engines.invariant_rows import padded_rows
+from prismgate.engines.invariant_rows import in_blocks
 from prismgate.engines.readouts.probe import decoder_layers
 from prismgate.engines.vllm.encoder import SaeWeights
 from prismgate.engines.vllm.sae_steer import SaeSteerBuffers, feature_steer
@@ -102,14 +102,10 @@ def readout(
 def project(stream: torch.Tensor, directions: torch.Tensor, out: torch.Tensor) -> None:
     """``out = stream @ directions`` in float32, each row's bits the same in a batch of any size.
 
-    A product of fewer than ``MIN_ROWS`` rows takes another kernel (another order of additions),
-    so a short one runs padded with zero rows (:mod:`prismgate.engines.invariant_rows`).
+    The product runs in blocks of a fixed number of rows (:mod:`prismgate.engines.invariant_rows`
+    says why), so a row meets the same kernel in a step of any size.
     """
-    flat, n = padded_rows(stream.to(torch.float32))
-    if flat.shape[0] == n and out.is_contiguous():
-        torch.mm(flat, directions, out=out)
-    else:
-        out.copy_((flat @ directions)[:n])
+    out.copy_(in_blocks(stream.to(torch.float32), lambda rows: rows @ directions))
 
 
 @readout.register_fake

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from prismgate.engines.invariant_rows import padded_rows
+from prismgate.engines.invariant_rows import in_blocks
 
 ARCHITECTURES = {"standard": 0, "topk": 1, "jumprelu": 2}
 TOPK = ARCHITECTURES["topk"]
@@ -58,12 +58,11 @@ def row_pre_activations(
 ) -> torch.Tensor:
     """The same, each row's bits those it gets in a product of any number of rows (the steering op's).
 
-    A short product runs padded with zero rows (:func:`~prismgate.engines.invariant_rows.padded_rows`),
+    The product runs in blocks of a fixed number of rows (:func:`~prismgate.engines.invariant_rows.in_blocks`),
     the arithmetic of the transformers engine's clamps and feature gates (its encoder under the
     invariant switch), so a clamped row does not depend on how many rows the step encodes beside it.
     """
-    flat, n = padded_rows(stream.to(torch.float32) - b_dec)
-    return (flat @ W_enc)[:n] + b_enc
+    return in_blocks(stream.to(torch.float32) - b_dec, lambda rows: rows @ W_enc) + b_enc
 
 
 def activations_at(pre: torch.Tensor, ids: torch.Tensor, arch: int, k: int, threshold: torch.Tensor) -> torch.Tensor:

