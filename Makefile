@@ -9,14 +9,17 @@ STAMP  := $(VENV)/.prismgate-installed
 PYTEST_ARGS ?=
 TORCH := torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-# The vLLM engine's own tests need vllm, which lives in its own virtualenv: `make test-vllm`
-# runs them (and the conformance suite against vLLM) there, so `make test` leaves them out.
-VLLM_ONLY := --ignore=tests/engines/test_vllm_engine.py --ignore=tests/engines/test_vllm_crosscheck.py \
-	--ignore=tests/engines/test_vllm_parallel.py --ignore=tests/engines/test_vllm_steering.py \
-	--ignore=tests/engines/test_vllm_features.py --ignore=tests/engines/test_vllm_feature_steering.py \
-	--ignore=tests/engines/test_vllm_workers.py
+# The test tiers, chosen by marker (pyproject.toml registers them, README "Development" says
+# what each holds): make test is the fast tier a contributor runs before every commit;
+# make test-exhaustive what it leaves out (the real default model, property tests' full
+# mixes, artifact rebuilds, fuzzing, load, soak, Chromium); make test-all both. The vLLM
+# engine's tests run in their own virtualenv (make test-vllm, mk/vllm.mk), the compose
+# stack in a container engine (make test-compose, mk/compose.mk).
+FAST_TIER := not slow and not browser and not vllm and not compose
+EXHAUSTIVE_TIER := (slow or browser) and not vllm and not compose
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/pytest
 
-.PHONY: setup serve test test-fast lint format typecheck schemas clean
+.PHONY: setup serve test test-fast test-exhaustive test-all lint format typecheck schemas clean
 
 setup: $(STAMP)
 
@@ -44,10 +47,18 @@ serve: setup
 	$(BIN)/prismgate serve
 
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/pytest $(VLLM_ONLY) $(PYTEST_ARGS)
+	@start=$$(date +%s); $(PYTEST) -m "$(FAST_TIER)" $(PYTEST_ARGS); rc=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s"; exit $$rc
 
-test-fast: setup
-	OMP_NUM_THREADS=1 $(BIN)/pytest $(VLLM_ONLY) -m "not slow" $(PYTEST_ARGS)
+test-fast: test
+
+test-exhaustive: setup
+	@start=$$(date +%s); $(PYTEST) -m "$(EXHAUSTIVE_TIER)" $(PYTEST_ARGS); rc=$$?; \
+	echo "make test-exhaustive: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+test-all: setup
+	@start=$$(date +%s); $(PYTEST) -m "not vllm and not compose" $(PYTEST_ARGS); rc=$$?; \
+	echo "make test-all: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # mypy cannot follow the editable install's import hook, so it checks a link tree that
 # lays the folders out under their import name.

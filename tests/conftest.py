@@ -92,3 +92,10 @@ def server_factory(
         return run_server(tiny_settings(tiny_model_dir, tiny_pack, **overrides))
 
     return factory
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that drives the real browser is in the browser tier, whatever its file."""
+    for item in items:
+        if "browser" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.browser)

@@ -23,7 +23,7 @@ from prismgate.core.health import HealthState
 from tests.engines.conftest import with_eos
 from tests.engines.requests import run
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.engine_suite, pytest.mark.asyncio(loop_scope="module")]
 
 LOGPROB_TOL = 2e-3
 READOUT_TOL = 2e-3

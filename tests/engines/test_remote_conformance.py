@@ -15,6 +15,9 @@ import pytest
 from tests.engines.hosted import HostedEngine
 from tests.engines.test_conformance import *  # noqa: F403 (the same tests, collected here again)
 
+# the transformers engine behind the host: not one of the suites the vLLM stage runs
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
 
 @pytest.fixture(scope="session")
 def engine_factory() -> Callable[..., Any]:

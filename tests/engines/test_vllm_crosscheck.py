@@ -26,7 +26,7 @@ from prismgate.core.events import TokenEvent
 from tests.engines.requests import run
 from tests.engines.vllm_factory import make_vllm_engine, require_vllm
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
 LOGPROB_TOL = 1e-3
 READOUT_RTOL = 1e-3

@@ -26,7 +26,7 @@ from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, FinishReason, TokenEvent
 from tests.engines.vllm_factory import make_vllm_engine
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
 SAME = 1e-4  # the same positions computed by two paths (cache/store vs recompute), float32
 

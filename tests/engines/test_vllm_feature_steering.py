@@ -32,7 +32,7 @@ from tests.engines.test_vllm_steering import ids, moved, prompt, same
 from tests.engines.vllm_factory import make_vllm_engine, require_vllm
 from tests.sae.saes import write_sae
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
 MAX = 10
 LAYERS = (0, 1, 2)

@@ -32,6 +32,8 @@ from prismgate.engines.vllm.encoder import ARCHITECTURES, SaeWeights, activation
 from prismgate.engines.vllm.steer_rows import SteeredRows, SteerWriter
 from tests.sae.saes import write_sae
 
+pytestmark = pytest.mark.engine_suite
+
 HIDDEN = 16
 D_SAE = 96
 ROWS = 64

@@ -37,6 +37,8 @@ from tests.engines.requests import run
 from tests.engines.vllm_factory import make_vllm_engine, require_vllm
 from tests.sae.saes import assert_same_features, labelled_pair, streamed_features
 
+pytestmark = pytest.mark.vllm
+
 PROMPT = [1, 17, 42, 99, 7, 3, 250, 11]
 WATCHED = [3, 200]
 RTOL = 1e-3

@@ -27,6 +27,8 @@ from prismgate.engines.vllm.tracker import Tracker
 from tests.engines.test_vllm_parts import _Model
 from tests.sae.saes import write_sae
 
+pytestmark = pytest.mark.engine_suite
+
 HIDDEN = 16
 
 

@@ -30,7 +30,7 @@ from tests.engines.test_vllm_crosscheck import compare
 from tests.engines.vllm_factory import make_vllm_engine
 from tests.tiny_model import build_random_pack
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
 BLOCK = 32  # the test engines' KV block: vLLM reuses whole blocks
 PROMPT = list(range(10, 80))

@@ -14,6 +14,8 @@ from prismgate.engines.vllm.channel import StepPacket, decode_step, encode_step
 from prismgate.engines.vllm.tracker import Tracker
 from prismgate.settings import Settings
 
+pytestmark = pytest.mark.engine_suite
+
 
 def test_a_stage_packet_names_the_pack_layers_its_readouts_hold() -> None:
     packet = StepPacket(step=3, layers=[1])

@@ -25,6 +25,8 @@ from prismgate.engines.vllm.store import SessionValues, ValueStore
 from prismgate.engines.vllm.vision import ImageCounter, collapse
 from tests.vision_model import IMAGE_PAD, VISION_END, VISION_START, build_tiny_qwen2_vl, image_bytes, vision_block
 
+pytestmark = pytest.mark.engine_suite
+
 
 def test_step_packets_round_trip() -> None:
     packet = StepPacket(step=7)

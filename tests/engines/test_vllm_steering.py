@@ -28,7 +28,7 @@ from tests.engines.test_vllm_crosscheck import assert_compiled, compare, pair
 from tests.engines.test_vllm_parts import _Model
 from tests.engines.vllm_factory import make_vllm_engine, require_vllm
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
 MAX = 12
 

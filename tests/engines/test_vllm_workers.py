@@ -26,6 +26,8 @@ from tests.engines.vllm_factory import require_vllm, use_cpu_env
 from tests.serve_process import Served, serve_process
 from tests.tiny_model import build_random_pack
 
+pytestmark = pytest.mark.vllm
+
 MODEL = "tiny-llama"
 MAX_TOKENS = 6
 PROMPTS = [[10 + 7 * i + j for j in range(12 + 3 * i)] for i in range(8)]  # eight prompts, none alike

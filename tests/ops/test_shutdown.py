@@ -26,6 +26,8 @@ from tests.conftest import TINY_MODEL_ID, run_server, tiny_settings
 from tests.ops.helpers import action, collect, scrape, serve, value
 from tests.serve_process import serve_process
 
+pytestmark = pytest.mark.slow
+
 # -- in-process ---------------------------------------------------------------------------
 
 

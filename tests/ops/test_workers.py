@@ -34,6 +34,8 @@ from tests.ops.test_shutdown import stream_completion
 from tests.salience.conftest import connect
 from tests.serve_process import PRISMGATE, Served
 
+pytestmark = pytest.mark.slow
+
 TRIES = 60  # fresh connections before a test gives up on reaching both front-ends
 
 

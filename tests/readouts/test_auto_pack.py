@@ -23,6 +23,8 @@ from prismgate.server import Gateway
 from tests.conftest import TINY_MODEL_ID, run_server, tiny_settings
 from tests.tiny_model import build_tiny_llama
 
+pytestmark = pytest.mark.slow
+
 PAIRS = 4  # small: the tiny model's build then takes well under a second
 
 

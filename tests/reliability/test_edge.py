@@ -27,6 +27,8 @@ from tests.conftest import LiveServer
 from tests.evergreen.wire import generate, msg, text_leaf
 from tests.ops.helpers import serve
 
+pytestmark = pytest.mark.slow
+
 PROBE_SOURCE = "127.0.0.2"
 PROBE_LIMIT_S = 2.0  # generous: two cores shared with other work; typically tens of ms, a frozen loop is far more
 

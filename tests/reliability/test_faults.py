@@ -38,6 +38,8 @@ from tests.reliability.conftest import (
     wait_until,
 )
 
+pytestmark = pytest.mark.slow
+
 LONG = 3000  # tokens: seconds of decoding, so that every fault lands mid-stream
 PROMPT = [72, 101, 108, 108, 111]  # "Hello" in the byte-level tokenizer
 STRUCT = "type.googleapis.com/google.protobuf.Struct"

@@ -34,6 +34,8 @@ from prismgate.schemas import salience_pb2_grpc
 from tests.conftest import TINY_MODEL_ID, LiveServer, tiny_settings
 from tests.reliability.conftest import run_gateway, wait_engine_idle, wait_until
 
+pytestmark = pytest.mark.slow
+
 LOAD_S = float(os.environ.get("PRISMGATE_LOAD_S", "15"))
 RSS_BOUND = 96 * 1024 * 1024  # bytes the process may grow by under load, after a warm-up
 SALIENCE_WORKERS, EVERGREEN_WORKERS, GRAPHPIPE_WORKERS = 6, 4, 2

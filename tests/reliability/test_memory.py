@@ -26,6 +26,8 @@ from prismgate.core.memory import AUTO_MAX, request_bytes
 from tests.conftest import TINY_MODEL_ID, LiveServer, tiny_settings
 from tests.reliability.conftest import UnderAttack, run_gateway
 
+pytestmark = pytest.mark.slow
+
 PROMPT = [5 + (i % 200) for i in range(3516)]
 # the budget, and what malloc keeps of freed memory in a process whose threads (pytest's,
 # torch's) already hold arenas of their own (prismgate.arenas caps them for new threads):

@@ -16,6 +16,8 @@ from prismgate.settings import Settings
 from tests.sae.saes import write_sae
 from tests.serve_process import ENV, PRISMGATE
 
+pytestmark = pytest.mark.slow
+
 
 def test_models_entries_carry_their_own_saes_and_labels(tmp_path: Path, tiny_model_dir: Path) -> None:
     a, b = write_sae(tmp_path / "a", layer=0), write_sae(tmp_path / "b", layer=2)

@@ -7,9 +7,13 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from prismgate.engines.sae.auto import auto_saes
 from prismgate.engines.sae.files import load_sae
 from tests.serve_process import ENV, PRISMGATE
+
+pytestmark = pytest.mark.slow
 
 
 def train(*args: str) -> subprocess.CompletedProcess[str]:

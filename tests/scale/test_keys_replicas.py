@@ -25,6 +25,8 @@ from tests.salience.conftest import Client, rpc_error
 from tests.scale.conftest import RedisServer
 from tests.scale.test_replicas import replica
 
+pytestmark = pytest.mark.slow
+
 PROMPT = [5, 6, 7, 8]
 
 

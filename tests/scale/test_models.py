@@ -27,6 +27,8 @@ from tests.salience.conftest import Client, connect, rpc_error
 from tests.scale.conftest import serve_config
 from tests.vision_model import build_tiny_qwen2_vl, image_bytes
 
+pytestmark = pytest.mark.slow
+
 LLAMA, VL = "tiny-llama", "tiny-qwen2-vl"
 IM_START = 259  # in the Qwen2-VL vocabulary, past the end of the Llama one
 PNG = image_bytes(56, 84)

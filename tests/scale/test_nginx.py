@@ -18,6 +18,8 @@ from tests.ops.helpers import Served, serve
 from tests.salience.conftest import connect
 from tests.scale.conftest import Nginx, RedisServer, nginx_in_front
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def balanced(tmp_path: Path, tiny_model_dir: Path, redis: RedisServer) -> Iterator[tuple[Nginx, list[Served]]]:

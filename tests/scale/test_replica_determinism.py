@@ -15,12 +15,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from prismgate.codecs.salience import convert
 from prismgate.schemas import salience_pb2 as pb
 from tests.salience.conftest import Client, connect, ranges
 from tests.scale.conftest import RedisServer
 from tests.serve_process import Served, serve_process
 from tests.tiny_model import build_random_pack
+
+pytestmark = pytest.mark.slow
 
 DETERMINISTIC = [(convert.DETERMINISTIC_KEY, "true")]
 

@@ -6,11 +6,15 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from prismgate.schemas import salience_steering_pb2 as steer_pb
 from prismgate.schemas import salience_steering_pb2_grpc
 from tests.ops.helpers import serve
 from tests.salience.conftest import Client, connect
 from tests.scale.conftest import RedisServer
+
+pytestmark = pytest.mark.slow
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 PUSH = steer_pb.SteeringEntry(concept="concept1", layer=0, scale=60, positions=steer_pb.POSITIONS_BOTH)

@@ -22,6 +22,8 @@ from tests.ops.helpers import Served, serve
 from tests.salience.conftest import Client, connect, rpc_error
 from tests.scale.conftest import RedisServer, start_redis
 
+pytestmark = pytest.mark.slow
+
 PROMPT = [5, 6, 7, 8]
 
 
