@@ -89,6 +89,7 @@ async def _plan(
             seed=common.seed,
             deterministic=common.deterministic,
             stop_strings=common.stop,
+            ignore_eos=common.ignore_eos,
             logprob_top_k=common.top_logprobs or 0,
             steering=steering,
             features=common.features,

@@ -65,6 +65,7 @@ class Common:
     seed: int | None
     deterministic: bool | None  # None: the server's default
     stop: tuple[str, ...]
+    ignore_eos: bool  # vLLM's extension: EOS does not end the answer (fixed-length outputs)
     top_logprobs: int | None  # None: no logprobs; otherwise how many alternatives per token
     logprobs_binary: np.dtype | None  # logprobs as base64 of this dtype (prismgate.logprobs); None: OpenAI's form
     readouts: ReadoutRequest | None
@@ -147,6 +148,7 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, top_logprobs: int |
         seed=None if seed is None else seed % INT64,  # int64 seeds fold into the engine's [0, 2**63)
         deterministic=deterministic,
         stop=_stop(body.get("stop")),
+        ignore_eos=get_bool(body, "ignore_eos", False),
         top_logprobs=top_logprobs,
         logprobs_binary=logprobs_binary,
         readouts=_readouts(body.get("readouts")),
