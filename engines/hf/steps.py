@@ -23,7 +23,7 @@ from prismgate.engines.hf.adapters import ModelAdapter
 from prismgate.engines.hf.batch_cache import BatchCache
 from prismgate.engines.hf.job import Job
 from prismgate.engines.hf.kv_reuse import SessionCaches, resume
-from prismgate.engines.hf.sampling import logprobs_of, sample
+from prismgate.engines.hf.sampling import History, logprobs_of, sample
 from prismgate.engines.hf.steering import GateKey, RowPlan, Steerer
 from prismgate.engines.invariant_rows import SWITCH
 from prismgate.engines.readouts.probe import ReadoutProbe
@@ -247,7 +247,11 @@ class Stepper:
         spec = job.request.spec
         assert job.next_logits is not None and job.generator is not None
         row = job.next_logits.to(device="cpu", dtype=torch.float32)  # the sampler's generator lives on the CPU
-        token = sample(row, spec, job.generator)
+        if spec.shapes_logits and job.history is None:
+            job.history = History(spec, job.timeline[: job.prompt_len], row.shape[-1], self.eos_token_ids)
+        token = sample(row, spec, job.generator, job.history)
+        if job.history is not None:
+            job.history.add(token)
         position = len(job.timeline)
         event = TokenEvent(id=token, position=position, is_prefill=False)
         if covered(spec.logprob_ranges, position):
@@ -259,7 +263,7 @@ class Stepper:
             job.held = event
         else:
             job.emit(event)
-        if token in spec.stop_token_ids or (not spec.ignore_eos and token in self.eos_token_ids):
+        if spec.ends_on(token, job.generated, self.eos_token_ids):
             job.finish = FinishReason.EOS
         elif job.generated >= spec.max_tokens:
             job.finish = FinishReason.LENGTH

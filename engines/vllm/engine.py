@@ -362,7 +362,7 @@ class VLLMEngine:
                         event = events.decode_event(token, position, spec, plan, completion.logprobs, j)
                         if event.logprob is not None:
                             decoded_lp[position] = (spec.logprob_top_k, event.logprob, event.top_logprobs or [])
-                        finish = events.stop_after(token, len(generated), plan, spec.max_tokens)
+                        finish = events.stop_after(token, len(generated), plan, spec)
                         if self._pack is not None and covered(spec.readout_ranges, position):
                             await tracker.require([position], [], f"the readout of position {position}")
                             event.readout = tracker.readouts[position]
