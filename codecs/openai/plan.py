@@ -9,7 +9,7 @@ continuation of the session (``Placement.CONTINUE``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from prismgate.core.turns import ChatTurn, Turn
 from prismgate.settings import Settings
 
 ORIGIN = "openai"
+SEEDS = 2**63  # the engine's seeds are in [0, 2**63)
 
 
 @dataclass(slots=True)
@@ -133,3 +134,18 @@ async def _plan(
         features=features,
         feature_manifest=service.info(planned.model).features if features is not None else None,
     )
+
+
+def choice_plans(plan: Plan, n: int) -> list[Plan]:
+    """``plan`` for each of ``n`` choices: choice ``i`` samples with seed ``seed + i`` (mod 2**63), as vLLM
+    derives its choices' seeds, so a seeded request gives the same choices every time; unseeded, each draws
+    its own. Each choice is its own generation of the same planned prompt."""
+    spec = plan.turn.action.spec
+    if n == 1:
+        return [plan]
+    out = []
+    for i in range(n):
+        seed = None if spec.seed is None else (spec.seed + i) % SEEDS
+        action = replace(plan.turn.action, spec=replace(spec, seed=seed))
+        out.append(replace(plan, turn=replace(plan.turn, action=action)))
+    return out

@@ -168,8 +168,8 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, top_logprobs: int |
         )
     n = get_int(body, "n", 1, lo=1, hi=MAX_CHOICES)
     assert n is not None
-    if n != 1:
-        raise bad_request("only n=1 is supported by this server; send separate requests for more choices", "n")
+    if n > 1 and body.get("session_id") is not None:
+        raise bad_request("a session turn has one answer: 'n' must be 1 with 'session_id'", "n")
     temperature = get_float(body, "temperature", 1.0, lo=0.0, hi=2.0)
     top_p = get_float(body, "top_p", 1.0, lo=0.0, hi=1.0)
     top_k = get_int(body, "top_k", 0, lo=-1)

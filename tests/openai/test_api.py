@@ -284,7 +284,7 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"temperature": 3}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
         ({"max_tokens": -1}, "max_tokens"),

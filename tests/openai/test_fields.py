@@ -97,7 +97,6 @@ VLLM_COMPLETION = [*_VLLM_BOTH, "prompt", "suffix", "prompt_embeds"]
 
 # a value of each refused field that asks for something
 ASKING: dict[str, Any] = {
-    "n": 2,
     "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "f"}}],
     "tool_choice": "required",
@@ -150,7 +149,6 @@ NEUTRAL: dict[str, Any] = {
     "add_generation_prompt": True,
     "add_special_tokens": False,
     "echo": False,
-    "n": 1,
     "tool_choice": "none",
 }
 
