@@ -311,9 +311,14 @@ async def _collect(generation: Generation) -> list[Piece]:
 
 
 async def _start(generations: list[Generation]) -> None:
-    """Start every choice's generation; if one is refused (or the wait is cancelled), none goes on."""
+    """Start every choice's generation; if one is refused (or the wait is cancelled), none goes on.
+
+    The first starts alone: its first event comes once the prompt is prefilled, and the others
+    then start from its prefill (a :class:`~prismgate.core.actions.Fork`) instead of running it again.
+    """
     try:
-        results = await asyncio.gather(*(g.start() for g in generations), return_exceptions=True)
+        await generations[0].start()
+        results = await asyncio.gather(*(g.start() for g in generations[1:]), return_exceptions=True)
     except BaseException:
         await asyncio.gather(*(g.close() for g in generations))
         raise

@@ -9,6 +9,7 @@ continuation of the session (``Placement.CONTINUE``).
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -17,7 +18,7 @@ from prismgate.codecs.openai.errors import from_gateway
 from prismgate.codecs.openai.readouts import ReadoutAxes, as_readouts_param, readout_axes
 from prismgate.codecs.openai.request import ChatRequest, Common, CompletionRequest
 from prismgate.codecs.steering import read_steering
-from prismgate.core.actions import GenerateSpec
+from prismgate.core.actions import Fork, GenerateSpec
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.features import FeatureManifest, FeatureSpec
 from prismgate.core.models import UnknownModel
@@ -139,13 +140,16 @@ async def _plan(
 def choice_plans(plan: Plan, n: int) -> list[Plan]:
     """``plan`` for each of ``n`` choices: choice ``i`` samples with seed ``seed + i`` (mod 2**63), as vLLM
     derives its choices' seeds, so a seeded request gives the same choices every time; unseeded, each draws
-    its own. Each choice is its own generation of the same planned prompt."""
+    its own. Each choice is its own generation of the same planned prompt; the first one's prefill is
+    kept for the others (:class:`~prismgate.core.actions.Fork`), which start once it has run."""
     spec = plan.turn.action.spec
     if n == 1:
         return [plan]
+    key = secrets.token_hex(8)
     out = []
     for i in range(n):
         seed = None if spec.seed is None else (spec.seed + i) % SEEDS
-        action = replace(plan.turn.action, spec=replace(spec, seed=seed))
+        fork = Fork(key, followers=n - 1 if i == 0 else 0)
+        action = replace(plan.turn.action, spec=replace(spec, seed=seed), fork=fork)
         out.append(replace(plan, turn=replace(plan.turn, action=action)))
     return out

@@ -20,11 +20,12 @@ the scheduler.
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
-from prismgate.core.actions import GenerateSpec, first_covered
+from prismgate.core.actions import Fork, GenerateSpec, first_covered
 from prismgate.core.session import ImageSpan
 from prismgate.core.steering import SteeredSpan, agreed_prefix, spans
 from prismgate.engines.hf.adapters import ModelAdapter
@@ -111,6 +112,51 @@ class SessionCaches:
     def forget(self, key: str) -> None:
         self._caches.pop(key, None)
         self._bytes.pop(key, None)
+
+    def peek(self, key: str) -> Kept:
+        """The cache kept under ``key``, left in place (the caller must not change it)."""
+        return self._caches.get(key, Kept(None, [], (), {}))
+
+
+MAX_FORKS = 64  # prompts whose prefill waits for their other generations at once
+
+
+class Forks:
+    """Prefilled prompts kept for the other generations of the same prompt (:class:`Fork`).
+
+    Kept among the session caches, under the same token and byte bounds (the least recently
+    used goes first); each follower gets a copy, the last one the kept cache itself.
+    """
+
+    def __init__(self, caches: SessionCaches) -> None:
+        self.caches = caches
+        self._left: OrderedDict[str, int] = OrderedDict()  # followers still to come, by key
+
+    def keep(self, fork: Fork, kept: Kept) -> None:
+        """The leader's prompt, prefilled: a copy of ``kept`` waits for its followers."""
+        key = "fork:" + fork.key
+        if fork.followers <= 0 or key in self._left:
+            return
+        self._left[key] = fork.followers
+        gates = {k: list(v) for k, v in kept.gates.items()}
+        self.caches.keep(key, copy.deepcopy(kept.cache), list(kept.tokens), kept.steered, gates, kept.invariant)
+        while len(self._left) > MAX_FORKS:
+            oldest, _ = self._left.popitem(last=False)
+            self.caches.forget(oldest)
+
+    def take(self, fork: Fork) -> Kept:
+        """A follower's copy of the prefilled prompt (nothing when none is kept)."""
+        key = "fork:" + fork.key
+        left = self._left.get(key, 0)
+        if left <= 1:
+            self._left.pop(key, None)
+            return self.caches.take(key)
+        self._left[key] = left - 1
+        kept = self.caches.peek(key)
+        if kept.cache is None:
+            return kept
+        gates = {k: list(v) for k, v in kept.gates.items()}
+        return kept._replace(cache=copy.deepcopy(kept.cache), tokens=list(kept.tokens), gates=gates)
 
 
 def resume(

@@ -22,7 +22,7 @@ from prismgate.core.steering import spans
 from prismgate.engines.hf.adapters import ModelAdapter
 from prismgate.engines.hf.batch_cache import BatchCache
 from prismgate.engines.hf.job import Job
-from prismgate.engines.hf.kv_reuse import SessionCaches, resume
+from prismgate.engines.hf.kv_reuse import Forks, Kept, SessionCaches, resume
 from prismgate.engines.hf.sampling import History, logprobs_of, sample
 from prismgate.engines.hf.steering import GateKey, RowPlan, Steerer
 from prismgate.engines.invariant_rows import SWITCH
@@ -61,6 +61,7 @@ class Stepper:
         self.prefill_chunk = prefill_chunk
         self.features = features
         self.batch = BatchCache(adapter)  # the merged cache of the requests decoding together
+        self.forks = Forks(caches)  # prefilled prompts waiting for their other generations
 
     def step(self, job: Job) -> None:
         if not job.started:
@@ -144,7 +145,10 @@ class Stepper:
                 raise invalid("steering needs a concept pack or an SAE, and this engine has neither loaded")
             job.steering = self.steerer.resolve(spec.steering)
         needed = {v.gate.key for v in job.steering if v.gate is not None}
-        kept = self.caches.take(request.session_key)
+        if request.session_key is None and request.fork is not None:
+            kept = self.forks.take(request.fork)
+        else:
+            kept = self.caches.take(request.session_key)
         cache, start = resume(self.adapter, kept, tokens, request.images, spec, needed)
         job.gates = {key: kept.gates[key][:start] if start else [] for key in needed}
         job.cache = cache
@@ -191,6 +195,11 @@ class Stepper:
         job.cached.extend(ids)
         if end <= n:
             self.stats["prefilled_tokens"] += len(ids)
+        fork = job.request.fork
+        if fork is not None and fork.followers and start < n <= end and job.request.session_key is None:
+            prompt_gates = {key: values[:n] for key, values in job.gates.items()}
+            steered = spans(spec.steering, n, n)
+            self.forks.keep(fork, Kept(job.cache, job.cached[:n], steered, prompt_gates, job.invariant))
         row_of = {r: logits[i] for i, r in enumerate(rows)} if rows else {}
         # prefill events, in position order
         for p in range(start, min(end, n)):

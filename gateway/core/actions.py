@@ -166,6 +166,20 @@ class ImageInput:
 
 
 @dataclass(frozen=True, slots=True)
+class Fork:
+    """Generations of one prompt (a request's choices): the engine may prefill it once.
+
+    The leader (``followers > 0``) keeps a copy of its prefilled cache for that many requests of
+    the same ``key``, which start from it instead of prefilling the prompt again; a follower
+    (``followers == 0``) that finds no copy prefills it itself. An optimisation only: every
+    request's tokens, logprobs and readouts are what they would be without it.
+    """
+
+    key: str
+    followers: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateAction:
     """Append to a session (optionally rewinding first), then generate.
 
@@ -184,3 +198,4 @@ class GenerateAction:
     detokenize: bool = False  # fill TokenEvent.text / Done.text for decoded tokens
     atomic: bool = False  # a chat turn: all or nothing (see prismgate.core.turns)
     origin: str = ""  # the protocol that sent it ("salience", "graphpipe", ...), for metrics and logs
+    fork: Fork | None = None  # one of several generations of this prompt (ignored in a session)

@@ -407,6 +407,7 @@ class SessionService:
             spec=spec,
             images=tuple(images),
             session_key=session_key,
+            fork=action.fork if session_key is None else None,
         )
         text = (
             TextStream(

@@ -33,7 +33,8 @@ def flat(value: Any) -> Any:
 
 def chat(client: openai.OpenAI, model: str, **kwargs: Any) -> Any:
     kwargs.setdefault("seed", SEED)
-    return client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=HOT, **kwargs)
+    kwargs.setdefault("messages", MESSAGES)
+    return client.chat.completions.create(model=model, max_tokens=12, temperature=HOT, **kwargs)
 
 
 def test_choice_i_is_the_request_with_seed_plus_i(client: openai.OpenAI, model: str) -> None:
@@ -117,3 +118,16 @@ def test_n_with_a_session_is_a_400(client: openai.OpenAI, model: str, live_serve
         assert e.value.body["param"] == "n"
     finally:
         httpx.delete(f"{live_server.http_url}/v1/sessions/{sid}")
+
+
+def test_the_choices_share_one_prefill(client: openai.OpenAI, model: str, live_server: Any) -> None:
+    from tests.ops import helpers as metrics
+
+    def prefilled() -> float:
+        samples = metrics.scrape(live_server.http_url)
+        return metrics.value(samples, "prismgate_prompt_prefilled_tokens_total", protocol="openai", model=model)
+
+    before = prefilled()
+    many = chat(client, model, n=3, messages=[{"role": "user", "content": "A prompt of its own, prefilled once."}])
+    # the first choice prefills the prompt; the others start from a copy and run only its last token again
+    assert prefilled() - before == many.usage.prompt_tokens + 2
