@@ -14,7 +14,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 VLLM_ONLY := --ignore=tests/engines/test_vllm_engine.py --ignore=tests/engines/test_vllm_crosscheck.py \
 	--ignore=tests/engines/test_vllm_parallel.py --ignore=tests/engines/test_vllm_steering.py \
 	--ignore=tests/engines/test_vllm_features.py --ignore=tests/engines/test_vllm_feature_steering.py \
-	--ignore=tests/engines/test_vllm_workers.py
+	--ignore=tests/engines/test_vllm_workers.py --ignore=tests/engines/test_vllm_sampling.py
 
 .PHONY: setup serve test test-fast lint format typecheck schemas clean
 

@@ -33,7 +33,7 @@ VLLM_TESTS ?= tests/engines/test_conformance.py tests/engines/test_vllm_engine.p
 	tests/engines/test_vllm_parallel.py tests/engines/test_vllm_parallel_parts.py \
 	tests/engines/test_vllm_features.py tests/engines/test_vllm_features_parts.py \
 	tests/engines/test_vllm_feature_steering.py tests/engines/test_vllm_feature_steering_parts.py \
-	tests/engines/test_vllm_workers.py
+	tests/engines/test_vllm_workers.py tests/engines/test_vllm_sampling.py
 VLLM_PYTEST_ARGS ?= -q -p no:cacheprovider
 
 .PHONY: vllm-venv test-vllm clean-vllm-venv
