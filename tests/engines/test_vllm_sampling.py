@@ -7,14 +7,17 @@ prismgate's sampling module (engines/hf/sampling.py) on the other.
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
 
-from prismgate.core.actions import PositionRange
+from prismgate.core.actions import Fork, GenerateSpec, PositionRange
+from prismgate.core.engine import EngineRequest
 from prismgate.core.errors import Code, GatewayError
+from prismgate.core.events import Done, TokenEvent
 from tests.engines.requests import run
 from tests.engines.test_vllm_crosscheck import pair
 
@@ -78,3 +81,25 @@ async def test_min_tokens_with_decode_readouts_is_refused(engines: Any) -> None:
     with pytest.raises(GatewayError) as e:
         await run(vl, p, max_tokens=4, min_tokens=2, readout_ranges=(PositionRange(len(p), len(p) + 4),))
     assert e.value.code is Code.INVALID_ARGUMENT and "min_tokens" in e.value.message
+
+
+async def test_the_choices_of_one_prompt_share_its_blocks(engines: Any) -> None:
+    _, vl = engines
+    p = tuple(vl.info.tokenizer.render_chat([{"role": "user", "content": "A prompt of more than one block. " * 3}]))
+    assert len(p) > 64
+    fork = uuid.uuid4().hex
+    _, leader = await run_forked(vl, p, Fork(fork, followers=1))
+    _, follower = await run_forked(vl, p, Fork(fork))
+    _, stranger = await run_forked(vl, p, None)  # another request of the same prompt: its own salt
+    assert leader.cached_tokens == 0 and stranger.cached_tokens == 0
+    assert follower.cached_tokens >= 32  # whole blocks of the prompt, from the leader
+
+
+async def run_forked(engine: Any, tokens: tuple[int, ...], fork: Fork | None) -> tuple[list[TokenEvent], Done]:
+    request = EngineRequest(uuid.uuid4().hex, tokens, GenerateSpec(max_tokens=2), fork=fork)
+    events: list[TokenEvent] = []
+    async for event in engine.generate(request):
+        if isinstance(event, Done):
+            return events, event
+        events.append(event)
+    raise AssertionError("no Done")
