@@ -8,30 +8,17 @@ prismgate's sampling module (engines/hf/sampling.py) on the other.
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
-from prismgate.core.actions import Fork, GenerateSpec, PositionRange
-from prismgate.core.engine import EngineRequest
+from prismgate.core.actions import Fork, PositionRange
 from prismgate.core.errors import Code, GatewayError
-from prismgate.core.events import Done, TokenEvent
 from tests.engines.requests import run
-from tests.engines.test_vllm_crosscheck import pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 TOKENS = 16
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engines(tiny_model_dir: Path, tiny_pack: Path) -> Any:
-    hf, vl = await pair(tiny_model_dir, tiny_pack, "tiny-llama")
-    yield hf, vl
-    await vl.close()
-    await hf.close()
 
 
 def prompt(engine: Any) -> tuple[int, ...]:
@@ -43,8 +30,8 @@ async def ids(engine: Any, **spec: Any) -> list[int]:
     return [e.id for e in events if not e.is_prefill]
 
 
-async def test_penalties_and_bias_pick_the_same_tokens_on_both_engines(engines: Any) -> None:
-    hf, vl = engines
+async def test_penalties_and_bias_pick_the_same_tokens_on_both_engines(tiny_pair: Any) -> None:
+    hf, vl = tiny_pair
     plain = await ids(hf, ignore_eos=True)
     assert await ids(vl, ignore_eos=True) == plain
     for shaping in (
@@ -58,8 +45,8 @@ async def test_penalties_and_bias_pick_the_same_tokens_on_both_engines(engines: 
         assert await ids(vl, ignore_eos=True, **shaping) == expected, shaping
 
 
-async def test_min_tokens_holds_a_stop_id_back_on_both_engines(engines: Any) -> None:
-    hf, vl = engines
+async def test_min_tokens_holds_a_stop_id_back_on_both_engines(tiny_pair: Any) -> None:
+    hf, vl = tiny_pair
     plain = await ids(hf, ignore_eos=True)
     stop = plain[2]
     first = plain.index(stop)
@@ -69,37 +56,27 @@ async def test_min_tokens_holds_a_stop_id_back_on_both_engines(engines: Any) -> 
     assert await ids(vl, ignore_eos=True, stop_token_ids=(stop,), min_tokens=first + 4) == held
 
 
-async def test_min_p_of_one_is_greedy_on_vllm(engines: Any) -> None:
-    _, vl = engines
+async def test_min_p_of_one_is_greedy_on_vllm(tiny_pair: Any) -> None:
+    _, vl = tiny_pair
     plain = await ids(vl, ignore_eos=True)
     assert await ids(vl, ignore_eos=True, temperature=1.5, seed=3, min_p=1.0) == plain
 
 
-async def test_min_tokens_with_decode_readouts_is_refused(engines: Any) -> None:
-    _, vl = engines
+async def test_min_tokens_with_decode_readouts_is_refused(tiny_pair: Any) -> None:
+    _, vl = tiny_pair
     p = prompt(vl)
     with pytest.raises(GatewayError) as e:
         await run(vl, p, max_tokens=4, min_tokens=2, readout_ranges=(PositionRange(len(p), len(p) + 4),))
     assert e.value.code is Code.INVALID_ARGUMENT and "min_tokens" in e.value.message
 
 
-async def test_the_choices_of_one_prompt_share_its_blocks(engines: Any) -> None:
-    _, vl = engines
+async def test_the_choices_of_one_prompt_share_its_blocks(tiny_pair: Any) -> None:
+    _, vl = tiny_pair
     p = tuple(vl.info.tokenizer.render_chat([{"role": "user", "content": "A prompt of more than one block. " * 3}]))
     assert len(p) > 64
     fork = uuid.uuid4().hex
-    _, leader = await run_forked(vl, p, Fork(fork, followers=1))
-    _, follower = await run_forked(vl, p, Fork(fork))
-    _, stranger = await run_forked(vl, p, None)  # another request of the same prompt: its own salt
+    _, leader = await run(vl, p, fork=Fork(fork, followers=1), max_tokens=2)
+    _, follower = await run(vl, p, fork=Fork(fork), max_tokens=2)
+    _, stranger = await run(vl, p, max_tokens=2)  # another request of the same prompt: its own salt
     assert leader.cached_tokens == 0 and stranger.cached_tokens == 0
     assert follower.cached_tokens >= 32  # whole blocks of the prompt, from the leader
-
-
-async def run_forked(engine: Any, tokens: tuple[int, ...], fork: Fork | None) -> tuple[list[TokenEvent], Done]:
-    request = EngineRequest(uuid.uuid4().hex, tokens, GenerateSpec(max_tokens=2), fork=fork)
-    events: list[TokenEvent] = []
-    async for event in engine.generate(request):
-        if isinstance(event, Done):
-            return events, event
-        events.append(event)
-    raise AssertionError("no Done")
