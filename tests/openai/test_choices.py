@@ -131,3 +131,16 @@ def test_the_choices_share_one_prefill(client: openai.OpenAI, model: str, live_s
     many = chat(client, model, n=3, messages=[{"role": "user", "content": "A prompt of its own, prefilled once."}])
     # the first choice prefills the prompt; the others start from a copy and run only its last token again
     assert prefilled() - before == many.usage.prompt_tokens + 2
+
+
+def test_a_choice_the_queue_refuses_refuses_the_request(server_factory: Any, model: str) -> None:
+    import httpx
+
+    with server_factory(max_active=1, max_queued=0) as server:
+        url = server.http_url + "/v1/chat/completions"
+        body = {"model": model, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+        long = {**body, "max_tokens": 400, "ignore_eos": True}  # a first choice that would run on for a while
+        refused = httpx.post(url, json={**long, "n": 2}, timeout=60)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "overloaded"
+        # the first choice, already running, was stopped with it: the one slot is free again
+        assert httpx.post(url, json=body, timeout=60).status_code == 200
