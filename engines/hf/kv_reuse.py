@@ -64,6 +64,7 @@ class Kept(NamedTuple):
     steered: tuple[SteeredSpan, ...]  # the steering they were computed under, tiling [0, len(tokens))
     gates: dict[GateKey, list[float]]  # gate readouts of those positions (a prefix of them), by gate
     invariant: bool = True  # computed by the batch-invariant kernels throughout (a deterministic turn needs it)
+    logits: Any = None  # a forked prefill: the float32 logits row that follows ``tokens`` (sessions keep none)
 
 
 class SessionCaches:
@@ -131,17 +132,21 @@ class Forks:
     def __init__(self, caches: SessionCaches) -> None:
         self.caches = caches
         self._left: OrderedDict[str, int] = OrderedDict()  # followers still to come, by key
+        self._logits: dict[str, Any] = {}  # the logits row after each kept prompt, by key
 
     def keep(self, fork: Fork, kept: Kept) -> None:
-        """The leader's prompt, prefilled: a copy of ``kept`` waits for its followers."""
+        """The leader's prompt, prefilled (with ``kept.logits``, the row its first token is sampled from):
+        a copy waits for its followers, who then sample from that same row."""
         key = "fork:" + fork.key
         if fork.followers <= 0 or key in self._left:
             return
         self._left[key] = fork.followers
+        self._logits[key] = None if kept.logits is None else kept.logits.clone()
         gates = {k: list(v) for k, v in kept.gates.items()}
         self.caches.keep(key, copy.deepcopy(kept.cache), list(kept.tokens), kept.steered, gates, kept.invariant)
         while len(self._left) > MAX_FORKS:
             oldest, _ = self._left.popitem(last=False)
+            self._logits.pop(oldest, None)
             self.caches.forget(oldest)
 
     def take(self, fork: Fork) -> Kept:
@@ -150,13 +155,21 @@ class Forks:
         left = self._left.get(key, 0)
         if left <= 1:
             self._left.pop(key, None)
-            return self.caches.take(key)
+            logits = self._logits.pop(key, None)
+            kept = self.caches.take(key)
+            return kept if kept.cache is None else kept._replace(logits=logits)
         self._left[key] = left - 1
         kept = self.caches.peek(key)
         if kept.cache is None:
             return kept
         gates = {k: list(v) for k, v in kept.gates.items()}
-        return kept._replace(cache=copy.deepcopy(kept.cache), tokens=list(kept.tokens), gates=gates)
+        logits = self._logits.get(key)
+        return kept._replace(
+            cache=copy.deepcopy(kept.cache),
+            tokens=list(kept.tokens),
+            gates=gates,
+            logits=None if logits is None else logits.clone(),
+        )
 
 
 def resume(
@@ -187,8 +200,8 @@ def resume(
     start = min(start, agreed_prefix(kept.steered, spans(spec.steering, n, n)))
     for key in gates:
         start = min(start, len(kept.gates.get(key, ())))
-    if spec.max_tokens > 0:
-        start = min(start, n - 1)  # the last prompt token's logits are needed to sample
+    if spec.max_tokens > 0 and not (kept.logits is not None and len(cached) == n):
+        start = min(start, n - 1)  # the last prompt token's logits are needed to sample (unless they are kept)
     first_lp = first_covered(spec.logprob_ranges)
     if first_lp is not None and first_lp < n:
         start = min(start, max(first_lp - 1, 0))

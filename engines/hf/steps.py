@@ -85,6 +85,8 @@ class Stepper:
                 self.end(job, FinishReason.PREFILL_ONLY)
                 return
             self.decode_one(job)
+        elif job.generated == 0 and job.next_logits is not None:
+            self.decode_one(job)  # a forked prefill: the first token comes from the kept logits
         elif job.finish is None:
             # feed the last decoded token: yields its readout and the next distribution
             position = len(job.timeline) - 1
@@ -156,6 +158,8 @@ class Stepper:
         job.cached = tokens[:start]
         job.reused = start
         job.next_prefill = start
+        if start == len(tokens) and kept.logits is not None:
+            job.next_logits = kept.logits  # a forked prefill: sample from the leader's own row
         self.stats["reused_tokens"] += start
         if start >= len(tokens) and spec.max_tokens == 0:
             job.finish = FinishReason.PREFILL_ONLY
@@ -199,7 +203,8 @@ class Stepper:
         if fork is not None and fork.followers and start < n <= end and job.request.session_key is None:
             prompt_gates = {key: values[:n] for key, values in job.gates.items()}
             steered = spans(spec.steering, n, n)
-            self.forks.keep(fork, Kept(job.cache, job.cached[:n], steered, prompt_gates, job.invariant))
+            first_row = logits[-1].to(torch.float32) if needs_next else None  # what the first token is sampled from
+            self.forks.keep(fork, Kept(job.cache, job.cached[:n], steered, prompt_gates, job.invariant, first_row))
         row_of = {r: logits[i] for i, r in enumerate(rows)} if rows else {}
         # prefill events, in position order
         for p in range(start, min(end, n)):

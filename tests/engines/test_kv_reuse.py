@@ -25,7 +25,7 @@ def test_the_least_recently_kept_session_goes_first_once_over_the_token_budget()
     assert len(caches) == 2
     caches.keep("c", "cache-c", [9, 10, 11], ())  # 11 tokens: "a" goes
     assert len(caches) == 2 and caches.take("a").cache is None
-    assert caches.take("b") == ("cache-b", [5, 6, 7, 8], (), {}, True)  # taking hands the cache over...
+    assert caches.take("b") == ("cache-b", [5, 6, 7, 8], (), {}, True, None)  # taking hands the cache over...
     assert caches.take("b").cache is None  # ...so a second request cannot write to it too
 
 
@@ -74,11 +74,13 @@ def test_the_default_byte_budget_is_sized_to_the_machine() -> None:
 def test_a_forked_prefill_goes_to_its_followers_and_then_away() -> None:
     caches = SessionCaches(max_tokens=10_000)
     forks = Forks(caches)
-    prefilled = Kept(cache=[["keys"]], tokens=[1, 2, 3], steered=(), gates={})
+    prefilled = Kept(cache=[["keys"]], tokens=[1, 2, 3], steered=(), gates={}, logits=torch.tensor([0.5, 1.5]))
     forks.keep(Fork("a", followers=2), prefilled)
     first, second, third = (forks.take(Fork("a")) for _ in range(3))
     assert first.tokens == second.tokens == [1, 2, 3]
     assert first.cache == [["keys"]] and first.cache is not second.cache  # each follower its own copy
+    assert first.logits.tolist() == second.logits.tolist() == [0.5, 1.5]  # and the row to sample from
+    assert first.logits is not second.logits
     assert third.cache is None and len(caches) == 0  # the last follower took it: nothing is left behind
     for i in range(MAX_FORKS + 5):  # followers that never come: the oldest prompts are let go
         forks.keep(Fork(f"k{i}", followers=1), prefilled)

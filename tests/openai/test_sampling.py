@@ -179,3 +179,7 @@ def test_a_deterministic_request_with_every_field_is_the_same_among_neighbours(
         assert all(f.result() for f in neighbours)
     assert beside["choices"][0]["logprobs"] == alone["choices"][0]["logprobs"]
     assert beside["choices"][0]["message"] == alone["choices"][0]["message"]
+    # choice 1 of two starts from choice 0's prefill and samples with seed 8: the bits of the request seeded 8
+    second = post({**body, "seed": 8})
+    choices = post({**body, "n": 2})["choices"]
+    assert [c["logprobs"] for c in choices] == [alone["choices"][0]["logprobs"], second["choices"][0]["logprobs"]]
