@@ -20,12 +20,13 @@ from starlette.responses import JSONResponse, Response
 
 from prismgate.codecs import json_input
 from prismgate.codecs.openai.errors import OpenAIError, bad_request, from_gateway, to_openai
-from prismgate.codecs.openai.formats import ChatFormat, CompletionFormat, Format, dumps
+from prismgate.codecs.openai.formats import ChatFormat, CompletionFormat, Format, combine, dumps, merged
 from prismgate.codecs.openai.generation import Generation, Piece
-from prismgate.codecs.openai.plan import Plan, plan_chat, plan_completion
+from prismgate.codecs.openai.plan import Plan, choice_plans, plan_chat, plan_completion
 from prismgate.codecs.openai.request import Common, parse_chat, parse_completion
 from prismgate.codecs.openai.stream import EventStream
 from prismgate.core.errors import GatewayError
+from prismgate.core.events import Done
 from prismgate.core.memory import AnswerHold, hold_answer
 from prismgate.core.service import SessionService
 from prismgate.settings import Settings
@@ -134,23 +135,25 @@ class OpenAIEndpoints:
                 creq = parse_completion(body)
                 common = creq.common
                 plan = await plan_completion(self.service, self.settings, creq)
-            generation = Generation(self.service, plan)
-            await unless_disconnected(request, generation.start())
+            plans = choice_plans(plan, common.n)
+            generations = [Generation(self.service, p) for p in plans]
+            await unless_disconnected(request, _start(generations))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         except Exception as exc:
             return error_response(exc)
-        fmt: Format = (ChatFormat if chat else CompletionFormat)(plan, common.include_usage)
+        kind = ChatFormat if chat else CompletionFormat
+        fmts: list[Format] = [kind(plans[0], common.include_usage)]
+        fmts += [kind(p, common.include_usage, index=i, first=fmts[0]) for i, p in enumerate(plans[1:], 1)]
         if common.stream:
-            return cast(Response, EventStream(self._events(generation, fmt), self.settings, dumps))
+            events = self._events(generations[0], fmts[0]) if common.n == 1 else _choices_events(generations, fmts)
+            return cast(Response, EventStream(events, self.settings, dumps))
         try:
-            pieces = await unless_disconnected(request, _collect(generation))
-            done = generation.done
-            assert done is not None
+            pieces = await unless_disconnected(request, _collect_all(generations))
             if not (plan.want_logprobs or plan.axes is not None):
-                return JSONResponse(fmt.response(pieces, done, generation.session_length))
+                return JSONResponse(_response(fmts, pieces, generations))
             # logprobs and readouts of every position can be tens of MB of JSON: built off the loop
-            body = await asyncio.to_thread(_json, fmt.response, pieces, done, generation.session_length)
+            body = await asyncio.to_thread(_json, _response, fmts, pieces, generations)
             return HeldResponse(body, media_type="application/json")
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
@@ -305,6 +308,87 @@ def _too_large(size: str, limit: int) -> OpenAIError:
 
 async def _collect(generation: Generation) -> list[Piece]:
     return [piece async for piece in generation.pieces()]
+
+
+async def _start(generations: list[Generation]) -> None:
+    """Start every choice's generation; if one is refused (or the wait is cancelled), none goes on.
+
+    The first starts alone: its first event comes once the prompt is prefilled, and the others
+    then start from its prefill (a :class:`~prismgate.core.actions.Fork`) instead of running it again.
+    """
+    try:
+        await generations[0].start()
+        results = await asyncio.gather(*(g.start() for g in generations[1:]), return_exceptions=True)
+    except BaseException:
+        await asyncio.gather(*(g.close() for g in generations))
+        raise
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        await asyncio.gather(*(g.close() for g in generations))
+        raise failed[0]
+
+
+async def _collect_all(generations: list[Generation]) -> list[list[Piece]]:
+    """Every choice's pieces; the first failure stops the other choices and is raised."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_collect(g)) for g in generations]
+    except BaseExceptionGroup as failures:
+        raise failures.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
+def _response(fmts: list[Format], pieces: list[list[Piece]], generations: list[Generation]) -> dict[str, Any]:
+    """The non-streamed answer: one choice per generation, the usage of them all."""
+    dones = [g.done for g in generations]
+    assert all(d is not None for d in dones)
+    done = cast(list[Done], dones)
+    answers = [f.response(p, d, g.session_length) for f, p, d, g in zip(fmts, pieces, done, generations, strict=True)]
+    return answers[0] if len(answers) == 1 else combine(answers, done)
+
+
+async def _choices_events(generations: list[Generation], fmts: list[Format]) -> AsyncIterator[str]:
+    """The SSE payloads of several choices: each choice's chunks in order, the choices interleaved as
+    their tokens come; one usage chunk for them all at the end."""
+    queue: asyncio.Queue[tuple[list[str], bool] | Exception] = asyncio.Queue(maxsize=2 * len(generations))
+
+    async def run(generation: Generation, fmt: Format) -> None:
+        pieces = generation.pieces()
+        try:
+            async for piece in pieces:
+                await queue.put((fmt.piece_payloads(piece), False))
+            assert generation.done is not None
+            await queue.put(([dumps(fmt.finish(generation.done, None))], True))
+        except Exception as exc:
+            await queue.put(exc)
+        finally:
+            await pieces.aclose()
+
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        for fmt in fmts:
+            for chunk in fmt.head():
+                yield dumps(chunk)
+        tasks = [asyncio.create_task(run(g, f)) for g, f in zip(generations, fmts, strict=True)]
+        finished = 0
+        while finished < len(tasks):
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            payloads, last = item
+            for payload in payloads:
+                yield payload
+            finished += last
+        if fmts[0].include_usage:
+            dones = [g.done for g in generations if g.done is not None]
+            yield dumps(fmts[0].usage_chunk(merged(dones), None))
+        yield "[DONE]"
+    except Exception as exc:  # after the 200 went out, an error is the stream's last event
+        yield dumps(to_openai(exc).body())
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 Handler = Callable[[Request], Awaitable[Response]]

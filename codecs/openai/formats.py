@@ -54,6 +54,25 @@ def finish_reason(done: Done) -> str:
     return reason
 
 
+def merged(dones: Sequence[Done]) -> Done:
+    """The ``Done`` the usage of several choices of one prompt reports: the prompt once, every choice's tokens."""
+    first = dones[0]
+    return Done(
+        prompt_tokens=first.prompt_tokens,
+        completion_tokens=sum(d.completion_tokens for d in dones),
+        finish_reason=first.finish_reason,
+        cached_tokens=first.cached_tokens,
+    )
+
+
+def combine(responses: Sequence[dict[str, Any]], dones: Sequence[Done]) -> dict[str, Any]:
+    """One response of several choices, from each choice's own response (every choice in order)."""
+    out = dict(responses[0])
+    out["choices"] = [r["choices"][0] for r in responses]
+    out["usage"] = usage(merged(dones))
+    return out
+
+
 def usage(done: Done) -> dict[str, Any]:
     return {
         "prompt_tokens": done.prompt_tokens,
@@ -111,17 +130,19 @@ class Format:
     chunk_object_name = ""
     id_prefix = ""
 
-    def __init__(self, plan: Plan, include_usage: bool) -> None:
+    def __init__(self, plan: Plan, include_usage: bool, *, index: int = 0, first: Format | None = None) -> None:
+        """The format of choice ``index``; choices after the first share the ``first`` one's id and time."""
         self.plan = plan
         self.include_usage = include_usage
-        self.id = self.id_prefix + secrets.token_hex(12)
-        self.created = int(time.time())
+        self.index = index
+        self.id: str = first.id if first is not None else self.id_prefix + secrets.token_hex(12)
+        self.created: int = first.created if first is not None else int(time.time())
         self.text_offset = 0
         # what every token's chunk repeats, as JSON text: the envelope up to the choice's own
         # fields, and what closes it (see :meth:`piece_payloads`)
         self._open = (
             f'{{"id":{dumps(self.id)},"object":{dumps(self.chunk_object_name)},"created":{self.created:d},'
-            f'"model":{dumps(self.plan.model)},"choices":[{{"index":0,'
+            f'"model":{dumps(self.plan.model)},"choices":[{{"index":{index:d},'
         )
         self._close = ',"usage":null}' if include_usage else "}"
 
@@ -211,6 +232,14 @@ class Format:
         return ""
 
     def tail(self, done: Done, session_length: int | None) -> list[dict[str, Any]]:
+        """The choice's last chunk, then (with ``include_usage``) the usage chunk."""
+        out = [self.finish(done, session_length)]
+        if self.include_usage:
+            out.append(self.usage_chunk(done, session_length))
+        return out
+
+    def finish(self, done: Done, session_length: int | None) -> dict[str, Any]:
+        """The chunk that carries the choice's ``finish_reason``."""
         raise NotImplementedError
 
     def response(self, pieces: Sequence[Piece], done: Done, session_length: int | None) -> dict[str, Any]:
@@ -237,12 +266,17 @@ class ChatFormat(Format):
         return {"content": content, "refusal": None}
 
     def head(self) -> list[dict[str, Any]]:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        choice = {
+            "index": self.index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         return [self.chunk([choice], prismgate=self.extension())]
 
     def piece(self, piece: Piece) -> list[dict[str, Any]]:
         choice = {
-            "index": 0,
+            "index": self.index,
             "delta": {"content": piece.text},
             "logprobs": self._logprobs(piece.tokens),
             "finish_reason": None,
@@ -252,17 +286,14 @@ class ChatFormat(Format):
     def _choice_fields(self, piece: Piece) -> str:
         return f'"delta":{{"content":{dumps(piece.text)}}},"logprobs":null,"finish_reason":null'
 
-    def tail(self, done: Done, session_length: int | None) -> list[dict[str, Any]]:
-        choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(done)}
-        out = [self.chunk([choice], prismgate=self.extension(session_length))]
-        if self.include_usage:
-            out.append(self.usage_chunk(done, session_length))
-        return out
+    def finish(self, done: Done, session_length: int | None) -> dict[str, Any]:
+        choice = {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(done)}
+        return self.chunk([choice], prismgate=self.extension(session_length))
 
     def response(self, pieces: Sequence[Piece], done: Done, session_length: int | None) -> dict[str, Any]:
         tokens = [t for p in pieces for t in p.tokens]
         choice = {
-            "index": 0,
+            "index": self.index,
             "message": {"role": "assistant", "content": "".join(p.text for p in pieces), "refusal": None},
             "logprobs": self._logprobs(tokens),
             "finish_reason": finish_reason(done),
@@ -315,7 +346,7 @@ class CompletionFormat(Format):
         }
 
     def piece(self, piece: Piece) -> list[dict[str, Any]]:
-        choice = {"index": 0, "text": piece.text, "logprobs": self._logprobs([piece]), "finish_reason": None}
+        choice = {"index": self.index, "text": piece.text, "logprobs": self._logprobs([piece]), "finish_reason": None}
         return [self.chunk([self.choice_extension(choice, piece.tokens)], prismgate=self._first_extension())]
 
     def _choice_fields(self, piece: Piece) -> str:
@@ -333,17 +364,14 @@ class CompletionFormat(Format):
         self._described = True
         return self.extension()
 
-    def tail(self, done: Done, session_length: int | None) -> list[dict[str, Any]]:
-        choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason(done)}
-        out = [self.chunk([choice], prismgate=self.extension(session_length))]
-        if self.include_usage:
-            out.append(self.usage_chunk(done, session_length))
-        return out
+    def finish(self, done: Done, session_length: int | None) -> dict[str, Any]:
+        choice = {"index": self.index, "text": "", "logprobs": None, "finish_reason": finish_reason(done)}
+        return self.chunk([choice], prismgate=self.extension(session_length))
 
     def response(self, pieces: Sequence[Piece], done: Done, session_length: int | None) -> dict[str, Any]:
         tokens = [t for p in pieces for t in p.tokens]
         choice = {
-            "index": 0,
+            "index": self.index,
             "text": "".join(p.text for p in pieces),
             "logprobs": self._logprobs(pieces),
             "finish_reason": finish_reason(done),

@@ -57,7 +57,10 @@ class Generation:
         self.service = service
         self.plan = plan
         self.texts: TokenTexts = service.token_texts(plan.turn.model)
-        self._stop_ids = set(service.info(plan.turn.model).eos_token_ids) | set(plan.turn.action.spec.stop_token_ids)
+        spec = plan.turn.action.spec
+        # the stop token that ended the answer is part of it only with include_stop_str_in_output
+        eos = service.info(plan.turn.model).eos_token_ids
+        self._stop_ids = frozenset() if spec.stop_token_text else spec.stop_ids(eos)
         self.done: Done | None = None
         self.session_length: int | None = None
         self._stream: AsyncGenerator[Event, None] | None = None
@@ -100,7 +103,7 @@ class Generation:
             if not echo_sent:
                 yield Piece(self.plan.echo_text or "", prompt)
             if self.done.finish_reason is FinishReason.EOS and pending and pending[-1].id in self._stop_ids:
-                pending.pop()  # the end-of-turn token is not part of the answer
+                pending.pop()  # the end-of-turn token (or stop id) is not part of the answer
             text = self.done.text or ""
             if text or pending:
                 yield Piece(text, pending)

@@ -9,7 +9,8 @@ continuation of the session (``Placement.CONTINUE``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -17,7 +18,7 @@ from prismgate.codecs.openai.errors import from_gateway
 from prismgate.codecs.openai.readouts import ReadoutAxes, as_readouts_param, readout_axes
 from prismgate.codecs.openai.request import ChatRequest, Common, CompletionRequest
 from prismgate.codecs.steering import read_steering
-from prismgate.core.actions import GenerateSpec
+from prismgate.core.actions import Fork, GenerateSpec
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.features import FeatureManifest, FeatureSpec
 from prismgate.core.models import UnknownModel
@@ -27,6 +28,7 @@ from prismgate.core.turns import ChatTurn, Turn
 from prismgate.settings import Settings
 
 ORIGIN = "openai"
+SEEDS = 2**63  # the engine's seeds are in [0, 2**63)
 
 
 @dataclass(slots=True)
@@ -89,6 +91,16 @@ async def _plan(
             seed=common.seed,
             deterministic=common.deterministic,
             stop_strings=common.stop,
+            ignore_eos=common.sampling.ignore_eos,
+            min_tokens=common.sampling.min_tokens,
+            stop_token_ids=common.sampling.stop_token_ids,
+            include_stop_str_in_output=common.sampling.include_stop_str_in_output,
+            stop_token_text=common.sampling.include_stop_str_in_output,
+            presence_penalty=common.sampling.presence_penalty,
+            frequency_penalty=common.sampling.frequency_penalty,
+            repetition_penalty=common.sampling.repetition_penalty,
+            logit_bias=common.sampling.logit_bias,
+            min_p=common.sampling.min_p,
             logprob_top_k=common.top_logprobs or 0,
             steering=steering,
             features=common.features,
@@ -123,3 +135,21 @@ async def _plan(
         features=features,
         feature_manifest=service.info(planned.model).features if features is not None else None,
     )
+
+
+def choice_plans(plan: Plan, n: int) -> list[Plan]:
+    """``plan`` for each of ``n`` choices: choice ``i`` samples with seed ``seed + i`` (mod 2**63), as vLLM
+    derives its choices' seeds, so a seeded request gives the same choices every time; unseeded, each draws
+    its own. Each choice is its own generation of the same planned prompt; the first one's prefill is
+    kept for the others (:class:`~prismgate.core.actions.Fork`), which start once it has run."""
+    spec = plan.turn.action.spec
+    if n == 1:
+        return [plan]
+    key = secrets.token_hex(8)
+    out = []
+    for i in range(n):
+        seed = None if spec.seed is None else (spec.seed + i) % SEEDS
+        fork = Fork(key, followers=n - 1 if i == 0 else 0)
+        action = replace(plan.turn.action, spec=replace(spec, seed=seed), fork=fork)
+        out.append(replace(plan, turn=replace(plan.turn, action=action)))
+    return out

@@ -2,14 +2,14 @@
 
 Policy on fields (documented in docs/openai.md):
 
-* fields this server implements are type- and range-checked, and a bad one is a 400
-  whose ``param`` names it;
-* OpenAI fields that would change the output but are not implemented here (``n`` > 1,
-  tools, penalties, ``logit_bias``, JSON mode, ...) are a 400 saying so, never silently
-  dropped: a client must not get an answer to a question it did not ask;
-* fields that do not change the output (``user``, ``metadata``, ``store``, ...) and
-  fields nobody defined are ignored, as OpenAI-compatible servers commonly do, so that
-  newer clients keep working.
+* fields this server implements (OpenAI's, vLLM's sampling extensions, prismgate's own)
+  are type- and range-checked, and a bad one is a 400 whose ``param`` names it;
+* OpenAI and vLLM fields that would change the output but are not implemented here
+  (tools, JSON mode, beam search, ...) are a 400 saying so, never silently dropped: a
+  client must not get an answer to a question it did not ask (:mod:`.unimplemented`);
+* fields that do not change the output (``user``, ``metadata``, ``priority``, ...) are
+  ignored, and so are fields nobody defined, as OpenAI does, so that newer clients keep
+  working; an unknown name is logged once per process.
 """
 
 from __future__ import annotations
@@ -27,12 +27,29 @@ from prismgate.codecs.binary_numbers import BadEncoding, read_encoding
 from prismgate.codecs.openai.errors import bad_request
 from prismgate.codecs.openai.features import parse_features
 from prismgate.codecs.openai.fields import get_bool, get_float, get_int, get_object, get_str
-from prismgate.core.actions import MAX_TOP_LOGPROBS
+from prismgate.codecs.openai.unimplemented import check_fields
+from prismgate.core.actions import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from prismgate.core.chat import ImagePart, Message, Part, TextPart
 from prismgate.core.features import FeatureSpec
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16  # n
 INT64 = 2**63
+
+# the fields each endpoint reads (the rest: .unimplemented)
+_COMMON_FIELDS = frozenset(
+    {
+        "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed",
+        "deterministic", "stop", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
+        "logit_bias", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+        "response_format", "logprobs", "logprobs_encoding_format", "logprobs_dtype", "readouts", "features",
+        "session_id", "steering",
+    }
+)  # fmt: skip
+CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "modalities",
+}  # fmt: skip
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 
 # role on the wire -> role given to the chat template
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -52,6 +69,21 @@ class ReadoutRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Sampling:
+    """vLLM's sampling extensions (and OpenAI's penalties and ``logit_bias``), with vLLM's meaning."""
+
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class Common:
     """What chat and text completions share."""
 
@@ -65,6 +97,8 @@ class Common:
     seed: int | None
     deterministic: bool | None  # None: the server's default
     stop: tuple[str, ...]
+    n: int  # choices, each its own generation of the same prompt
+    sampling: Sampling
     top_logprobs: int | None  # None: no logprobs; otherwise how many alternatives per token
     logprobs_binary: np.dtype | None  # logprobs as base64 of this dtype (prismgate.logprobs); None: OpenAI's form
     readouts: ReadoutRequest | None
@@ -88,6 +122,7 @@ class CompletionRequest:
 
 def parse_chat(body: Any) -> ChatRequest:
     body = _object(body)
+    check_fields(body, CHAT_FIELDS, chat=True)
     _reject_unsupported(body, chat=True)
     logprobs = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
@@ -102,6 +137,7 @@ def parse_chat(body: Any) -> ChatRequest:
 
 def parse_completion(body: Any) -> CompletionRequest:
     body = _object(body)
+    check_fields(body, COMPLETION_FIELDS, chat=False)
     _reject_unsupported(body, chat=False)
     top = get_int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     if body.get("suffix"):
@@ -125,9 +161,15 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, top_logprobs: int |
     stream = get_bool(body, "stream", False)
     options = get_object(body, "stream_options") or {}
     include_usage = get_bool(options, "include_usage", False, path="stream_options.include_usage")
-    n = get_int(body, "n", 1, lo=1)
-    if n != 1:
-        raise bad_request("only n=1 is supported by this server; send separate requests for more choices", "n")
+    if get_bool(options, "continuous_usage_stats", False, path="stream_options.continuous_usage_stats"):
+        raise bad_request(
+            "'stream_options.continuous_usage_stats' is not supported by this server (usage comes in the last chunk)",
+            "stream_options.continuous_usage_stats",
+        )
+    n = get_int(body, "n", 1, lo=1, hi=MAX_CHOICES)
+    assert n is not None
+    if n > 1 and body.get("session_id") is not None:
+        raise bad_request("a session turn has one answer: 'n' must be 1 with 'session_id'", "n")
     temperature = get_float(body, "temperature", 1.0, lo=0.0, hi=2.0)
     top_p = get_float(body, "top_p", 1.0, lo=0.0, hi=1.0)
     top_k = get_int(body, "top_k", 0, lo=-1)
@@ -147,6 +189,8 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, top_logprobs: int |
         seed=None if seed is None else seed % INT64,  # int64 seeds fold into the engine's [0, 2**63)
         deterministic=deterministic,
         stop=_stop(body.get("stop")),
+        n=n,
+        sampling=_sampling(body, max_tokens),
         top_logprobs=top_logprobs,
         logprobs_binary=logprobs_binary,
         readouts=_readouts(body.get("readouts")),
@@ -156,23 +200,61 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, top_logprobs: int |
     )
 
 
+def _sampling(body: Mapping[str, Any], max_tokens: int | None) -> Sampling:
+    """vLLM's sampling fields, range-checked as vLLM checks them."""
+    min_tokens = get_int(body, "min_tokens", 0, lo=0)
+    assert min_tokens is not None
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request(f"'min_tokens' ({min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
+    repetition = get_float(body, "repetition_penalty", 1.0, lo=0.0, hi=2.0)
+    if repetition == 0.0:
+        raise bad_request("'repetition_penalty' must be in (0, 2], got 0", "repetition_penalty")
+    return Sampling(
+        ignore_eos=get_bool(body, "ignore_eos", False),
+        min_tokens=min_tokens,
+        stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids"),
+        include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
+        presence_penalty=get_float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+        frequency_penalty=get_float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+        repetition_penalty=repetition,
+        logit_bias=_logit_bias(body.get("logit_bias")),
+        min_p=get_float(body, "min_p", 0.0, lo=0.0, hi=1.0),
+    )
+
+
+def _token_ids(value: Any, name: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise bad_request(f"'{name}' must be an array of token ids (integers >= 0)", name)
+    return tuple(value)
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """``{"token id": bias}``, biases in [-100, 100] (the token ids are checked against the vocabulary later)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad_request("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    out: list[tuple[int, float]] = []
+    for key in value:
+        if not (key.isascii() and key.isdigit()) or len(key) > 12:
+            raise bad_request(f"'logit_bias' keys must be token ids, got {key[:32]!r}", "logit_bias")
+        where = f"logit_bias.{key}"
+        out.append((int(key), get_float(value, key, 0.0, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS, path=where)))
+    return tuple(out)
+
+
 def _reject_unsupported(body: Mapping[str, Any], *, chat: bool) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = get_float(body, name, 0.0, lo=-2.0, hi=2.0)
-        if value != 0.0:
-            raise bad_request(f"'{name}' is not supported by this server (only 0)", name)
-    if body.get("logit_bias"):
-        raise bad_request("'logit_bias' is not supported by this server", "logit_bias")
-    if not chat:
-        return
-    for name in ("tools", "functions", "audio", "prediction"):
-        if body.get(name):
-            raise bad_request(f"'{name}' is not supported by this server", name)
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise bad_request("'tool_choice' is not supported by this server (no tools)", "tool_choice")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise bad_request("only response_format {'type': 'text'} is supported by this server", "response_format")
+    if not chat:
+        return
+    if body.get("tools"):
+        raise bad_request("'tools' is not supported by this server", "tools")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise bad_request("'tool_choice' is not supported by this server (no tools)", "tool_choice")
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise bad_request("only the 'text' modality is supported by this server", "modalities")

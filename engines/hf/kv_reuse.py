@@ -20,11 +20,12 @@ the scheduler.
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
-from prismgate.core.actions import GenerateSpec, first_covered
+from prismgate.core.actions import Fork, GenerateSpec, first_covered
 from prismgate.core.session import ImageSpan
 from prismgate.core.steering import SteeredSpan, agreed_prefix, spans
 from prismgate.engines.hf.adapters import ModelAdapter
@@ -63,6 +64,7 @@ class Kept(NamedTuple):
     steered: tuple[SteeredSpan, ...]  # the steering they were computed under, tiling [0, len(tokens))
     gates: dict[GateKey, list[float]]  # gate readouts of those positions (a prefix of them), by gate
     invariant: bool = True  # computed by the batch-invariant kernels throughout (a deterministic turn needs it)
+    logits: Any = None  # a forked prefill: the float32 logits row that follows ``tokens`` (sessions keep none)
 
 
 class SessionCaches:
@@ -112,6 +114,63 @@ class SessionCaches:
         self._caches.pop(key, None)
         self._bytes.pop(key, None)
 
+    def peek(self, key: str) -> Kept:
+        """The cache kept under ``key``, left in place (the caller must not change it)."""
+        return self._caches.get(key, Kept(None, [], (), {}))
+
+
+MAX_FORKS = 64  # prompts whose prefill waits for their other generations at once
+
+
+class Forks:
+    """Prefilled prompts kept for the other generations of the same prompt (:class:`Fork`).
+
+    Kept among the session caches, under the same token and byte bounds (the least recently
+    used goes first); each follower gets a copy, the last one the kept cache itself.
+    """
+
+    def __init__(self, caches: SessionCaches) -> None:
+        self.caches = caches
+        self._left: OrderedDict[str, int] = OrderedDict()  # followers still to come, by key
+        self._logits: dict[str, Any] = {}  # the logits row after each kept prompt, by key
+
+    def keep(self, fork: Fork, kept: Kept) -> None:
+        """The leader's prompt, prefilled (with ``kept.logits``, the row its first token is sampled from):
+        a copy waits for its followers, who then sample from that same row."""
+        key = "fork:" + fork.key
+        if fork.followers <= 0 or key in self._left:
+            return
+        self._left[key] = fork.followers
+        self._logits[key] = None if kept.logits is None else kept.logits.clone()
+        gates = {k: list(v) for k, v in kept.gates.items()}
+        self.caches.keep(key, copy.deepcopy(kept.cache), list(kept.tokens), kept.steered, gates, kept.invariant)
+        while len(self._left) > MAX_FORKS:
+            oldest, _ = self._left.popitem(last=False)
+            self._logits.pop(oldest, None)
+            self.caches.forget(oldest)
+
+    def take(self, fork: Fork) -> Kept:
+        """A follower's copy of the prefilled prompt (nothing when none is kept)."""
+        key = "fork:" + fork.key
+        left = self._left.get(key, 0)
+        if left <= 1:
+            self._left.pop(key, None)
+            logits = self._logits.pop(key, None)
+            kept = self.caches.take(key)
+            return kept if kept.cache is None else kept._replace(logits=logits)
+        self._left[key] = left - 1
+        kept = self.caches.peek(key)
+        if kept.cache is None:
+            return kept
+        gates = {k: list(v) for k, v in kept.gates.items()}
+        logits = self._logits.get(key)
+        return kept._replace(
+            cache=copy.deepcopy(kept.cache),
+            tokens=list(kept.tokens),
+            gates=gates,
+            logits=None if logits is None else logits.clone(),
+        )
+
 
 def resume(
     adapter: ModelAdapter,
@@ -141,8 +200,8 @@ def resume(
     start = min(start, agreed_prefix(kept.steered, spans(spec.steering, n, n)))
     for key in gates:
         start = min(start, len(kept.gates.get(key, ())))
-    if spec.max_tokens > 0:
-        start = min(start, n - 1)  # the last prompt token's logits are needed to sample
+    if spec.max_tokens > 0 and not (kept.logits is not None and len(cached) == n):
+        start = min(start, n - 1)  # the last prompt token's logits are needed to sample (unless they are kept)
     first_lp = first_covered(spec.logprob_ranges)
     if first_lp is not None and first_lp < n:
         start = min(start, max(first_lp - 1, 0))

@@ -1,21 +1,81 @@
-"""Choosing the next token, and the logprobs reported beside it."""
+"""Choosing the next token, and the logprobs reported beside it.
+
+The order is vLLM's: the raw logits get ``logit_bias`` and the ``min_tokens`` mask, then the
+repetition, frequency and presence penalties (:class:`History`); greedy decoding takes the
+argmax of that; sampling divides by the temperature, applies ``min_p``, then top-k and top-p.
+Logprobs are always of the raw logits.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Collection, Sequence
 
 import torch
 
 from prismgate.core.actions import GenerateSpec
 
 
-def sample(logits: torch.Tensor, spec: GenerateSpec, generator: torch.Generator) -> int:
-    """One token from a ``[vocab]`` float32 row of raw logits.
+class History:
+    """The tokens a request's penalties and ``min_tokens`` read, kept as per-id counts.
 
-    Greedy decoding takes the first entry of :func:`logprobs_of`'s list: the largest logprob
-    (two logits a rounding apart can share one), the lowest id among equals.
+    Built once per request (its prompt), then told each decoded token: a step costs a few
+    vocabulary-sized operations, never a pass over the whole timeline.
     """
+
+    def __init__(self, spec: GenerateSpec, prompt: Sequence[int], vocab: int, eos_token_ids: Collection[int]) -> None:
+        self.spec = spec
+        self.generated = 0
+        self.stop_ids = torch.tensor(sorted(spec.stop_ids(eos_token_ids)), dtype=torch.long)
+        self.bias_ids = torch.tensor([t for t, _ in spec.logit_bias], dtype=torch.long)
+        self.bias = torch.tensor([b for _, b in spec.logit_bias], dtype=torch.float32)
+        penalised = spec.presence_penalty or spec.frequency_penalty or spec.repetition_penalty != 1.0
+        self.counts = torch.zeros(vocab, dtype=torch.float32) if penalised else None  # generated, per id
+        self.seen = torch.zeros(vocab, dtype=torch.bool) if penalised else None  # prompt or generated
+        if self.seen is not None and prompt:
+            self.seen[torch.tensor(list(prompt), dtype=torch.long)] = True
+
+    def add(self, token: int) -> None:
+        self.generated += 1
+        if self.counts is not None and self.seen is not None:
+            self.counts[token] += 1
+            self.seen[token] = True
+
+    def shape(self, logits: torch.Tensor) -> torch.Tensor:
+        """The ``[vocab]`` float32 logits with the bias, the ``min_tokens`` mask and the penalties applied."""
+        spec = self.spec
+        if not spec.shapes_logits:
+            return logits
+        out = logits.clone()
+        if len(self.bias_ids):
+            out.index_add_(0, self.bias_ids, self.bias)
+        if self.generated < spec.min_tokens and len(self.stop_ids):
+            out[self.stop_ids] = float("-inf")
+        if self.seen is not None and spec.repetition_penalty != 1.0:
+            scaled = torch.where(out > 0, out / spec.repetition_penalty, out * spec.repetition_penalty)
+            out = torch.where(self.seen, scaled, out)
+        if self.counts is not None:
+            if spec.frequency_penalty:
+                out -= spec.frequency_penalty * self.counts
+            if spec.presence_penalty:
+                out -= spec.presence_penalty * (self.counts > 0).to(torch.float32)
+        return out
+
+
+def sample(logits: torch.Tensor, spec: GenerateSpec, generator: torch.Generator, history: History | None = None) -> int:
+    """One token from a ``[vocab]`` float32 row of raw logits (shaped by ``history`` when given).
+
+    Greedy decoding takes the argmax of the shaped logits' logprobs; unshaped, that is the first
+    entry of :func:`logprobs_of`'s list: the largest logprob (two logits a rounding apart can
+    share one), the lowest id among equals.
+    """
+    if history is not None:
+        logits = history.shape(logits)
     if spec.temperature == 0 or spec.top_k == 1:
         return int(torch.argmax(torch.log_softmax(logits, dim=-1)))  # argmax gives the first of equal maxima
     scores = logits / spec.temperature
+    if spec.min_p > 0:
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < probs.max() * spec.min_p, float("-inf"))
     if spec.top_k > 0:
         k = min(spec.top_k, scores.shape[-1])
         kth = torch.topk(scores, k).values[-1]

@@ -22,8 +22,8 @@ from prismgate.core.steering import spans
 from prismgate.engines.hf.adapters import ModelAdapter
 from prismgate.engines.hf.batch_cache import BatchCache
 from prismgate.engines.hf.job import Job
-from prismgate.engines.hf.kv_reuse import SessionCaches, resume
-from prismgate.engines.hf.sampling import logprobs_of, sample
+from prismgate.engines.hf.kv_reuse import Forks, Kept, SessionCaches, resume
+from prismgate.engines.hf.sampling import History, logprobs_of, sample
 from prismgate.engines.hf.steering import GateKey, RowPlan, Steerer
 from prismgate.engines.invariant_rows import SWITCH
 from prismgate.engines.readouts.probe import ReadoutProbe
@@ -61,6 +61,7 @@ class Stepper:
         self.prefill_chunk = prefill_chunk
         self.features = features
         self.batch = BatchCache(adapter)  # the merged cache of the requests decoding together
+        self.forks = Forks(caches)  # prefilled prompts waiting for their other generations
 
     def step(self, job: Job) -> None:
         if not job.started:
@@ -84,6 +85,8 @@ class Stepper:
                 self.end(job, FinishReason.PREFILL_ONLY)
                 return
             self.decode_one(job)
+        elif job.generated == 0 and job.next_logits is not None:
+            self.decode_one(job)  # a forked prefill: the first token comes from the kept logits
         elif job.finish is None:
             # feed the last decoded token: yields its readout and the next distribution
             position = len(job.timeline) - 1
@@ -144,7 +147,10 @@ class Stepper:
                 raise invalid("steering needs a concept pack or an SAE, and this engine has neither loaded")
             job.steering = self.steerer.resolve(spec.steering)
         needed = {v.gate.key for v in job.steering if v.gate is not None}
-        kept = self.caches.take(request.session_key)
+        if request.session_key is None and request.fork is not None:
+            kept = self.forks.take(request.fork)
+        else:
+            kept = self.caches.take(request.session_key)
         cache, start = resume(self.adapter, kept, tokens, request.images, spec, needed)
         job.gates = {key: kept.gates[key][:start] if start else [] for key in needed}
         job.cache = cache
@@ -152,6 +158,8 @@ class Stepper:
         job.cached = tokens[:start]
         job.reused = start
         job.next_prefill = start
+        if start == len(tokens) and kept.logits is not None:
+            job.next_logits = kept.logits  # a forked prefill: sample from the leader's own row
         self.stats["reused_tokens"] += start
         if start >= len(tokens) and spec.max_tokens == 0:
             job.finish = FinishReason.PREFILL_ONLY
@@ -191,6 +199,12 @@ class Stepper:
         job.cached.extend(ids)
         if end <= n:
             self.stats["prefilled_tokens"] += len(ids)
+        fork = job.request.fork
+        if fork is not None and fork.followers and start < n <= end and job.request.session_key is None:
+            prompt_gates = {key: values[:n] for key, values in job.gates.items()}
+            steered = spans(spec.steering, n, n)
+            first_row = logits[-1].to(torch.float32) if needs_next else None  # what the first token is sampled from
+            self.forks.keep(fork, Kept(job.cache, job.cached[:n], steered, prompt_gates, job.invariant, first_row))
         row_of = {r: logits[i] for i, r in enumerate(rows)} if rows else {}
         # prefill events, in position order
         for p in range(start, min(end, n)):
@@ -247,7 +261,11 @@ class Stepper:
         spec = job.request.spec
         assert job.next_logits is not None and job.generator is not None
         row = job.next_logits.to(device="cpu", dtype=torch.float32)  # the sampler's generator lives on the CPU
-        token = sample(row, spec, job.generator)
+        if spec.shapes_logits and job.history is None:
+            job.history = History(spec, job.timeline[: job.prompt_len], row.shape[-1], self.eos_token_ids)
+        token = sample(row, spec, job.generator, job.history)
+        if job.history is not None:
+            job.history.add(token)
         position = len(job.timeline)
         event = TokenEvent(id=token, position=position, is_prefill=False)
         if covered(spec.logprob_ranges, position):
@@ -259,7 +277,7 @@ class Stepper:
             job.held = event
         else:
             job.emit(event)
-        if token in spec.stop_token_ids or (not spec.ignore_eos and token in self.eos_token_ids):
+        if spec.ends_on(token, job.generated, self.eos_token_ids):
             job.finish = FinishReason.EOS
         elif job.generated >= spec.max_tokens:
             job.finish = FinishReason.LENGTH

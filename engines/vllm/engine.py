@@ -32,7 +32,8 @@ that a prefill-only call, which vLLM runs as one sampled token, fits at the full
 Prefix-cache scope (``cache_scope``): ``"session"`` (default) salts every request's cache
 keys with its session (``cache_salt``), so a session reuses only its own history, exactly
 like the transformers engine: one tenant's prompts never warm (or reveal timing about)
-another's, ``release()`` really forgets, and ephemeral requests never hit. ``"global"``
+another's, ``release()`` really forgets, and ephemeral requests never hit (but the choices of
+one request, a ``Fork``, share their prompt's blocks with each other). ``"global"``
 shares identical prefixes (a common system prompt) across sessions; then a needed value
 vLLM served from another session's blocks is recomputed by the rescoring path above.
 
@@ -362,7 +363,7 @@ class VLLMEngine:
                         event = events.decode_event(token, position, spec, plan, completion.logprobs, j)
                         if event.logprob is not None:
                             decoded_lp[position] = (spec.logprob_top_k, event.logprob, event.top_logprobs or [])
-                        finish = events.stop_after(token, len(generated), plan, spec.max_tokens)
+                        finish = events.stop_after(token, len(generated), plan, spec)
                         if self._pack is not None and covered(spec.readout_ranges, position):
                             await tracker.require([position], [], f"the readout of position {position}")
                             event.readout = tracker.readouts[position]
@@ -419,7 +420,7 @@ class VLLMEngine:
     def _submit(self, key: str, request: EngineRequest, params: Any, rank: int | None) -> AsyncGenerator[Any, None]:
         """Hand ``request`` to vLLM under ``key`` on ``rank``, salted for its cache scope and its steering."""
         assert self._llm is not None
-        salt = steer.cache_salt(self._salt(request.session_key), request.spec.steering, len(request.tokens))
+        salt = steer.cache_salt(self._request_salt(request), request.spec.steering, len(request.tokens))
         prompt = inputs.prompt(request, salt, self.info.vision)
         stream: AsyncGenerator[Any, None] = self._llm.generate(
             prompt, params, request_id=key, priority=request.spec.priority, data_parallel_rank=rank
@@ -456,6 +457,13 @@ class VLLMEngine:
             self._options.steering_rounds,
             self._sae_layers,
         )
+
+    def _request_salt(self, request: EngineRequest) -> str | None:
+        """A request's unsteered salt: its session's; for the choices of one prompt (a ``Fork``), the fork's
+        own, so that they share the prompt's blocks with each other and nobody else."""
+        if request.session_key is None and request.fork is not None and self._cache_scope != "global":
+            return "fork-" + request.fork.key
+        return self._salt(request.session_key)
 
     def _salt(self, session_key: str | None) -> str | None:
         if self._cache_scope == "global":

@@ -55,11 +55,11 @@ def decode_event(token: int, position: int, spec: GenerateSpec, plan: Plan, logp
     return event
 
 
-def stop_after(token: int, generated: int, plan: Plan, max_tokens: int) -> FinishReason | None:
+def stop_after(token: int, generated: int, plan: Plan, spec: GenerateSpec) -> FinishReason | None:
     """Why decoding ends after ``token`` (the ``generated``-th), or None when it goes on."""
-    if token in plan.stop_ids:
+    if generated > spec.min_tokens and token in plan.stop_ids:
         return FinishReason.EOS
-    if generated >= max_tokens:
+    if generated >= spec.max_tokens:
         return FinishReason.LENGTH
     return None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from prismgate.core.engine import EngineRequest, VisionTokens
+from prismgate.core.errors import invalid
 from prismgate.engines.vllm.plan import Plan
 from prismgate.engines.vllm.vision import collapse, decode_image
 from prismgate.engines.vllm.worker import EXTRA_KEY
@@ -28,9 +29,19 @@ def _params(wants: dict[str, Any] | None, **kwargs: Any) -> Any:
 
 
 def sampling_params(request: EngineRequest, plan: Plan, wants: dict[str, Any] | None, skip_cache: bool) -> Any:
-    """The client's sampling, with stops applied here instead when the request looks ahead."""
+    """The client's sampling, with stops applied here instead when the request looks ahead.
+
+    Penalties, ``logit_bias``, ``min_p`` and ``min_tokens`` go to vLLM's own sampler as they are.
+    ``min_tokens`` is vLLM's mask of the stop ids, so a request that looks ahead (the engine applies
+    its stops) cannot have it: it is refused before anything runs.
+    """
     spec = request.spec
     if plan.lookahead:
+        if spec.min_tokens:
+            raise invalid(
+                "min_tokens cannot be combined with readouts or features of generated tokens on the vLLM engine "
+                "(their look-ahead step applies the stop ids outside vLLM's sampler)"
+            )
         max_tokens, stop_ids = spec.max_tokens + 1, None  # stops are applied by the engine, one step late
     else:
         max_tokens, stop_ids = max(spec.max_tokens, 1), sorted(plan.stop_ids) or None
@@ -43,6 +54,12 @@ def sampling_params(request: EngineRequest, plan: Plan, wants: dict[str, Any] | 
         top_p=spec.top_p,
         top_k=spec.top_k,
         seed=spec.seed,
+        min_p=spec.min_p,
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        repetition_penalty=spec.repetition_penalty,
+        logit_bias=dict(spec.logit_bias) or None,
+        min_tokens=spec.min_tokens,
         stop_token_ids=stop_ids,
         ignore_eos=True,  # EOS ids are in stop_token_ids (or applied by the engine): exactly info.eos_token_ids
         logprobs=spec.logprob_top_k if plan.decode_logprobs else None,

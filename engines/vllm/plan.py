@@ -85,9 +85,6 @@ def make_plan(
     decode_ro = has_readouts and bool(positions(spec.readout_ranges, n, horizon))
     fspec = spec.features if top > 0 else None
     decode_fe = fspec is not None and bool(positions(fspec.ranges, n, horizon))  # features come from the same step
-    stop = set(spec.stop_token_ids)
-    if not spec.ignore_eos:
-        stop.update(info.eos_token_ids)
     return Plan(
         n=n,
         ro_prompt=positions(spec.readout_ranges, 0, n) if has_readouts else [],
@@ -96,7 +93,7 @@ def make_plan(
         decode_logprobs=bool(positions(spec.logprob_ranges, n, horizon)),
         lookahead=(decode_ro or decode_fe) and spec.max_tokens > 0,
         decode_readouts=decode_ro,
-        stop_ids=frozenset(stop),
+        stop_ids=spec.stop_ids(info.eos_token_ids),
         values=values,
         fe_prompt=positions(fspec.ranges, 0, n) if fspec is not None else [],
         features=fspec if fspec is not None and fspec.wanted else None,

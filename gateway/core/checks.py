@@ -48,6 +48,16 @@ def check_vocabulary(info: EngineInfo, tokens: Sequence[int]) -> None:
             raise invalid(f"token id {t} at append index {i} is outside the vocabulary [0, {info.vocab_size})")
 
 
+def check_sampling(info: EngineInfo, spec: GenerateSpec) -> None:
+    """Token ids the sampler reads (stop ids, biased ids) in the vocabulary; ``min_tokens`` within ``max_tokens``."""
+    if spec.min_tokens > spec.max_tokens:
+        raise invalid(f"min_tokens ({spec.min_tokens}) must be <= max_tokens ({spec.max_tokens})")
+    for what, ids in (("stop token id", spec.stop_token_ids), ("logit_bias token id", [t for t, _ in spec.logit_bias])):
+        for t in ids:
+            if not 0 <= t < info.vocab_size:
+                raise invalid(f"{what} {t} is outside the vocabulary [0, {info.vocab_size})")
+
+
 def check_readouts(info: EngineInfo, spec: GenerateSpec) -> None:
     """Readouts need a concept pack; features an SAE at every layer they name."""
     if spec.wants_readouts and info.readouts is None:

@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypedDict, runtime_checkable
 
-from prismgate.core.actions import GenerateSpec
+from prismgate.core.actions import Fork, GenerateSpec
 from prismgate.core.events import Event
 from prismgate.core.features import FeatureManifest
 from prismgate.core.health import Health
@@ -111,6 +111,7 @@ class EngineRequest:
     spec: GenerateSpec
     images: tuple[ImageSpan, ...] = ()
     session_key: str | None = None
+    fork: Fork | None = None  # one of several generations of this prompt: see Fork
 
 
 class Engine(Protocol):

@@ -381,6 +381,7 @@ class SessionService:
         spec = replace(spec, steering=steering.effective(spec.steering))
         check_fit(base + len(action.append_tokens), spec.max_tokens, info.max_model_len)
         checks.check_ranges(base + len(action.append_tokens), spec)
+        checks.check_sampling(info, spec)
         if action.images and info.vision is None:  # say so before the image's tokens fail the vocabulary check
             raise invalid(f"model {info.model_id!r} takes no images (it has no vision encoder)")
         checks.check_vocabulary(info, action.append_tokens)
@@ -406,9 +407,17 @@ class SessionService:
             spec=spec,
             images=tuple(images),
             session_key=session_key,
+            fork=action.fork if session_key is None else None,
         )
         text = (
-            TextStream(info.tokenizer.decode, spec.stop_strings) if (action.detokenize or spec.stop_strings) else None
+            TextStream(
+                info.tokenizer.decode,
+                spec.stop_strings,
+                min_tokens=spec.min_tokens,
+                include_stop=spec.include_stop_str_in_output,
+            )
+            if (action.detokenize or spec.stop_strings)
+            else None
         )
         generated: list[int] = []
         stream = self.pool.generate(session.model, request, Share(principal.name, principal.weight))
@@ -417,7 +426,9 @@ class SessionService:
                 if isinstance(event, TokenEvent):
                     if not event.is_prefill:
                         generated.append(event.id)
-                        if text is not None:
+                        if text is not None and (
+                            spec.stop_token_text or not spec.ends_on(event.id, len(generated), info.eos_token_ids)
+                        ):
                             event.text = text.push(event.id)
                     yield event
                     if text is not None and text.stopped_on is not None:

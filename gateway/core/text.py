@@ -2,7 +2,8 @@
 
 Tokens do not align with characters (a byte-level BPE token can hold half of an
 emoji), so text is released only once it decodes cleanly; and text that could be
-the start of a stop string is held back until it is known not to be one.
+the start of a stop string is held back until it is known not to be one. Stop strings
+match only in the text of tokens after the first ``min_tokens`` (vLLM's rule).
 """
 
 from __future__ import annotations
@@ -13,8 +14,17 @@ REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop_strings: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        decode: Callable[[Sequence[int]], str],
+        stop_strings: Sequence[str] = (),
+        *,
+        min_tokens: int = 0,
+        include_stop: bool = False,
+    ) -> None:
         self._decode = decode
+        self._min_tokens = min_tokens  # stop strings are looked for once more tokens than this are in
+        self._include_stop = include_stop  # a matched stop string stays at the end of the text
         self._ids: list[int] = []
         self._prefix = 0  # ids before this index are already released as text
         self._text = ""  # decoded text not yet released
@@ -48,10 +58,13 @@ class TextStream:
         return out
 
     def _release(self) -> str:
+        if len(self._ids) <= self._min_tokens:
+            out, self._text = self._text, ""
+            return out
         for stop in self._stops:
             at = self._text.find(stop)
             if at >= 0:
-                out = self._text[:at]
+                out = self._text[: at + len(stop) if self._include_stop else at]
                 self._text = ""
                 self.stopped_on = stop
                 return out

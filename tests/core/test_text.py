@@ -40,3 +40,11 @@ def test_partial_stop_prefix_is_held_then_released() -> None:
 def test_unfinished_stop_prefix_comes_out_at_flush() -> None:
     pieces, tail, stopped = stream("abc EN", ("END",))
     assert stopped is None and "".join(pieces) == "abc " and tail == "EN"
+
+
+def test_include_stop_keeps_the_stop_string_and_min_tokens_defers_it() -> None:
+    ts = TextStream(byte_decode, ("ab",), include_stop=True)
+    assert "".join(ts.push(b) for b in b"xxabyy") == "xxab" and ts.stopped_on == "ab"
+    # the first "ab" is inside the first 3 tokens: only the second one stops the text
+    ts = TextStream(byte_decode, ("ab",), min_tokens=3)
+    assert "".join(ts.push(b) for b in b"abcabd") == "abc" and ts.stopped_on == "ab"

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 
 
 def engine_names() -> list[str]:
@@ -51,3 +52,14 @@ def with_eos(model_dir: Path, target: Path, eos_id: int) -> Path:
         data["eos_token_id"] = eos_id
         path.write_text(json.dumps(data))
     return target
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def tiny_pair(tiny_model_dir: Path, tiny_pack: Path) -> Any:
+    """The transformers and vLLM engines on the tiny model, float32, for the module's cross-checks."""
+    from tests.engines.test_vllm_crosscheck import pair
+
+    hf, vl = await pair(tiny_model_dir, tiny_pack, "tiny-llama")
+    yield hf, vl
+    await vl.close()
+    await hf.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from prismgate.core.actions import GenerateSpec
+from prismgate.core.actions import Fork, GenerateSpec
 from prismgate.core.engine import EngineRequest
 from prismgate.core.events import Done, TokenEvent
 
@@ -19,10 +19,12 @@ def chat(engine: Any, *messages: str) -> tuple[int, ...]:
 
 
 async def run(
-    engine: Any, tokens: tuple[int, ...], session: str | None = None, **spec: Any
+    engine: Any, tokens: tuple[int, ...], session: str | None = None, fork: Fork | None = None, **spec: Any
 ) -> tuple[list[TokenEvent], Done]:
     """Generate with ``GenerateSpec(**spec)``; the events before Done, and Done."""
-    request = EngineRequest(request_id=uuid.uuid4().hex, tokens=tokens, spec=GenerateSpec(**spec), session_key=session)
+    request = EngineRequest(
+        request_id=uuid.uuid4().hex, tokens=tokens, spec=GenerateSpec(**spec), session_key=session, fork=fork
+    )
     events: list[TokenEvent] = []
     async for ev in engine.generate(request):
         if isinstance(ev, Done):

@@ -5,7 +5,17 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, LlamaConfig
 
-from prismgate.engines.hf.kv_reuse import MAX_BYTES_MAX, MAX_BYTES_MIN, SessionCaches, cache_bytes, default_max_bytes
+from prismgate.core.actions import Fork
+from prismgate.engines.hf.kv_reuse import (
+    MAX_BYTES_MAX,
+    MAX_BYTES_MIN,
+    MAX_FORKS,
+    Forks,
+    Kept,
+    SessionCaches,
+    cache_bytes,
+    default_max_bytes,
+)
 
 
 def test_the_least_recently_kept_session_goes_first_once_over_the_token_budget() -> None:
@@ -15,7 +25,7 @@ def test_the_least_recently_kept_session_goes_first_once_over_the_token_budget()
     assert len(caches) == 2
     caches.keep("c", "cache-c", [9, 10, 11], ())  # 11 tokens: "a" goes
     assert len(caches) == 2 and caches.take("a").cache is None
-    assert caches.take("b") == ("cache-b", [5, 6, 7, 8], (), {}, True)  # taking hands the cache over...
+    assert caches.take("b") == ("cache-b", [5, 6, 7, 8], (), {}, True, None)  # taking hands the cache over...
     assert caches.take("b").cache is None  # ...so a second request cannot write to it too
 
 
@@ -59,3 +69,19 @@ def test_a_cropped_cache_counts_the_storage_it_still_holds() -> None:
 def test_the_default_byte_budget_is_sized_to_the_machine() -> None:
     assert MAX_BYTES_MIN <= default_max_bytes() <= MAX_BYTES_MAX
     assert SessionCaches(10).max_bytes == default_max_bytes()
+
+
+def test_a_forked_prefill_goes_to_its_followers_and_then_away() -> None:
+    caches = SessionCaches(max_tokens=10_000)
+    forks = Forks(caches)
+    prefilled = Kept(cache=[["keys"]], tokens=[1, 2, 3], steered=(), gates={}, logits=torch.tensor([0.5, 1.5]))
+    forks.keep(Fork("a", followers=2), prefilled)
+    first, second, third = (forks.take(Fork("a")) for _ in range(3))
+    assert first.tokens == second.tokens == [1, 2, 3]
+    assert first.cache == [["keys"]] and first.cache is not second.cache  # each follower its own copy
+    assert first.logits.tolist() == second.logits.tolist() == [0.5, 1.5]  # and the row to sample from
+    assert first.logits is not second.logits
+    assert third.cache is None and len(caches) == 0  # the last follower took it: nothing is left behind
+    for i in range(MAX_FORKS + 5):  # followers that never come: the oldest prompts are let go
+        forks.keep(Fork(f"k{i}", followers=1), prefilled)
+    assert len(caches) == MAX_FORKS and forks.take(Fork("k0")).cache is None

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import pytest_asyncio
 
 from prismgate.core.actions import PositionRange
 from prismgate.core.events import TokenEvent
@@ -74,14 +73,6 @@ def compare(hf_events: list[TokenEvent], vl_events: list[TokenEvent]) -> dict[st
     assert worst["logprob"] <= LOGPROB_TOL and worst["top"] <= LOGPROB_TOL, worst
     assert worst["readout"] <= READOUT_RTOL, worst
     return worst
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def tiny_pair(tiny_model_dir: Path, tiny_pack: Path) -> Any:
-    hf, vl = await pair(tiny_model_dir, tiny_pack, "tiny-llama")
-    yield hf, vl
-    await vl.close()
-    await hf.close()
 
 
 async def test_tiny_model_agrees_with_transformers(tiny_pair: Any) -> None:

@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import pytest_asyncio
 import torch
 
 from prismgate.core.actions import PositionRange
@@ -33,12 +32,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 MAX = 12
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engines(tiny_model_dir: Path, tiny_pack: Path) -> Any:
-    hf, vl = await pair(tiny_model_dir, tiny_pack, "tiny-llama")
-    yield hf, vl
-    await vl.close()
-    await hf.close()
+@pytest.fixture
+def engines(tiny_pair: Any) -> Any:
+    """The module's transformers and vLLM engines (tests/engines/conftest.py)."""
+    return tiny_pair
 
 
 def push(scale: float, *, layer: int = 0, concept: str = "concept1", **kw: Any) -> SteeringEntry:

@@ -176,7 +176,8 @@ def test_busy_session_is_409_and_cancel_rewinds(
     assert r.usage.completion_tokens >= 1
 
 
-def test_disconnect_mid_stream_stops_the_engine(long_server: Any, model: str, eos_free_prompt: str) -> None:
+@pytest.mark.parametrize("n", [1, 3])
+def test_disconnect_mid_stream_stops_the_engine(long_server: Any, model: str, eos_free_prompt: str, n: int) -> None:
     assert engine_idle(long_server)
     before = decoded(long_server)
     body = {
@@ -185,6 +186,7 @@ def test_disconnect_mid_stream_stops_the_engine(long_server: Any, model: str, eo
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "stream": True,
+        "n": n,  # every choice stops
     }
     with httpx.stream("POST", long_server.http_url + "/v1/chat/completions", json=body, timeout=60) as resp:
         seen = 0
