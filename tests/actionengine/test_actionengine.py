@@ -213,3 +213,13 @@ async def test_hostile_frames_are_closed_at_once_and_the_server_goes_on(server: 
     assert received == [] and code == expected_code, (code, reason)
     assert expected_reason in reason, reason
     assert during.status_code == after.status_code == 200
+
+
+async def test_a_connection_keeps_the_form_of_its_first_frame(server: LiveServer) -> None:
+    received, code, reason = await exchange(server, frames.generate("m1", config=True, release=True), b"{}")
+    assert code == 4400 and "this connection speaks ActionEngine" in reason, reason
+    told = [f for r in received for f in frames.read(r, release=True)[0]]  # the action learns why first
+    assert {f["id"] for f in told} == {"m1#response", "m1#__status__"}
+    assert all(f["mimetype"] == "__status__" and f["data"][0] == 3 for f in told)  # INVALID_ARGUMENT
+    _, code, reason = await exchange(server, b"{}", frames.generate("m2", config=False, release=True))
+    assert code == 4400 and "began in Evergreen's form" in reason, reason

@@ -128,3 +128,19 @@ def test_integers_are_written_in_the_signed_forms_cppack_reads() -> None:
         b"\xd2\x00\x00\x9c\x40",
         b"\xd3" + (2**31).to_bytes(8, "big"),
     ]
+
+
+def ref_fragment(node_id: str, target: str, offset: int = 0) -> bytes:
+    """A fragment of variant 1: a node ref to ``target`` from ``offset`` on (no length)."""
+    return frames.struct(
+        frames.pack(1), frames.struct(frames.pack(target, offset, None)), frames.pack(True, node_id, 1)
+    )
+
+
+def test_a_node_ref_stands_for_the_whole_node_it_names() -> None:
+    whole = frames.message([ref_fragment("n", "earlier#response")], release=True)
+    moved = translate.inbound(whole, LIMITS, "f").fragments.node_fragments
+    assert [(f.id, f.seq, f.continued, list(f.child_ids)) for f in moved] == [("n", 1, True, ["earlier#response"])]
+    part = frames.message([ref_fragment("n", "earlier#response", offset=4)], release=True)
+    with pytest.raises(GatewayError, match="part of a node is not supported"):
+        translate.inbound(part, LIMITS, "f")
