@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from prismgate.codecs import json_input
+from prismgate.codecs.actionengine import refusal as actionengine_refusal
 from prismgate.codecs.actionengine import translate
 from prismgate.codecs.actionengine import wire as ae_wire
 from prismgate.codecs.actionengine.link import Link
@@ -96,6 +97,7 @@ class EvergreenEndpoint:
             self.service.models.require_ready()
             session = EvergreenSession(self.service, self.options)
         except GatewayError as exc:
+            await actionengine_refusal.report(websocket, exc)  # an ActionEngine client reads it from its actions
             await self._abort(websocket, exc)
             return
         try:
