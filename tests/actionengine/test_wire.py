@@ -144,3 +144,12 @@ def test_a_node_ref_stands_for_the_whole_node_it_names() -> None:
     part = frames.message([ref_fragment("n", "earlier#response", offset=4)], release=True)
     with pytest.raises(GatewayError, match="part of a node is not supported"):
         translate.inbound(part, LIMITS, "f")
+
+
+def test_evergreen_protobuf_frames_never_look_like_actionengine_frames() -> None:
+    """A SessionMessage starts with the tag of field 1 or 2; an ActionEngine frame with a bin header."""
+    message = pb.SessionMessage(node_fragments=[pb.NodeFragment(id="n" * 300)])
+    message.actions.add(name="GENERATE").inputs.add(name="prompt", id="p")
+    assert not wire.looks_like_wire(message.SerializeToString())
+    assert not wire.looks_like_wire(pb.SessionMessage(actions=message.actions).SerializeToString())
+    assert all(wire.looks_like_wire(frame) for frame in CAPTURED)
