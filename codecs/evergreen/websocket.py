@@ -2,7 +2,10 @@
 
 Frames: a text frame holds one ``SessionMessage`` in proto3 JSON (camelCase), a binary
 frame one ``SessionMessage`` in protobuf binary (a binary frame that starts with ``{`` is
-read as JSON). Replies use the form of the client's first frame. Auth: the shared bearer
+read as JSON), or one ActionEngine ``WireMessage`` (a binary frame that starts with a
+msgpack ``bin`` header, :func:`~prismgate.codecs.actionengine.wire.looks_like_wire`; see
+:mod:`prismgate.codecs.actionengine`). Replies use the form of the client's first frame;
+an ActionEngine connection takes ActionEngine frames only. Auth: the shared bearer
 token in the ``Authorization`` header or, for browsers (which cannot set headers on a
 WebSocket), the ``access_token`` query parameter. Aborts close the socket with the code
 and reason of :mod:`prismgate.codecs.evergreen.errors`; each abort is counted in the
@@ -22,6 +25,10 @@ from google.protobuf.message import DecodeError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from prismgate.codecs import json_input
+from prismgate.codecs.actionengine import refusal as actionengine_refusal
+from prismgate.codecs.actionengine import translate
+from prismgate.codecs.actionengine import wire as ae_wire
+from prismgate.codecs.actionengine.link import Link
 from prismgate.codecs.evergreen.errors import close_reason
 from prismgate.codecs.evergreen.json_frames import to_json
 from prismgate.codecs.evergreen.session import EvergreenSession, Options
@@ -73,12 +80,24 @@ class EvergreenEndpoint:
         self.service = service
         self.options = options
 
+    @property
+    def ae_limits(self) -> ae_wire.Limits:
+        """What one ActionEngine frame may hold: the session's node limits and the request budget."""
+        budget = self.service.budget
+        text_bytes = budget.prompt_bytes_per_context_token * budget.context
+        return ae_wire.Limits(
+            max_chunk_bytes=max(text_bytes, self.options.refs.max_bytes),
+            max_fragments=self.options.limits.max_nodes,
+            max_actions=budget.max_actions_in_flight,
+        )
+
     async def handle(self, websocket: WebSocket) -> None:
         await websocket.accept()
         try:
             self.service.models.require_ready()
             session = EvergreenSession(self.service, self.options)
         except GatewayError as exc:
+            await actionengine_refusal.report(websocket, exc)  # an ActionEngine client reads it from its actions
             await self._abort(websocket, exc)
             return
         try:
@@ -88,6 +107,7 @@ class EvergreenEndpoint:
 
     async def _serve(self, websocket: WebSocket, session: EvergreenSession) -> None:
         form: list[bool] = []  # the client's first frame form: True = JSON
+        links: list[Link] = []  # the ActionEngine side, when the first frame was ActionEngine's
 
         async def read() -> None:
             frame = 0
@@ -97,6 +117,13 @@ class EvergreenEndpoint:
                     return
                 frame += 1
                 try:
+                    raw = message.get("bytes")
+                    if (isinstance(raw, bytes) and ae_wire.looks_like_wire(raw)) or links:
+                        first = not form
+                        form[:] = [False]
+                        if not await self._feed_actionengine(message, frame, session, links, first):
+                            return
+                        continue
                     size = len(message.get("text") or message.get("bytes") or "")
                     decoded, is_json = await json_input.off_loop(
                         size, decode_frame, message, frame, self.service.budget
@@ -113,7 +140,9 @@ class EvergreenEndpoint:
                 message = await session.outbox.get()
                 if message is None:
                     return
-                payload = encode(message, form[0] if form else True)
+                payload = links[0].writer.encode(message) if links else encode(message, form[0] if form else True)
+                if payload is None:
+                    continue
                 async with self._deadline():
                     if isinstance(payload, str):
                         await websocket.send_text(payload)
@@ -124,6 +153,8 @@ class EvergreenEndpoint:
         writer = asyncio.create_task(write())
         try:
             await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            if links and links[0].half_closed and reader.done() and not session.failed.done():
+                await asyncio.wait({writer})  # it ends at the end marker, each send under the client's deadline
             if writer.done() and isinstance(writer.exception(), SlowReader):
                 await self._drop(websocket, session, cast(SlowReader, writer.exception()))
             elif session.failed.done():
@@ -132,13 +163,38 @@ class EvergreenEndpoint:
                 with contextlib.suppress(Exception, asyncio.CancelledError):
                     await asyncio.wait_for(writer, timeout=30)  # send what came before the failure
                 log.info("evergreen session aborted: %s", error)
-                await self._abort(websocket, error)
-        except (WebSocketDisconnect, RuntimeError, OSError):
+                await self._abort(websocket, error, links[0] if links else None)
+            elif writer.done() and links and links[0].half_closed:  # every action ended after the half-close
+                async with self._deadline():
+                    await websocket.send_bytes(links[0].writer.half_close())
+                await websocket.close(code=1000)
+        except (WebSocketDisconnect, RuntimeError, OSError, SlowReader):
             pass
         finally:
             for task in (reader, writer):
                 task.cancel()
             await asyncio.gather(reader, writer, return_exceptions=True)
+            for link in links:
+                await link.close()
+
+    async def _feed_actionengine(
+        self, message: Mapping[str, Any], frame: int, session: EvergreenSession, links: list[Link], first: bool
+    ) -> bool:
+        """Decode one ActionEngine frame (off the loop when large) and apply it; False once the client half-closed."""
+        raw = message.get("bytes")
+        where = f"frame {frame}"
+        if not isinstance(raw, bytes) or not ae_wire.looks_like_wire(raw):
+            raise invalid(f"{where}: this connection speaks ActionEngine (its first frame did); not a WireMessage")
+        if not first and not links:
+            raise invalid(f"{where}: an ActionEngine frame on a connection that began in Evergreen's form")
+        decoded = await json_input.off_loop(len(raw), translate.inbound, raw, self.ae_limits, where)
+        if not links:
+            links.append(Link(session, decoded.form))
+        links[0].feed(decoded)
+        if decoded.half_close:
+            await links[0].finish()
+            return False
+        return True
 
     def _deadline(self) -> contextlib.AbstractAsyncContextManager[None]:
         timeout = self.options.slow_client_timeout_s
@@ -151,8 +207,13 @@ class EvergreenEndpoint:
         await session.close()
         await self._abort(websocket, error)
 
-    async def _abort(self, websocket: WebSocket, error: GatewayError) -> None:
+    async def _abort(self, websocket: WebSocket, error: GatewayError, link: Link | None = None) -> None:
         if not error.reported:  # an error that ended a generation was counted by its monitor
             self.service.monitor.refused(PROTOCOL, error.code)
+        with contextlib.suppress(Exception):
+            report = link.writer.failure(error) if link is not None else None
+            if report is not None:  # an ActionEngine client reads why from its actions' status nodes
+                async with self._deadline():
+                    await websocket.send_bytes(report)
         with contextlib.suppress(Exception):
             await websocket.close(code=close_code(error.code), reason=close_reason(error))

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketState
 
+from prismgate.codecs.actionengine import refusal as actionengine_refusal
 from prismgate.codecs.evergreen.errors import close_reason
 from prismgate.codecs.graphpipe import wire as graphpipe_wire
 from prismgate.codecs.graphpipe.http import wants_http_errors
@@ -125,9 +126,13 @@ async def _close_websocket(websocket: WebSocket, error: GatewayError) -> None:
     """Evergreen's way: accept, then close with ``4000 + status`` and ``"<CODE>: <message>"``.
 
     (Closing before accepting would reach a browser as a bare HTTP 403, without a reason.)
+    An ActionEngine client, which ignores close codes, reads the refusal from its first
+    actions' status nodes (:mod:`prismgate.codecs.actionengine.refusal`).
     """
     if websocket.client_state is WebSocketState.CONNECTING:
         await websocket.accept()
+        if websocket.url.path == "/evergreen":  # refused before the route ran: the client's first frame is unread
+            await actionengine_refusal.report(websocket, error)
     code = 4000 + error.status if isinstance(error, Refusal) else close_code(error.code)
     await websocket.close(code, close_reason(error))
 
