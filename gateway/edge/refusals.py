@@ -131,7 +131,9 @@ async def _close_websocket(websocket: WebSocket, error: GatewayError) -> None:
     """
     if websocket.client_state is WebSocketState.CONNECTING:
         await websocket.accept()
-        if websocket.url.path == "/evergreen":  # refused before the route ran: the client's first frame is unread
+        # refused before the route ran, the client's first frame unread; a page (it sends an Origin)
+        # is never an ActionEngine client, and its refusal is not held back waiting for a frame
+        if websocket.url.path == "/evergreen" and "origin" not in websocket.headers:
             await actionengine_refusal.report(websocket, error)
     code = 4000 + error.status if isinstance(error, Refusal) else close_code(error.code)
     await websocket.close(code, close_reason(error))
