@@ -5,7 +5,8 @@ The library's client ignores close codes: refused at the handshake or closed at 
 the socket, :func:`report` reads the client's first frame (at most ``WAIT_S``, a small
 frame, decoded under tight limits) and, when it is an ActionEngine frame with actions,
 writes the refusal to each action's outputs and status. Evergreen clients see the same
-close code and reason as before, after their first frame (or ``WAIT_S``).
+close code and reason as before, after their first frame (or ``WAIT_S``); a page (a socket
+that sent an ``Origin``) is closed at once.
 """
 
 from __future__ import annotations
