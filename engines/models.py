@@ -123,8 +123,15 @@ def resolve_model(path: str | None) -> tuple[Path, str]:
         return default_model_path(), DEFAULT_MODEL_ID
     folder = Path(path).expanduser()
     if not (folder / "config.json").exists():
+        if not folder.exists():
+            found = "nothing is there"
+        elif folder.is_dir() and not any(folder.iterdir()):
+            found = "the folder is empty (an unfilled mount point?)"
+        else:
+            found = "no config.json"
         raise GatewayError(
             Code.INVALID_ARGUMENT,
-            f"--model {path}: not a Hugging Face model folder (no config.json); models are never downloaded",
+            f"--model {path}: not a Hugging Face model folder ({found}); put or mount one there (config.json, "
+            f"tokenizer and weights; in a container: -v /host/models/NAME:{path}:ro); models are never downloaded",
         )
     return folder, folder.resolve().name
