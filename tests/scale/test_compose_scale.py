@@ -12,7 +12,7 @@ from tests.scale.conftest import NGINX_CONFIG
 def test_the_scale_profile_wires_replicas_redis_and_nginx() -> None:
     services = load_yaml(COMPOSE)["services"]
     scale = {name for name, s in services.items() if "scale" in s.get("profiles", [])}
-    assert scale == {"gateway-a", "gateway-b", "redis", "nginx"}
+    assert scale == {"gateway-a", "gateway-b", "redis", "nginx", "prometheus"}
     for name in ("gateway-a", "gateway-b"):
         replica = services[name]
         assert replica["environment"]["PRISMGATE_SESSION_STORE"] == "redis://redis:6379/0"
