@@ -1,4 +1,5 @@
-# The two commands a new user needs: `make serve` and `make test`.
+# The two commands a new user needs: `make serve` and `make test`. (`make test-compose`, in
+# mk/compose.mk, runs the tests marked compose in a real container engine.)
 # Both create .venv/ on first use (idempotent: a stamp file skips the install when
 # pyproject.toml and setup.py have not changed).
 
@@ -44,10 +45,10 @@ serve: setup
 	$(BIN)/prismgate serve
 
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/pytest $(VLLM_ONLY) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/pytest $(VLLM_ONLY) -m "not compose" $(PYTEST_ARGS)
 
 test-fast: setup
-	OMP_NUM_THREADS=1 $(BIN)/pytest $(VLLM_ONLY) -m "not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/pytest $(VLLM_ONLY) -m "not slow and not compose" $(PYTEST_ARGS)
 
 # mypy cannot follow the editable install's import hook, so it checks a link tree that
 # lays the folders out under their import name.
