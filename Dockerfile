@@ -91,8 +91,9 @@ USER 10001:10001
 WORKDIR /home/prismgate
 EXPOSE 8000 50051
 
-# Ready means the model is loaded (/readyz); the start period covers loading it.
-HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
+# Ready means the model is loaded (/readyz); the start period covers loading it (about 46
+# CPU-seconds, docs/operations.md) on a slow or busy machine.
+HEALTHCHECK --interval=5s --timeout=3s --start-period=300s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/readyz' % os.environ.get('PRISMGATE_HTTP_PORT', '8000'), timeout=2)"]
 
 # SIGTERM: stop accepting, let streams finish within PRISMGATE_SHUTDOWN_GRACE_S, exit 0.
