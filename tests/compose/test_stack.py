@@ -91,7 +91,10 @@ def stack() -> Iterator[None]:
     try:
         up = compose("up", "--detach", "--wait", "--wait-timeout", "600", timeout=660, check=False)
         record("time_to_healthy_s", round(time.monotonic() - start, 1))
-        assert up.returncode == 0, f"up --wait failed:\n{up.stderr[-3000:]}\n{compose('logs', '--tail', '40').stdout}"
+        assert up.returncode == 0, (
+            f"up --wait failed (make test-compose builds the images, and names local stand-ins where no "
+            f"registry is reachable):\n{up.stderr[-3000:]}\n{compose('logs', '--tail', '40').stdout}"
+        )
         yield
     finally:
         compose("down", "--volumes", "--timeout", "60", timeout=180, check=False)
