@@ -1,5 +1,6 @@
 # The docker-compose stack in a real container engine. Included by the top-level Makefile.
-# Targets: test-compose, compose-images, compose-plugins, compose-base, compose-standins.
+# Targets: test-compose, compose-images, compose-plugins, compose-base, compose-standins,
+# compose-gpu-image (Dockerfile.gpu on the local base; large, so not in CI).
 #
 #   test-compose     starts dockerd if none runs (and stops it after), builds the images, then
 #                    runs tests/compose/ (pytest -m compose): `docker compose --profile scale
