@@ -1,4 +1,5 @@
-# The two commands a new user needs: `make serve` and `make test`.
+# The two commands a new user needs: `make serve` and `make test`. (`make test-compose`, in
+# mk/compose.mk, runs the tests marked compose in a real container engine.)
 # Both create .venv/ on first use (idempotent: a stamp file skips the install when
 # pyproject.toml and setup.py have not changed).
 

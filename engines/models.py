@@ -12,8 +12,9 @@ import importlib.util
 import logging
 import os
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
+from typing import Any
 
 from prismgate.core.errors import Code, GatewayError
 
@@ -69,16 +70,51 @@ def _convert_gguf(folder: Path, filename: str, target: Path) -> None:
     model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    _save_atomically(target, model, tokenizer)
+
+
+def _save_atomically(target: Path, model: Any, tokenizer: Any) -> None:
+    """Write the model and tokenizer to ``target`` all at once: a half-written folder is never seen.
+
+    Everything in it gets the mode the umask gives a new file or folder, whatever the writers
+    chose (``mkdtemp`` makes 0700 folders, safetensors 0600 files): a cache converted by one
+    user (an image build's root) is readable by another (the container's runtime user, or the
+    next user of a cache shared on a host).
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    staging = target.parent / f".convert-{uuid.uuid4().hex}"
+    staging.mkdir()
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        _apply_umask(staging)
         if target.exists():
             shutil.rmtree(target)
-        staging.rename(target)  # atomic: a half-written folder is never picked up
+        staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _apply_umask(folder: Path) -> None:
+    mask = _umask()
+    folder.chmod(0o777 & ~mask)
+    for path in folder.rglob("*"):
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where Linux tells it (os.umask sets it too)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def resolve_model(path: str | None) -> tuple[Path, str]:
@@ -87,8 +123,15 @@ def resolve_model(path: str | None) -> tuple[Path, str]:
         return default_model_path(), DEFAULT_MODEL_ID
     folder = Path(path).expanduser()
     if not (folder / "config.json").exists():
+        if not folder.exists():
+            found = "nothing is there"
+        elif folder.is_dir() and not any(folder.iterdir()):
+            found = "the folder is empty (an unfilled mount point?)"
+        else:
+            found = "no config.json"
         raise GatewayError(
             Code.INVALID_ARGUMENT,
-            f"--model {path}: not a Hugging Face model folder (no config.json); models are never downloaded",
+            f"--model {path}: not a Hugging Face model folder ({found}); put or mount one there (config.json, "
+            f"tokenizer and weights; in a container: -v /host/models/NAME:{path}:ro); models are never downloaded",
         )
     return folder, folder.resolve().name

