@@ -10,13 +10,9 @@ from __future__ import annotations
 import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from prismgate.core.errors import invalid
 from prismgate.core.steering import Steering
-
-if TYPE_CHECKING:
-    from prismgate.core.features import FeatureSpec
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias, either way
@@ -199,3 +195,7 @@ class GenerateAction:
     atomic: bool = False  # a chat turn: all or nothing (see prismgate.core.turns)
     origin: str = ""  # the protocol that sent it ("salience", "graphpipe", ...), for metrics and logs
     fork: Fork | None = None  # one of several generations of this prompt (ignored in a session)
+
+
+# a runtime name for typed decoders (prismgate.workers.wire); imported last: features imports this module
+from prismgate.core.features import FeatureSpec  # noqa: E402
