@@ -247,7 +247,7 @@ def decode(raw: msgspec.Raw | bytes, kind: Any) -> Any:
     """A call's arguments or answer, checked against ``kind``; :class:`LinkError` when they do not match."""
     try:
         return msgspec.msgpack.decode(raw, type=kind, ext_hook=_array, dec_hook=_decode_hook)
-    except (msgspec.DecodeError, ValueError) as exc:
+    except (msgspec.DecodeError, ValueError, GatewayError) as exc:  # GatewayError: a dataclass's own check
         raise LinkError(f"malformed value: {exc}") from None
 
 
@@ -267,7 +267,7 @@ def unframe(size: int, body: bytes | None = None) -> list[Message]:
         return []
     try:
         messages: list[Message] = _FRAME.decode(body)
-    except (msgspec.DecodeError, ValueError) as exc:
+    except (msgspec.DecodeError, ValueError, GatewayError) as exc:  # GatewayError: a dataclass's own check
         raise LinkError(f"malformed frame: {exc}") from None
     return messages
 

@@ -9,19 +9,22 @@ generating and the host counts it alone (a side call is no peer).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 import pytest_asyncio
 
 from prismgate.core.actions import GenerateSpec
-from prismgate.core.engine import EngineRequest
+from prismgate.core.engine import EngineInfo, EngineRequest
 from prismgate.core.errors import GatewayError
 from prismgate.core.events import Done, TokenEvent
+from prismgate.core.features import Features
 from prismgate.workers.wire import (
     ARRAY_EXT,
     HEADER,
@@ -32,9 +35,12 @@ from prismgate.workers.wire import (
     Error,
     Join,
     Message,
+    ModelInfo,
     Target,
+    Token,
     encode,
     frame,
+    unframe,
 )
 from tests.engines.hosted import HostedEngine
 
@@ -69,12 +75,21 @@ def _bad_array() -> bytes:
 
 DROPPED = "dropped a connection on the engine host's socket: "
 
+
+def _bad_spec() -> bytes:
+    """A Generate whose request asks for more features than a spec allows (the dataclass's own check)."""
+    request = msgspec.to_builtins(EngineRequest(request_id="r", tokens=(1,), spec=GenerateSpec()))
+    request["spec"]["features"] = {"top_k": 10**9}
+    return _raw(msgspec.msgpack.encode([["generate", 1, "tiny-llama", request, ["", 1.0]]]))
+
+
 HOSTILE = {
     "over the frame limit": HEADER.pack(MAX_FRAME + 1),
     "not msgpack": _raw(b"\xc1\xc1\xc1\xc1"),
     "an unknown kind": _raw(msgspec.msgpack.encode([["pickle", b"cos\nsystem\n"]])),
     "a request off its schema": _raw(msgspec.msgpack.encode([["generate", 1, "tiny-llama", {"tokens": "x"}, 3]])),
     "an array off its shape": _bad_array(),
+    "a spec its dataclass refuses": _bad_spec(),
     "a peer's message without joining": frame([Cancel(1)]),
     "a join, then garbage": frame([Join()]) + _raw(b"\x92\xa4join"),
 }
@@ -125,6 +140,24 @@ def _side_call(path: str) -> list[Message]:
         return channel.receive()
     finally:
         channel.close()
+
+
+async def test_arrays_cross_typed_and_intact() -> None:
+    readout = np.arange(6, dtype=np.float32).reshape(2, 3)
+    features = Features(layers=(1,), ids=[np.array([4, 2], np.int64)], values=[np.array([0.5, 0.25], np.float32)])
+    event = TokenEvent(id=5, position=9, is_prefill=False, logprob=-0.5, top_logprobs=[(5, -0.5)], readout=readout,
+                       features=features)  # fmt: skip
+    (crossed,) = unframe(0, frame([Token(3, event)])[HEADER.size :])
+    assert isinstance(crossed, Token) and crossed.call == 3
+    got = crossed.event
+    assert got.readout is not None and got.readout.dtype == np.float32 and (got.readout == readout).all()
+    assert got.features is not None and got.features.ids[0].dtype == np.int64
+    assert (got.features.values[0] == features.values[0]).all() and got.top_logprobs == [(5, -0.5)]
+
+
+async def test_a_models_info_crosses_whole_but_its_tokenizer() -> None:
+    engine_fields = {f.name for f in dataclasses.fields(EngineInfo)}
+    assert set(ModelInfo.__struct_fields__) == engine_fields - {"tokenizer"} | {"tokenizer_path"}
 
 
 async def test_a_side_call_is_answered_and_is_no_peer(hosted: HostedEngine) -> None:
