@@ -12,27 +12,12 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from prismgate.core.errors import invalid
+from prismgate.core.features import FeatureSpec
+from prismgate.core.positions import PositionRange as PositionRange
 from prismgate.core.steering import Steering
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias, either way
-
-
-@dataclass(frozen=True, slots=True)
-class PositionRange:
-    """Absolute token positions ``[start, end)`` in a session's timeline."""
-
-    start: int
-    end: int
-
-    def __post_init__(self) -> None:
-        if self.start < 0 or self.end < 0:
-            raise invalid(f"position range [{self.start}, {self.end}) has a negative bound")
-        if self.end < self.start:
-            raise invalid(f"position range [{self.start}, {self.end}) ends before it starts")
-
-    def __contains__(self, position: object) -> bool:
-        return isinstance(position, int) and self.start <= position < self.end
 
 
 def covered(ranges: tuple[PositionRange, ...], position: int) -> bool:
@@ -195,7 +180,3 @@ class GenerateAction:
     atomic: bool = False  # a chat turn: all or nothing (see prismgate.core.turns)
     origin: str = ""  # the protocol that sent it ("salience", "graphpipe", ...), for metrics and logs
     fork: Fork | None = None  # one of several generations of this prompt (ignored in a session)
-
-
-# a runtime name for typed decoders (prismgate.workers.wire); imported last: features imports this module
-from prismgate.core.features import FeatureSpec  # noqa: E402
