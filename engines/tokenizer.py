@@ -71,3 +71,15 @@ def _plain_backend(tokenizer: Any) -> Any:
     ):
         return tokenizer.backend_tokenizer
     return None
+
+
+def load_tokenizer(path: str) -> HFTokenizer:
+    """The tokenizer a model folder holds, as an engine loads it (a front-end process loads its own)."""
+    from transformers import AutoTokenizer
+
+    return HFTokenizer(AutoTokenizer.from_pretrained(path))
+
+
+def tokenizer_path(tokenizer: object) -> str:
+    """The folder ``tokenizer`` was loaded from; "" when it was not loaded from one."""
+    return str(getattr(getattr(tokenizer, "hf", None), "name_or_path", "") or "")

@@ -10,33 +10,14 @@ from __future__ import annotations
 import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from prismgate.core.errors import invalid
+from prismgate.core.features import FeatureSpec
+from prismgate.core.positions import PositionRange as PositionRange
 from prismgate.core.steering import Steering
-
-if TYPE_CHECKING:
-    from prismgate.core.features import FeatureSpec
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias, either way
-
-
-@dataclass(frozen=True, slots=True)
-class PositionRange:
-    """Absolute token positions ``[start, end)`` in a session's timeline."""
-
-    start: int
-    end: int
-
-    def __post_init__(self) -> None:
-        if self.start < 0 or self.end < 0:
-            raise invalid(f"position range [{self.start}, {self.end}) has a negative bound")
-        if self.end < self.start:
-            raise invalid(f"position range [{self.start}, {self.end}) ends before it starts")
-
-    def __contains__(self, position: object) -> bool:
-        return isinstance(position, int) and self.start <= position < self.end
 
 
 def covered(ranges: tuple[PositionRange, ...], position: int) -> bool:

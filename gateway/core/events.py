@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
-if TYPE_CHECKING:
-    from prismgate.core.features import Features
+from prismgate.core.features import Features
 
 Readout = npt.NDArray[np.float32]
 """A float32 array of shape ``[n_layers, n_concepts]`` for one token position."""

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from prismgate.core.actions import PositionRange
 from prismgate.core.errors import invalid
+from prismgate.core.positions import PositionRange
 
 MAX_FEATURE_TOP_K = 64  # top features per token and layer a request may ask for
 MAX_WATCHED_FEATURES = 256  # feature ids a request may watch

@@ -23,6 +23,10 @@ why before the connection goes.
 
 Each refusal is counted in ``prismgate_request_errors_total`` under the protocol label
 ``http`` (the path is unknown at that point).
+
+The hooks are uvicorn internals: pyproject.toml bounds uvicorn to the releases that
+tests/reliability/test_connection_hooks.py passed on, and that test fails if a hook is
+renamed or no longer called.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Several front-end processes over one engine (``serve --workers N``, docs/architecture.md).
 
-* :mod:`~prismgate.workers.wire`: the private IPC between our own processes (framed pickle
-  over a Unix socket, messages batched per event-loop tick);
+* :mod:`~prismgate.workers.wire`: the typed link between our own processes (msgpack frames of
+  tagged structs over a Unix socket, batched per event-loop tick; no pickle);
 * :mod:`~prismgate.workers.host`: the engine host, the one process that holds the engines,
   the engine pool (admission, fair share, memory budget) and, with the in-memory store, the
   sessions and per-key quota counts;

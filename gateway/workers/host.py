@@ -11,56 +11,68 @@ replicas' session affinity are decided in one place, for all front-ends together
 continues on any other and a key's limits count every process's requests. With a Redis
 store the front-ends use Redis directly, as separate replicas do.
 
-It serves them over a Unix socket (:mod:`prismgate.workers.wire`). Messages in:
-
-* ``("gen", id, model, EngineRequest, Share)``: stream ``("ev", id, event)`` messages,
-  then ``("end", id)`` or ``("err", id, error)``; ``("cancel", id)`` closes the stream
-  (the engine cancels the request, as when an in-process consumer goes away);
-* ``("call", id, target, method, args)``: one call on the store, the quota or an engine,
-  answered ``("ok", id, value)`` or ``("err", id, error)``;
-* ``("release", session_key)``: drop the session's engine caches.
-
-And pushed to every front-end whenever it changes (checked every :data:`STATUS_PERIOD_S`):
-``("status", Status)``: each model's health, admission counts, session counts and how many
-front-ends are connected; once the models are loaded, ``("infos", {model: EngineInfo})``
-(in the hello for a front-end that connects later). A front-end that disconnects has
-its generations cancelled, its sessions' generation holds released and its quota leases
-returned.
+It serves them over a Unix socket, in the typed messages of :mod:`prismgate.workers.wire`
+(docs/architecture.md has the table). A front-end joins (:class:`~prismgate.workers.wire.Join`)
+and becomes a peer: it gets the hello, every status change, and its generations, session
+holds and quota leases are undone when it disconnects. A connection that sends a
+:class:`~prismgate.workers.wire.Call` first is a side call (image sizing from a worker
+thread): it is answered and is no peer. A frame over the limit or off its schema drops
+the connection that sent it, with the reason logged; the others never notice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import copyreg
 import logging
 import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from prismgate.compose import build_engine, build_quota, build_store
 from prismgate.core.engine import Engine, EngineInfo
 from prismgate.core.errors import Code, GatewayError
-from prismgate.core.health import Health
+from prismgate.core.events import TokenEvent
 from prismgate.core.pool import EnginePool
 from prismgate.core.principal import Principal
 from prismgate.core.quota import Quota
 from prismgate.core.session import Session
 from prismgate.core.stores import SessionStore
-from prismgate.engines.tokenizer import HFTokenizer
 from prismgate.settings import Settings
-from prismgate.workers.wire import Channel, Message, pack_error
+from prismgate.workers import wire
+from prismgate.workers.wire import (
+    Call,
+    Cancel,
+    Channel,
+    End,
+    Error,
+    Exit,
+    Finished,
+    Generate,
+    Hello,
+    Infos,
+    Join,
+    LinkError,
+    Message,
+    ModelInfo,
+    Ok,
+    Release,
+    Status,
+    StatusUpdate,
+    Target,
+    Token,
+    pack_error,
+)
 
 log = logging.getLogger("prismgate.workers.host")
 
 STATUS_PERIOD_S = 0.05
 EVICTION_PERIOD_S = 30.0
-
-# A tokenizer crosses to the front-ends as the Hugging Face tokenizer it wraps (its lock is rebuilt there).
-copyreg.pickle(HFTokenizer, lambda t: (HFTokenizer, (t.hf,)))
-
 
 EngineFactory = Callable[[Settings], list[Engine]]
 
@@ -68,21 +80,6 @@ EngineFactory = Callable[[Settings], list[Engine]]
 def served_engines(settings: Settings) -> list[Engine]:
     """One engine per served model and replica, as :func:`prismgate.compose.build_service` builds them."""
     return [build_engine(served) for served in settings.served() for _ in range(served.replicas)]
-
-
-@dataclass
-class Status:
-    """What every front-end mirrors of the host: enough to answer /readyz, /metrics and the pool's questions."""
-
-    health: dict[str, Health]
-    in_flight: dict[str, int]
-    active: int = 0
-    queued: int = 0
-    max_active: int = 0
-    sessions: int = 0
-    session_tokens: int = 0
-    frontends: int = 0
-    pid: int = 0
 
 
 @dataclass
@@ -116,8 +113,9 @@ class EngineHost:
             self.quota = build_quota(settings)
             self.store.on_release(self.pool.release)
         self.peers: list[_Peer] = []
-        self._infos: dict[str, EngineInfo] = {}
+        self._infos: dict[str, ModelInfo] = {}
         self._last: Status | None = None
+        self._saved: list[Path] = []
         self._started = False
 
     # -- the process ------------------------------------------------------------------
@@ -155,12 +153,22 @@ class EngineHost:
         except Exception:
             log.exception("the engine failed to start")
             return
-        self._infos = {model: self.pool.engine(model).info for model in self.pool.models}
+        self._infos = {model: self._model_info(self.pool.engine(model).info) for model in self.pool.models}
         self._started = True
         self._last = self.status()  # READY now: it goes first, so a front-end that has the infos is ready
         for peer in self.peers:  # once: an info (its tokenizer above all) is too big to go with every status
-            peer.channel.send(("status", self._last))
-            peer.channel.send(("infos", self._infos))
+            peer.channel.send(StatusUpdate(self._last))
+            peer.channel.send(Infos(self._infos))
+
+    def _model_info(self, info: EngineInfo) -> ModelInfo:
+        """What crosses of ``info``; a tokenizer built in memory is saved beside the socket for the front-ends."""
+        crossing = wire.model_info(info)
+        if not crossing.tokenizer_path or not Path(crossing.tokenizer_path).is_dir():
+            folder = Path(self.path).parent / "tokenizers" / str(len(self._saved))
+            getattr(info.tokenizer, "hf").save_pretrained(folder)  # noqa: B009 (the HF tokenizer behind the contract)
+            self._saved.append(folder)
+            crossing = msgspec.structs.replace(crossing, tokenizer_path=str(folder))
+        return crossing
 
     async def _evict(self) -> None:
         while self.store is not None:
@@ -189,24 +197,54 @@ class EngineHost:
             if status != self._last:
                 self._last = status
                 for peer in self.peers:
-                    peer.channel.send(("status", status))
+                    peer.channel.send(StatusUpdate(status))
             await asyncio.sleep(STATUS_PERIOD_S)
 
     # -- one front-end ----------------------------------------------------------------
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = _Peer(Channel(reader, writer))
-        self.peers.append(peer)
-        peer.channel.send(("hello", self.pool.models, self.store is not None, self.status(), self._infos))
+        channel = Channel(reader, writer)
+        peer: _Peer | None = None
         try:
+            first = await channel.receive()
+            if first and isinstance(first[0], Join):
+                peer = _Peer(channel)
+                self.peers.append(peer)
+                channel.send(Hello(self.pool.models, self.store is not None, self.status(), self._infos))
+                first = first[1:]
+            else:
+                await self._side_calls(channel, first)
+                return
+            for message in first:
+                self._dispatch(peer, message)
             while True:
-                for message in await peer.channel.receive():
+                for message in await channel.receive():
                     self._dispatch(peer, message)
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError):
             pass
+        except LinkError as exc:
+            log.warning("dropped a connection on the engine host's socket: %s", exc)
         finally:
-            self.peers.remove(peer)
-            await self._forget(peer)
+            if peer is not None:
+                self.peers.remove(peer)
+                await self._forget(peer)
+            channel.close()
+
+    async def _side_calls(self, channel: Channel, messages: list[Message]) -> None:
+        """A connection that did not join: engine calls only, answered on it; it is no peer."""
+        while True:
+            for message in messages:
+                if not isinstance(message, Call) or message.target is not Target.ENGINE:
+                    raise LinkError(f"a side call may only call an engine, not send {type(message).__name__}")
+                try:
+                    value = await self._engine_call(message)
+                except LinkError:
+                    raise
+                except Exception as exc:
+                    channel.send(Error(message.call, pack_error(exc)))
+                else:
+                    channel.send(Ok(message.call, msgspec.Raw(wire.encode(value))))
+            messages = await channel.receive()
 
     async def _forget(self, peer: _Peer) -> None:
         """A front-end went away: cancel its generations, end its session holds, return its leases."""
@@ -221,23 +259,25 @@ class EngineHost:
         peer.channel.closed = True
 
     def _dispatch(self, peer: _Peer, message: Message) -> None:
-        kind = message[0]
-        if kind == "gen":
-            _, call, model, request, share = message
-            peer.streams[call] = asyncio.create_task(self._stream(peer, call, model, request, share))
-        elif kind == "cancel":
-            task = peer.streams.get(message[1])
+        if isinstance(message, Generate):
+            call = message.call
+            peer.streams[call] = asyncio.create_task(
+                self._stream(peer, call, message.model, message.request, message.share)
+            )
+        elif isinstance(message, Cancel):
+            task = peer.streams.get(message.call)
             if task is not None:
                 task.cancel()
-        elif kind == "release":
-            self.pool.release(message[1])
-        elif kind == "call":
-            _, call, target, method, args = message
-            _keep(asyncio.create_task(self._call(peer, call, target, method, args)))
-        elif kind == "exit":  # the end of a generation hold: (exit, hold id, session as the front-end left it)
-            hold = peer.holds.pop(message[1], None)
+        elif isinstance(message, Release):
+            self.pool.release(message.session_key)
+        elif isinstance(message, Call):
+            _keep(asyncio.create_task(self._call(peer, message)))
+        elif isinstance(message, Exit):
+            hold = peer.holds.pop(message.call, None)
             if hold is not None and not hold.done():
-                hold.set_result(message[2])
+                hold.set_result(message.session)
+        else:
+            raise LinkError(f"a front-end may not send {type(message).__name__}")
 
     async def _stream(self, peer: _Peer, call: int, model: str, request: Any, share: Any) -> None:
         send = peer.channel.send
@@ -245,52 +285,69 @@ class EngineHost:
             stream = self.pool.generate(model, request, share)
             try:
                 async for event in stream:
-                    send(("ev", call, event))
+                    send(Token(call, event) if isinstance(event, TokenEvent) else Finished(call, event))
                     if peer.channel.writer.transport.get_write_buffer_size() > 1 << 20:
                         await peer.channel.drain()
             finally:
                 await stream.aclose()
-            send(("end", call))
+            send(End(call))
         except asyncio.CancelledError:
-            send(("end", call))
+            send(End(call))
         except Exception as exc:
-            send(("err", call, pack_error(exc)))
+            send(Error(call, pack_error(exc)))
         finally:
             peer.streams.pop(call, None)
 
-    async def _call(self, peer: _Peer, call: int, target: str, method: str, args: tuple[Any, ...]) -> None:
+    async def _call(self, peer: _Peer, message: Call) -> None:
         try:
-            value = await self._run(peer, call, target, method, args)
+            value = await self._run(peer, message)
+        except LinkError as exc:  # arguments off their schema: the same as a malformed frame
+            log.warning("dropped a front-end's connection to the engine host: %s", exc)
+            peer.channel.close()
         except Exception as exc:
-            peer.channel.send(("err", call, pack_error(exc)))
+            peer.channel.send(Error(message.call, pack_error(exc)))
         else:
-            peer.channel.send(("ok", call, value))
+            peer.channel.send(Ok(message.call, msgspec.Raw(wire.encode(value))))
 
-    async def _run(self, peer: _Peer, call: int, target: str, method: str, args: tuple[Any, ...]) -> Any:
-        if target == "engine":
-            model, data, mime = args
-            return await asyncio.to_thread(self.pool.engine(model).image_tokens, data, mime)
-        if target == "quota":
+    async def _engine_call(self, message: Call) -> int:
+        if message.method != "image_tokens":
+            raise LinkError(f"no engine call {message.method!r}")
+        model, data, mime = wire.decode(message.args, tuple[str, bytes, str])
+        return int(await asyncio.to_thread(self.pool.engine(model).image_tokens, data, mime))
+
+    async def _run(self, peer: _Peer, message: Call) -> Any:
+        target, method, call = message.target, message.method, message.call
+        if target is Target.ENGINE:
+            return await self._engine_call(message)
+        if target is Target.QUOTA:
+            if method not in _QUOTA_ARGS:
+                raise LinkError(f"no quota call {method!r}")
+            principal, rest = wire.decode(message.args, _QUOTA_ARGS[method])
             if self.quota is None:
                 raise GatewayError(Code.INTERNAL, "the engine host holds no quota (a Redis store is configured)")
-            principal, rest = args[0], args[1]
             if method == "admit":
                 await self.quota.admit(principal, rest)
                 peer.leases.add((principal, rest))
             elif method == "release":
                 peer.leases.discard((principal, rest))
                 await self.quota.release(principal, rest)
-            elif method == "charge":
+            else:
                 await self.quota.charge(principal, rest)
             return None
+        if method not in _STORE_ARGS:
+            raise LinkError(f"no store call {method!r}")
+        args = wire.decode(message.args, _STORE_ARGS[method])
         if self.store is None:
             raise GatewayError(Code.INTERNAL, "the engine host holds no sessions (a Redis store is configured)")
         if method == "hold":
             return await self._hold(peer, call, args[0])
-        if method not in _STORE_CALLS:
-            raise GatewayError(Code.INTERNAL, f"no store call {method!r}")
-        positional, named = (args[0], args[1]) if method in _NAMED else (args, {})
-        return await getattr(self.store, method)(*positional, **named)
+        if method == "create":
+            model, pinned, owner = args
+            return await self.store.create(model, pinned=pinned, owner=owner)
+        if method == "fork":
+            session_id, at_position, fork_owner = args
+            return await self.store.fork(session_id, at_position, owner=fork_owner)
+        return await getattr(self.store, method)(*args)
 
     async def _hold(self, peer: _Peer, call: int, session_id: str) -> Session:
         """Enter the store's generation for ``session_id`` and keep it until the front-end's ``exit``."""
@@ -326,8 +383,22 @@ def _keep(task: asyncio.Task[None]) -> None:
     task.add_done_callback(_TASKS.discard)
 
 
-_NAMED = frozenset({"create", "fork"})  # their arguments come as (positional, keywords)
-_STORE_CALLS = frozenset({"create", "get", "fork", "owners", "close", "reserve", "evict_expired", "unreachable"})
+# each call's arguments, decoded against these schemas (docs/architecture.md: the process link)
+_STORE_ARGS: dict[str, Any] = {
+    "create": tuple[str, bool, str],  # model, pinned, owner
+    "get": tuple[str],
+    "fork": tuple[str, int, str | None],  # session id, position, owner
+    "owners": tuple[()],
+    "close": tuple[str],
+    "reserve": tuple[int],
+    "unreachable": tuple[()],
+    "hold": tuple[str],
+}
+_QUOTA_ARGS: dict[str, Any] = {
+    "admit": tuple[Principal, str],
+    "release": tuple[Principal, str],
+    "charge": tuple[Principal, int],
+}
 
 
 def host_main(settings: Settings, path: str, engines: EngineFactory | None = None) -> None:

@@ -16,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import pickle
-import socket
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
+
+import msgspec
 
 from prismgate.core import health
 from prismgate.core.engine import EngineInfo, EngineRequest
@@ -32,8 +33,35 @@ from prismgate.core.principal import Principal
 from prismgate.core.quota import Quota
 from prismgate.core.session import Session
 from prismgate.core.stores import SessionStore
-from prismgate.workers.host import Status
-from prismgate.workers.wire import HEADER, Channel, Message, unpack_error
+from prismgate.engines.tokenizer import load_tokenizer
+from prismgate.workers import wire
+from prismgate.workers.wire import (
+    BlockingChannel,
+    Call,
+    Cancel,
+    Channel,
+    End,
+    Error,
+    Exit,
+    Finished,
+    Generate,
+    Hello,
+    Infos,
+    Join,
+    LinkError,
+    Message,
+    ModelInfo,
+    Ok,
+    Release,
+    Status,
+    StatusUpdate,
+    Target,
+    Token,
+    WireError,
+    unpack_error,
+)
+
+log = logging.getLogger("prismgate.workers.remote")
 
 HOST_GONE = "the engine host process has gone"
 _END = object()
@@ -51,16 +79,25 @@ class HostLink:
         self.infos: dict[str, EngineInfo] = {}  # each model's, once the host has loaded it
         self._channel: Channel | None = None
         self._ids = itertools.count(1)
-        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._calls: dict[int, asyncio.Future[msgspec.Raw]] = {}
         self._streams: dict[int, asyncio.Queue[Any]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.loading_infos = False
         self.gone = False
 
     async def connect(self) -> None:
         reader, writer = await asyncio.open_unix_connection(self.path, limit=1 << 24)
         self._channel = Channel(reader, writer)
-        hello = (await self._channel.receive())[0]
-        _, self.models, self.holds_sessions, self.status, self.infos = hello
+        self._channel.send(Join())
+        messages = await self._channel.receive()
+        hello = messages[0] if messages else None
+        if not isinstance(hello, Hello):
+            raise LinkError(f"the engine host answered {type(hello).__name__}, not its hello")
+        self.models, self.holds_sessions, self.status = hello.models, hello.holds_sessions, hello.status
+        self.infos = await _engine_infos(hello.infos)
+        for message in messages[1:]:
+            self._dispatch(message)
         self._reader = asyncio.create_task(self._read(), name="engine-host-link")
 
     async def _read(self) -> None:
@@ -69,35 +106,55 @@ class HostLink:
             while True:
                 for message in await self._channel.receive():
                     self._dispatch(message)
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError):
             pass
+        except LinkError as exc:
+            log.error("the engine host sent a frame off the link's rules: %s", exc)
         finally:
             self.gone = True
             for future in self._calls.values():
                 if not future.done():
                     future.set_exception(GatewayError(Code.UNAVAILABLE, HOST_GONE))
             for queue in self._streams.values():
-                queue.put_nowait(("err", None, (int(Code.UNAVAILABLE), HOST_GONE, None)))
+                queue.put_nowait(WireError(int(Code.UNAVAILABLE), HOST_GONE))
 
     def _dispatch(self, message: Message) -> None:
-        kind = message[0]
-        if kind == "ev":
-            queue = self._streams.get(message[1])
-            if queue is not None:
-                queue.put_nowait(message[2])
-        elif kind in ("end", "err") and message[1] in self._streams:
-            self._streams[message[1]].put_nowait(message if kind == "err" else _END)
-        elif kind == "ok" or kind == "err":
-            future = self._calls.pop(message[1], None)
+        if isinstance(message, (Token, Finished)):
+            queue = self._streams.get(message.call)
+            if queue is not None:  # a stream this end cancelled has gone from here already
+                queue.put_nowait(message.event)
+        elif isinstance(message, End):
+            if message.call in self._streams:
+                self._streams[message.call].put_nowait(_END)
+        elif isinstance(message, Error) and message.call in self._streams:
+            self._streams[message.call].put_nowait(message.error)
+        elif isinstance(message, (Ok, Error)):
+            future = self._calls.pop(message.call, None)
             if future is not None and not future.done():
-                if kind == "ok":
-                    future.set_result(message[2])
+                if isinstance(message, Ok):
+                    future.set_result(message.value)
                 else:
-                    future.set_exception(unpack_error(message[2]))
-        elif kind == "status":
-            self.status = message[1]
-        elif kind == "infos":
-            self.infos = message[1]
+                    future.set_exception(unpack_error(message.error))
+        elif isinstance(message, StatusUpdate):
+            self.status = message.status
+        elif isinstance(message, Infos):
+            self._load_infos(message.infos)
+        else:
+            raise LinkError(f"the engine host may not send {type(message).__name__}")
+
+    def _load_infos(self, infos: dict[str, ModelInfo]) -> None:
+        """Load the tokenizers off the loop; until then the models read as loading."""
+
+        async def load() -> None:
+            try:
+                self.infos = await _engine_infos(infos)
+            finally:
+                self.loading_infos = False
+
+        self.loading_infos = True
+        task = asyncio.create_task(load(), name="engine-infos")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def send(self, message: Message) -> None:
         if self._channel is not None:
@@ -109,20 +166,22 @@ class HostLink:
         if self._channel is None:
             raise GatewayError(Code.UNAVAILABLE, "not connected to the engine host yet")
 
-    async def call(self, target: str, method: str, *args: Any) -> Any:
-        return (await self._call(target, method, args))[1]
+    async def call(self, target: Target, method: str, args: tuple[Any, ...], answer: Any = None) -> Any:
+        """One call on the host's ``target``; its answer decoded as ``answer`` (a type)."""
+        return wire.decode((await self._call(target, method, args))[1], answer)
 
     async def hold(self, session_id: str) -> tuple[int, Session]:
         """Enter a generation on the host's session: (the hold's id, for its ``exit``; the session)."""
-        call, session = await self._call("store", "hold", (session_id,))
+        call, raw = await self._call(Target.STORE, "hold", (session_id,))
+        session: Session = wire.decode(raw, Session)
         return call, session
 
-    async def _call(self, target: str, method: str, args: tuple[Any, ...]) -> tuple[int, Any]:
+    async def _call(self, target: Target, method: str, args: tuple[Any, ...]) -> tuple[int, msgspec.Raw]:
         self._check()
         call = next(self._ids)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[msgspec.Raw] = asyncio.get_running_loop().create_future()
         self._calls[call] = future
-        self.send(("call", call, target, method, args))
+        self.send(Call(call, target, method, msgspec.Raw(wire.encode(args))))
         return call, await future
 
     async def stream(self, model: str, request: EngineRequest, share: Share) -> AsyncGenerator[Event, None]:
@@ -130,7 +189,7 @@ class HostLink:
         call = next(self._ids)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[call] = queue
-        self.send(("gen", call, model, request, share))
+        self.send(Generate(call, model, request, share))
         ended = False
         try:
             while True:
@@ -138,39 +197,51 @@ class HostLink:
                 if item is _END:
                     ended = True
                     return
-                if isinstance(item, tuple):
+                if isinstance(item, WireError):
                     ended = True
-                    raise unpack_error(item[2])
+                    raise unpack_error(item)
                 yield item
         finally:
             self._streams.pop(call, None)
             if not ended:
-                self.send(("cancel", call))
+                self.send(Cancel(call))
 
-    def call_blocking(self, target: str, method: str, *args: Any) -> Any:
-        """A call from a worker thread (image sizing): over a connection of its own, so it never waits on the loop."""
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.connect(self.path)
-            file = sock.makefile("rb")
-            hello_size = HEADER.unpack(file.read(HEADER.size))[0]
-            file.read(hello_size)
-            body = pickle.dumps([("call", 0, target, method, args)], protocol=pickle.HIGHEST_PROTOCOL)
-            sock.sendall(HEADER.pack(len(body)) + body)
+    def call_blocking(self, method: str, args: tuple[Any, ...], answer: Any) -> Any:
+        """An engine call from a worker thread (image sizing): over a connection of its own, so it never
+        waits on the loop; the connection does not join, so the host answers it and keeps no peer for it."""
+        channel = BlockingChannel(self.path)
+        try:
+            channel.send(Call(0, Target.ENGINE, method, msgspec.Raw(wire.encode(args))))
             while True:
-                size = HEADER.unpack(file.read(HEADER.size))[0]
-                for message in pickle.loads(file.read(size)):
-                    if message[0] == "ok" and message[1] == 0:
-                        return message[2]
-                    if message[0] == "err" and message[1] == 0:
-                        raise unpack_error(message[2])
+                for message in channel.receive():
+                    if isinstance(message, Ok) and message.call == 0:
+                        return wire.decode(message.value, answer)
+                    if isinstance(message, Error) and message.call == 0:
+                        raise unpack_error(message.error)
+        except (LinkError, OSError) as exc:
+            raise GatewayError(Code.UNAVAILABLE, f"{HOST_GONE} ({exc})") from None
+        finally:
+            channel.close()
 
     async def close(self) -> None:
         if self._channel is not None:
             self._channel.close()
+        for task in list(self._tasks):
+            task.cancel()
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
+
+
+async def _engine_infos(infos: dict[str, ModelInfo]) -> dict[str, EngineInfo]:
+    """Each model's info with the tokenizer this process loads from the model's folder (off the loop)."""
+    loaded: dict[str, EngineInfo] = {}
+    for model, info in infos.items():
+        tokenizer = await asyncio.to_thread(load_tokenizer, info.tokenizer_path)
+        fields = {name: getattr(info, name) for name in info.__struct_fields__ if name != "tokenizer_path"}
+        loaded[model] = EngineInfo(tokenizer=tokenizer, **fields)
+    return loaded
 
 
 class RemoteEngine:
@@ -204,7 +275,7 @@ class RemoteEngine:
         if self.link.gone:
             return health.failed(HOST_GONE)
         status = self.link.status
-        if status is None:
+        if status is None or self.link.loading_infos:  # the tokenizers are still loading in this process
             return health.LOADING
         return status.health.get(self.model_id, health.LOADING)
 
@@ -215,10 +286,10 @@ class RemoteEngine:
         return self.link.stream(self.model_id, request, share)
 
     def image_tokens(self, data: bytes, mime: str) -> int:
-        return int(self.link.call_blocking("engine", "image_tokens", self.model_id, data, mime))
+        return int(self.link.call_blocking("image_tokens", (self.model_id, data, mime), int))
 
     def release(self, session_key: str) -> None:
-        self.link.send(("release", session_key))
+        self.link.send(Release(session_key))
 
     def in_flight(self) -> int:
         status = self.link.status
@@ -293,7 +364,7 @@ class RemotePool(EnginePool):
             await asyncio.sleep(0.05)
 
     def release(self, session_key: str) -> None:
-        self.link.send(("release", session_key))
+        self.link.send(Release(session_key))
 
     async def generate(
         self, model: str | None, request: EngineRequest, share: Share = ANY
@@ -323,27 +394,27 @@ class RemoteStore(SessionStore):
         status = self.link.status
         return status.session_tokens if status is not None else 0
 
-    async def _store(self, method: str, *args: Any) -> Any:
-        return await self.link.call("store", method, *args)
+    async def _store(self, method: str, args: tuple[Any, ...], answer: Any) -> Any:
+        return await self.link.call(Target.STORE, method, args, answer)
 
     async def create(self, model: str, *, pinned: bool = False, owner: str = "") -> Session:
-        session: Session = await self._store("create", (model,), {"pinned": pinned, "owner": owner})
+        session: Session = await self._store("create", (model, pinned, owner), Session)
         return session
 
     async def get(self, session_id: str) -> Session:
-        session: Session = await self._store("get", session_id)
+        session: Session = await self._store("get", (session_id,), Session)
         return session
 
     async def fork(self, session_id: str, at_position: int, *, owner: str | None = None) -> Session:
-        session: Session = await self._store("fork", (session_id, at_position), {"owner": owner})
+        session: Session = await self._store("fork", (session_id, at_position, owner), Session)
         return session
 
     async def owners(self) -> dict[str, str]:
-        owners: dict[str, str] = await self._store("owners")
+        owners: dict[str, str] = await self._store("owners", (), dict[str, str])
         return owners
 
     async def close(self, session_id: str) -> bool:
-        return bool(await self._store("close", session_id))
+        return bool(await self._store("close", (session_id,), bool))
 
     @contextlib.asynccontextmanager
     async def generation(self, session_id: str) -> AsyncIterator[Session]:
@@ -351,13 +422,13 @@ class RemoteStore(SessionStore):
         try:
             yield session
         finally:
-            self.link.send(("exit", call, session))
+            self.link.send(Exit(call, session))
 
     async def unreachable(self) -> str | None:
         return HOST_GONE if self.link.gone else None
 
     async def reserve(self, extra_tokens: int) -> None:
-        await self._store("reserve", extra_tokens)
+        await self._store("reserve", (extra_tokens,), None)
 
     async def evict_expired(self) -> list[str]:
         return []  # the host evicts on its own clock
@@ -373,10 +444,10 @@ class RemoteQuota(Quota):
         self.link = link
 
     async def admit(self, principal: Principal, request_id: str) -> None:
-        await self.link.call("quota", "admit", principal, request_id)
+        await self.link.call(Target.QUOTA, "admit", (principal, request_id))
 
     async def release(self, principal: Principal, request_id: str) -> None:
-        await self.link.call("quota", "release", principal, request_id)
+        await self.link.call(Target.QUOTA, "release", (principal, request_id))
 
     async def charge(self, principal: Principal, tokens: int) -> None:
-        await self.link.call("quota", "charge", principal, tokens)
+        await self.link.call(Target.QUOTA, "charge", (principal, tokens))
