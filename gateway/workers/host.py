@@ -61,6 +61,7 @@ from prismgate.workers.wire import (
     Message,
     ModelInfo,
     Ok,
+    Ready,
     Release,
     Status,
     StatusUpdate,
@@ -90,6 +91,7 @@ class _Peer:
     streams: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     holds: dict[int, asyncio.Future[Session | None]] = field(default_factory=dict)  # generation holds by call id
     leases: set[tuple[Principal, str]] = field(default_factory=set)
+    ready: bool = False  # its tokenizers are loaded (it sent ready): it can serve
 
 
 class EngineHost:
@@ -187,7 +189,7 @@ class EngineHost:
             max_active=admission.max_active,
             sessions=len(self.store) if self.store is not None else 0,
             session_tokens=self.store.total_tokens if self.store is not None else 0,
-            frontends=len(self.peers),
+            frontends=sum(peer.ready for peer in self.peers),
             pid=os.getpid(),
         )
 
@@ -270,6 +272,8 @@ class EngineHost:
                 task.cancel()
         elif isinstance(message, Release):
             self.pool.release(message.session_key)
+        elif isinstance(message, Ready):
+            peer.ready = True
         elif isinstance(message, Call):
             _keep(asyncio.create_task(self._call(peer, message)))
         elif isinstance(message, Exit):

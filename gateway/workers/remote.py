@@ -52,6 +52,7 @@ from prismgate.workers.wire import (
     Message,
     ModelInfo,
     Ok,
+    Ready,
     Release,
     Status,
     StatusUpdate,
@@ -96,6 +97,7 @@ class HostLink:
             raise LinkError(f"the engine host answered {type(hello).__name__}, not its hello")
         self.models, self.holds_sessions, self.status = hello.models, hello.holds_sessions, hello.status
         self.infos = await _engine_infos(hello.infos)
+        self._ready_when_loaded()
         for message in messages[1:]:
             self._dispatch(message)
         self._reader = asyncio.create_task(self._read(), name="engine-host-link")
@@ -148,6 +150,7 @@ class HostLink:
         async def load() -> None:
             try:
                 self.infos = await _engine_infos(infos)
+                self._ready_when_loaded()
             finally:
                 self.loading_infos = False
 
@@ -155,6 +158,12 @@ class HostLink:
         task = asyncio.create_task(load(), name="engine-infos")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _ready_when_loaded(self) -> None:
+        """Tell the host this front-end can serve once it holds every model's tokenizer: the
+        host counts only such front-ends, so /readyz on any of them waits for all."""
+        if self.models and set(self.models) <= set(self.infos):
+            self.send(Ready())
 
     def send(self, message: Message) -> None:
         if self._channel is not None:

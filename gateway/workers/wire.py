@@ -42,6 +42,7 @@ class Kind(enum.Enum):
     """What a message is; its value is the tag that leads the message on the wire."""
 
     JOIN = "join"
+    READY = "ready"
     HELLO = "hello"
     STATUS = "status"
     INFOS = "infos"
@@ -120,6 +121,10 @@ class Join(_Message, tag=Kind.JOIN.value, frozen=True):
     """A front-end's first message: it becomes a peer (status pushes, holds, leases). A side call sends none."""
 
 
+class Ready(_Message, tag=Kind.READY.value, frozen=True):
+    """A peer has loaded its tokenizers: from now on it counts among the host's ready front-ends."""
+
+
 class Hello(_Message, tag=Kind.HELLO.value, frozen=True):
     models: list[str]
     holds_sessions: bool
@@ -194,6 +199,7 @@ class Release(_Message, tag=Kind.RELEASE.value, frozen=True):
 
 Message = (
     Join
+    | Ready
     | Hello
     | StatusUpdate
     | Infos
