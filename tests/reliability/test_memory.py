@@ -34,8 +34,9 @@ PROMPT = [5 + (i % 200) for i in range(3516)]
 # measured 260-330 MB here; the target is +300 MB
 RSS_OVER_BUDGET_MB = 100
 # eight client threads reading 21 MB answers share this process's interpreter lock with the
-# probe and the gateway: measured 0.6-1.2 s worst here on 2 shared cores (bench row 10: 0.96)
-PROBE_LIMIT_S = 2.0
+# probe and the gateway: 0.6-1.2 s worst on 2 cores alone, 2.2 s beside another suite; a bound,
+# not a measurement (bench/hostile.py row 10 measures it), that a frozen event loop still breaks
+PROBE_LIMIT_S = 5.0
 BODY = {
     "model": TINY_MODEL_ID,
     "prompt": PROMPT,
