@@ -185,6 +185,8 @@ class OpenAIEndpoints:
         with contextlib.suppress(GatewayError):  # still loading: no details yet
             info = self.service.info(model_id)
             ext: dict[str, Any] = {"engine": info.engine_name, "max_model_len": info.max_model_len}
+            if info.dtype:
+                ext["dtype"] = {"name": info.dtype, "reason": info.dtype_reason}
             if info.readouts is not None:
                 m = info.readouts
                 ext["readouts"] = {

@@ -17,23 +17,14 @@ import torch
 from prismgate.core.engine import VisionTokens
 from prismgate.core.errors import invalid
 from prismgate.core.session import ImageSpan
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_dtype(name: str, saved: str | None) -> torch.dtype:
-    """``auto`` keeps the dtype the weights were saved in (bf16 when unknown)."""
-    if name == "auto":
-        return _DTYPES.get(saved or "", torch.bfloat16)
-    if name not in _DTYPES:
-        raise invalid(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
-    return _DTYPES[name]
+from prismgate.engines.hf.cpu_dtype import DtypeChoice, choose_dtype
 
 
 class ModelAdapter:
     """A causal language model that takes only token ids."""
 
     vision_tokens: VisionTokens | None = None
+    dtype_choice: DtypeChoice | None = None  # set by load_adapter: the dtype it loaded in, and why
 
     def __init__(self, model: Any, tokenizer: Any, device: str) -> None:
         self.model = model
@@ -133,17 +124,24 @@ def check_cache(cache: Any, start: int) -> None:
         raise RuntimeError(f"KV cache holds {cache.get_seq_length()} tokens, expected {start}")
 
 
-def load_adapter(path: Path, *, device: str, dtype: str) -> ModelAdapter:
+def load_adapter(path: Path, *, device: str, dtype: str, flags: frozenset[str] | None = None) -> ModelAdapter:
+    """The model in ``path`` on ``device``. ``dtype`` "auto" follows the CPU rule of
+    :mod:`~prismgate.engines.hf.cpu_dtype` when the CPU's ``flags`` are given (serving), and keeps
+    the weights' dtype when not (the instruments: an artifact is the same on every CPU)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = json.loads((path / "config.json").read_text())
-    torch_dtype = resolve_dtype(dtype, config.get("dtype") or config.get("torch_dtype"))
+    choice = choose_dtype(dtype, config.get("dtype") or config.get("torch_dtype"), device, flags)
+    torch_dtype = choice.dtype
     if config.get("model_type") in {"qwen2_vl", "qwen2_5_vl"}:
         from prismgate.engines.hf.vision import Qwen2VLAdapter
 
-        return Qwen2VLAdapter.load(path, device=device, dtype=torch_dtype)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-    model.to(device)  # type: ignore[arg-type]
-    model.eval()
-    return ModelAdapter(model, tokenizer, device)
+        adapter: ModelAdapter = Qwen2VLAdapter.load(path, device=device, dtype=torch_dtype)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        model.to(device)  # type: ignore[arg-type]
+        model.eval()
+        adapter = ModelAdapter(model, tokenizer, device)
+    adapter.dtype_choice = choice
+    return adapter

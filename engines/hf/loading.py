@@ -13,6 +13,7 @@ import torch
 from prismgate.core.engine import EngineInfo, ReadoutManifest
 from prismgate.engines.hf import invariance_check, invariant
 from prismgate.engines.hf.adapters import ModelAdapter, load_adapter
+from prismgate.engines.hf.cpu_dtype import cpu_flags
 from prismgate.engines.hf.steering import Steerer
 from prismgate.engines.readouts.pack import ConceptPack
 from prismgate.engines.readouts.probe import ReadoutProbe, decoder_layers
@@ -47,7 +48,8 @@ def load(
     """Load on ``device`` ("auto": CUDA when there is one). Slow: call it off the event loop."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    adapter = load_adapter(model_path, device=device, dtype=dtype)
+    adapter = load_adapter(model_path, device=device, dtype=dtype, flags=cpu_flags())
+    choice = adapter.dtype_choice
     model = adapter.model
     probe: ReadoutProbe | None = None
     manifest: ReadoutManifest | None = None
@@ -88,8 +90,10 @@ def load(
         deterministic_off=deterministic_off,
         features=feature_manifest(encoders),
         kv_bytes_per_token=kv_bytes_per_token(config, model.dtype),
+        dtype=str(model.dtype).removeprefix("torch."),
+        dtype_reason=choice.reason if choice else "",
     )
-    log.info("loaded %s on %s (%s)", model_id, device, model.dtype)
+    log.info("loaded %s on %s in %s (%s)", model_id, device, info.dtype, info.dtype_reason)
     return LoadedModel(adapter, probe, steerer, info, encoders, features)
 
 

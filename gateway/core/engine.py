@@ -96,6 +96,8 @@ class EngineInfo:
     # bytes of keys and values the engine holds per token of a running request (the memory budget counts
     # them); 0 where the engine's KV memory is not per request (vLLM allocates its pool at start)
     kv_bytes_per_token: int = 0
+    dtype: str = ""  # the weights' dtype as served ("bfloat16", "float32", ...), and why that one
+    dtype_reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,6 +103,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
     deterministic_off: str | None = None
     features: FeatureManifest | None = None
     kv_bytes_per_token: int = 0
+    dtype: str = ""
+    dtype_reason: str = ""
 
 
 class WireError(msgspec.Struct, frozen=True):
