@@ -38,7 +38,7 @@ from prismgate.settings.groups import (
     VLLMOptions,
 )
 
-__all__ = ["ENV_PREFIX", "ConfigError", "ModelConfig", "Settings", "Spec"]
+__all__ = ["ENV_PREFIX", "GROUPS", "ConfigError", "ModelConfig", "Settings", "Spec"]
 
 # what a [[models]] entry names with keys of its own, and the settings they stand for
 MODEL_KEYS = {"name": "model_name", "model": "model", "engine": "engine"}
@@ -63,7 +63,7 @@ class ModelConfig:
     def keys() -> tuple[str, ...]:
         """Every key a ``[[models]]`` table may hold (``name`` aside)."""
         engine = ("model", "engine", "dtype", "max_model_len", *MODEL_INSTRUMENTS)
-        return (*engine, *(s.name for s in Settings.fields() if _GROUPS[s.group].per_model))
+        return (*engine, *(s.name for s in Settings.fields() if GROUPS[s.group].per_model))
 
     @classmethod
     def parse(cls, table: object, source: str) -> ModelConfig:
@@ -128,7 +128,7 @@ class Settings:
     @functools.cache
     def specs() -> dict[str, Spec]:
         """Every setting by its public name."""
-        return {s.name: s for attr, group in _GROUPS.items() for s in group_specs(attr, group)}
+        return {s.name: s for attr, group in GROUPS.items() for s in group_specs(attr, group)}
 
     def value(self, name: str) -> Any:
         """A setting's value by its public name."""
@@ -219,7 +219,7 @@ class Settings:
 
 
 # Settings' groups by attribute, in order: the --help sections and the tables follow it
-_GROUPS: dict[str, type[Group]] = {k: v for k, v in typing.get_type_hints(Settings).items() if k != "models"}
+GROUPS: dict[str, type[Group]] = {k: v for k, v in typing.get_type_hints(Settings).items() if k != "models"}
 
 
 def _read_toml(path: str) -> tuple[dict[str, tuple[str, Any]], tuple[ModelConfig, ...]]:

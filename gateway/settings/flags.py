@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from prismgate.settings import ENV_PREFIX, Settings, Spec
+from prismgate.settings import ENV_PREFIX, GROUPS, Settings, Spec
 from prismgate.settings.fields import ConfigError
 
 
 def sections() -> list[tuple[str, list[Spec]]]:
     """``--help``'s sections and the table's: one per settings group, in Settings' order."""
-    from prismgate.settings import _GROUPS
-
-    return [(group.title, [s for s in Settings.fields() if s.group == attr]) for attr, group in _GROUPS.items()]
+    return [(group.title, [s for s in Settings.fields() if s.group == attr]) for attr, group in GROUPS.items()]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
