@@ -195,8 +195,8 @@ async def main(args: argparse.Namespace) -> int:
                 from prismgate.engines.hf import TransformersEngine
                 from prismgate.engines.models import resolve_model
 
-                folder, name = resolve_model(settings.model)
-                pack = concept_pack_for(settings, served_default=not settings.model)
+                folder, name = resolve_model(settings.engine.model)
+                pack = concept_pack_for(settings, served_default=not settings.engine.model)
                 reference = TransformersEngine(
                     folder, model_id=name, concept_pack=pack, device=device, dtype=args.dtype
                 )

@@ -31,12 +31,13 @@ from starlette.types import ExceptionHandler
 from prismgate.core.errors import GatewayError
 from prismgate.core.service import SessionService
 from prismgate.drain import Drain
-from prismgate.edge.auth import BearerAuth
+from prismgate.edge.auth import BearerAuth, open_paths
 from prismgate.edge.connections import ClientConnections, WebSocketCap
 from prismgate.edge.landing import LandingPage
 from prismgate.edge.origins import OriginPolicy
 from prismgate.edge.refusals import RefusalMiddleware, Wires, on_client_disconnect, on_gateway_error
 from prismgate.edge.timeouts import BodyTimeout
+from prismgate.keys import ring_for
 from prismgate.metrics import GatewayMetrics, metrics_endpoint
 from prismgate.settings import Settings
 
@@ -83,16 +84,22 @@ def create_app(
         Route("/metrics", metrics_endpoint),
     ]
     routes += codec_routes(service, settings)
-    clients = ClientConnections(settings.max_connections_per_client)
+    clients = ClientConnections(settings.http.max_connections_per_client)
+    unguarded = open_paths(settings.graphpipe)
     app = Starlette(
         routes=routes,
         middleware=[
             Middleware(RefusalMiddleware),
-            Middleware(OriginPolicy, settings=settings),
-            Middleware(LandingPage, settings=settings),
-            Middleware(BearerAuth, settings=settings),
+            Middleware(
+                OriginPolicy,
+                allowed_origins=settings.security.allowed_origins,
+                host=settings.server.host,
+                open_paths=unguarded,
+            ),
+            Middleware(LandingPage, graphpipe_path=settings.graphpipe.path, playground=settings.server.playground),
+            Middleware(BearerAuth, keys=ring_for(settings.security), open_paths=unguarded),
             Middleware(WebSocketCap, clients=clients),
-            Middleware(BodyTimeout, settings=settings),
+            Middleware(BodyTimeout, timeout_s=settings.http.body_timeout_s),
         ],
         # one handler for HTTP and WebSocket routes (Starlette passes either connection)
         exception_handlers={
@@ -103,7 +110,7 @@ def create_app(
     app.state.service = service
     app.state.settings = settings
     app.state.metrics = metrics
-    app.state.wires = Wires(settings)
+    app.state.wires = Wires(settings.graphpipe)
     app.state.clients = clients  # shared with the HTTP protocol (prismgate.server)
     return app
 
@@ -114,7 +121,7 @@ def codec_routes(service: SessionService, settings: Settings) -> list[BaseRoute]
     routes: list[BaseRoute] = []
     for codec in (openai, evergreen):
         routes += codec.routes(service, settings)
-    if settings.playground:  # the browser page that speaks Evergreen over /evergreen
+    if settings.server.playground:  # the browser page that speaks Evergreen over /evergreen
         from prismgate.playground import routes as playground_routes
 
         routes += playground_routes(service, settings)

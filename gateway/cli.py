@@ -8,7 +8,8 @@ import os
 import sys
 
 from prismgate.core.errors import GatewayError
-from prismgate.settings import add_arguments, from_arguments
+from prismgate.settings import ConfigError
+from prismgate.settings.flags import add_arguments, from_arguments
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,8 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         settings = from_arguments(args)
-    except GatewayError as exc:
-        parser.error(exc.message)
+    except ConfigError as exc:  # one line naming the setting and where its value came from; no traceback
+        print(f"prismgate: error: {exc}", file=sys.stderr)
+        return 2
     from prismgate import logs
 
     logs.configure(settings)

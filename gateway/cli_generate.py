@@ -16,7 +16,8 @@ from prismgate.core.engine import ReadoutManifest
 from prismgate.core.events import Done, TokenEvent
 from prismgate.engines.readouts.pack import PREFERRED_VIEW_LAYER, ConceptPack
 from prismgate.engines.readouts.table import Columns, ReadoutTable
-from prismgate.settings import Settings, add_arguments
+from prismgate.settings import Settings
+from prismgate.settings.flags import add_arguments
 
 # The settings that change what `generate` loads or how it runs the model.
 SETTINGS = (
@@ -73,7 +74,7 @@ def pack_manifest(settings: Settings) -> ReadoutManifest | None:
         concept_pack_for,
     )  # here: the composition imports torch, which --help must not wait for
 
-    path = concept_pack_for(settings, served_default=not settings.model)
+    path = concept_pack_for(settings, served_default=not settings.engine.model)
     return ConceptPack.load(path).manifest if path is not None and path.exists() else None
 
 

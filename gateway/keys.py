@@ -42,7 +42,7 @@ from typing import Any
 from prismgate.auth import bearer_token
 from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.core.principal import ANYONE, Principal
-from prismgate.settings import Settings
+from prismgate.settings.groups import Security
 
 log = logging.getLogger(__name__)
 
@@ -208,13 +208,13 @@ _RINGS: dict[tuple[str | None, str | None], KeyRing] = {}
 _RINGS_LOCK = threading.Lock()
 
 
-def ring_for(settings: Settings) -> KeyRing:
+def ring_for(security: Security) -> KeyRing:
     """The process's key ring for these settings: one instance shared by the HTTP edge and every gRPC guard."""
-    key = (os.path.abspath(settings.keys_file) if settings.keys_file else None, settings.auth_token)
+    key = (os.path.abspath(security.keys_file) if security.keys_file else None, security.auth_token)
     with _RINGS_LOCK:
         ring = _RINGS.get(key)
         if ring is None:
-            ring = _RINGS[key] = KeyRing(settings.keys_file, settings.auth_token)
+            ring = _RINGS[key] = KeyRing(security.keys_file, security.auth_token)
         return ring
 
 

@@ -5,7 +5,7 @@ the JSON formatter emits them as keys, the plain formatter appends them as
 ``key=value``. Fields bound with :func:`log_context` (a codec's request id, say) are
 added to every record logged inside that context, in any module.
 
-Prompt and output text never reach the logs unless ``settings.log_prompts`` is on:
+Prompt and output text never reach the logs unless the setting ``log_prompts`` is on:
 code that has text to log checks :func:`prompts_allowed` first.
 
 With JSON logs the stream must hold nothing else, or a log shipper drops or mangles lines, so
@@ -104,21 +104,21 @@ def context_field(name: str) -> Any:
 
 
 def prompts_allowed() -> bool:
-    """Whether prompt and output text may be logged (``settings.log_prompts``)."""
+    """Whether prompt and output text may be logged (the setting ``log_prompts``)."""
     return _log_prompts
 
 
 def configure(settings: Settings) -> None:
     global _log_prompts
-    _log_prompts = settings.log_prompts
+    _log_prompts = settings.observability.log_prompts
     handler = logging.StreamHandler()
-    handler.setFormatter(JSONFormatter() if settings.log_json else TextFormatter())
+    handler.setFormatter(JSONFormatter() if settings.observability.log_json else TextFormatter())
     handler.addFilter(_ContextFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(settings.log_level.upper())
-    quiet_libraries(debug=settings.log_level.upper() == "DEBUG")
-    if settings.log_json:
+    root.setLevel(settings.observability.log_level.upper())
+    quiet_libraries(debug=settings.observability.log_level.upper() == "DEBUG")
+    if settings.observability.log_json:
         _json_only()
 
 

@@ -217,7 +217,7 @@ class GenerationObserver:
             g.last_token = now
             g.completion_tokens += 1
             g.streamed.inc()
-            if self.settings.log_prompts:
+            if self.settings.observability.log_prompts:
                 g.output_ids.append(event.id)
         else:
             g.done = event
@@ -264,12 +264,12 @@ class GenerationObserver:
             ttft_s=round(g.first_token - g.start, 4) if g.first_token is not None else None,
             duration_s=round(duration, 4),
         )
-        if self.settings.log_prompts:
+        if self.settings.observability.log_prompts:
             fields.update(self._texts(action, g))
         log.info("generation finished", extra=fields)
 
     def _texts(self, action: GenerateAction, g: _Generation) -> dict[str, str]:
-        """Prompt (this call's append) and output text, only when settings.log_prompts allows it."""
+        """Prompt (this call's append) and output text, only when the setting log_prompts allows it."""
         try:
             decode = self.service.info(g.model or None).tokenizer.decode
             return {"prompt_text": decode(list(action.append_tokens)), "output_text": decode(g.output_ids)}

@@ -86,16 +86,16 @@ class Gateway:
         self.settings = settings
         self._http_socket = http_socket
         self._shared_ports = shared_ports
-        self.keys = ring_for(settings)  # a keys file that does not parse stops the start here
+        self.keys = ring_for(settings.security)  # a keys file that does not parse stops the start here
         self.service = service or build_service(settings)
         self.metrics = GatewayMetrics()
         self.metrics.bind(self.service)
-        self.drain = Drain(settings.shutdown_grace_s)
+        self.drain = Drain(settings.server.shutdown_grace_s)
         self.observer = GenerationObserver(self.metrics, settings, self.service, self.drain, self.keys)
         self.service.monitor = self.observer
         self.app = create_app(self.service, settings, metrics=self.metrics, drain=self.drain)
-        self.http_port = settings.http_port
-        self.grpc_port = settings.grpc_port
+        self.http_port = settings.server.http_port
+        self.grpc_port = settings.server.grpc_port
         self._uvicorn: _Uvicorn | None = None
         self._uvicorn_task: asyncio.Task[None] | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -112,11 +112,11 @@ class Gateway:
         limit_malloc_arenas()
         log_scrub.install()
         accept_errors.install(asyncio.get_running_loop())
-        http_socket = self._http_socket or _listen_http(s.host, s.http_port)
+        http_socket = self._http_socket or _listen_http(s.server.host, s.server.http_port)
         self.http_port = http_socket.getsockname()[1]
         options = [
-            ("grpc.max_receive_message_length", s.grpc_max_message_bytes),
-            ("grpc.max_send_message_length", s.grpc_max_message_bytes),
+            ("grpc.max_receive_message_length", s.grpc.max_message_bytes),
+            ("grpc.max_send_message_length", s.grpc.max_message_bytes),
             # a second server on this port must fail, not share it silently; the front-ends of one
             # server share it (prismgate.workers.supervisor holds the port against other programs)
             ("grpc.so_reuseport", 1 if self._shared_ports else 0),
@@ -129,7 +129,7 @@ class Gateway:
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         reflection.enable(self._grpc, [*names, health.SERVICE_NAME])
         try:
-            self.grpc_port = self._grpc.add_insecure_port(f"{_grpc_host(s.host)}:{s.grpc_port}")
+            self.grpc_port = self._grpc.add_insecure_port(f"{_grpc_host(s.server.host)}:{s.server.grpc_port}")
         except RuntimeError as exc:  # grpc reports a failed bind this way
             self.grpc_port = 0
             reason = str(exc)
@@ -137,17 +137,17 @@ class Gateway:
             reason = "the address is in use or not available"
         if self.grpc_port == 0:
             http_socket.close()
-            raise CannotListen(s.host, s.grpc_port, "--grpc-port", reason)
+            raise CannotListen(s.server.host, s.server.grpc_port, "--grpc-port", reason)
         await self._grpc.start()
 
         config = uvicorn.Config(
             self.app,
-            http=guarded_http(s, self.app.state.clients, self.observer.refused),
+            http=guarded_http(s.http, self.app.state.clients, self.observer.refused),
             log_config=None,
             lifespan="off",
-            timeout_graceful_shutdown=math.ceil(s.shutdown_grace_s),
-            ws_max_size=s.grpc_max_message_bytes,
-            timeout_keep_alive=max(1, math.ceil(s.http_keep_alive_s)),
+            timeout_graceful_shutdown=math.ceil(s.server.shutdown_grace_s),
+            ws_max_size=s.grpc.max_message_bytes,
+            timeout_keep_alive=max(1, math.ceil(s.http.keep_alive_s)),
             access_log=False,
         )
         self._uvicorn = _Uvicorn(config)
@@ -156,14 +156,14 @@ class Gateway:
         self._tasks.append(asyncio.create_task(self._evict(), name="session-eviction"))
         log.info(
             "HTTP on %s:%d, gRPC on %s:%d",
-            s.host,
+            s.server.host,
             self.http_port,
-            s.host,
+            s.server.host,
             self.grpc_port,
             extra={"http_port": self.http_port, "grpc_port": self.grpc_port},
         )
-        if s.port_file:
-            _write_port_file(Path(s.port_file), self.http_port, self.grpc_port)
+        if s.server.port_file:
+            _write_port_file(Path(s.server.port_file), self.http_port, self.grpc_port)
 
     async def _load(self, names: list[str]) -> None:
         started = time.perf_counter()
@@ -211,7 +211,7 @@ class Gateway:
             return
         self._stopping = True
         loop = asyncio.get_running_loop()
-        grace = max(0.0, self.settings.shutdown_grace_s)
+        grace = max(0.0, self.settings.server.shutdown_grace_s)
         deadline = loop.time() + grace
         t0 = loop.time()
 
@@ -262,9 +262,9 @@ class Gateway:
         sessions = await self.service.store.close_all()
         await self.service.quota.close()
         await self.service.pool.close()
-        if self.settings.port_file:
+        if self.settings.server.port_file:
             with contextlib.suppress(OSError):
-                os.remove(self.settings.port_file)
+                os.remove(self.settings.server.port_file)
         log.info(
             "stopped",
             extra={"sessions_closed": sessions, "cut_off": cut, "shutdown_s": round(loop.time() - t0, 3)},
@@ -299,7 +299,9 @@ class Gateway:
         waiter.cancel()
         stopped.cancel()
         log.info(
-            "shutting down (grace %.1fs)", self.settings.shutdown_grace_s, extra={"in_flight": self.drain.in_flight}
+            "shutting down (grace %.1fs)",
+            self.settings.server.shutdown_grace_s,
+            extra={"in_flight": self.drain.in_flight},
         )
         await self.stop()
 
@@ -344,7 +346,7 @@ def _grpc_host(host: str) -> str:
 def serve(settings: Settings) -> int:
     """Run until SIGTERM/SIGINT; the exit status is 0 after a clean stop, 1 if a port, the keys file or the
     model failed. With ``workers`` > 1, the supervisor of several front-ends (:mod:`prismgate.workers`)."""
-    if settings.workers > 1:
+    if settings.server.workers > 1:
         from prismgate.workers.supervisor import serve_workers
 
         return serve_workers(settings)

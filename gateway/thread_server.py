@@ -30,7 +30,7 @@ class RunningGateway:
 
     @property
     def host(self) -> str:
-        host = self.gateway.settings.host
+        host = self.gateway.settings.server.host
         return "127.0.0.1" if host in {"0.0.0.0", ""} else host
 
     @property
@@ -96,7 +96,7 @@ def serve_in_thread(
     try:
         yield RunningGateway(gateway, loop)
     finally:
-        on_loop(gateway.stop(), settings.shutdown_grace_s + 60)
+        on_loop(gateway.stop(), settings.server.shutdown_grace_s + 60)
         on_loop(_cancel_leftovers(), 10)  # as asyncio.run does: no task outlives its loop
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)

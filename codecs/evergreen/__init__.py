@@ -27,19 +27,19 @@ WEBSOCKET_PATH = "/evergreen"
 def options_from(settings: Settings) -> Options:
     return Options(
         limits=Limits(
-            max_nodes=settings.evergreen_max_nodes,
-            max_bytes=settings.evergreen_max_bytes,
-            max_depth=settings.evergreen_max_depth,
+            max_nodes=settings.evergreen.max_nodes,
+            max_bytes=settings.evergreen.max_bytes,
+            max_depth=settings.evergreen.max_depth,
         ),
         refs=RefPolicy(
-            file_root=settings.evergreen_file_root,
-            http=settings.evergreen_http_refs,
-            max_bytes=settings.evergreen_ref_max_bytes,
-            timeout_s=settings.evergreen_ref_timeout_s,
+            file_root=settings.evergreen.file_root,
+            http=settings.evergreen.http_refs,
+            max_bytes=settings.evergreen.ref_max_bytes,
+            timeout_s=settings.evergreen.ref_timeout_s,
         ),
-        default_max_tokens=settings.evergreen_max_tokens,
-        slow_client_timeout_s=settings.slow_client_timeout_s,
-        buffer_bytes=settings.slow_client_buffer_bytes,
+        default_max_tokens=settings.evergreen.max_tokens,
+        slow_client_timeout_s=settings.streams.timeout_s,
+        buffer_bytes=settings.streams.buffer_bytes,
     )
 
 
@@ -50,4 +50,4 @@ def routes(service: SessionService, settings: Settings) -> list[BaseRoute]:
 
 def add_to_server(server: grpc.aio.Server, service: SessionService, settings: Settings) -> list[str]:
     """Register evergreen.v2.EvergreenService; return its full name."""
-    return [grpc_service.add(server, service, options_from(settings), ring_for(settings))]
+    return [grpc_service.add(server, service, options_from(settings), ring_for(settings.security))]

@@ -27,14 +27,14 @@ def routes(service: SessionService, settings: Settings) -> list[BaseRoute]:
 
     The app mounts these last, so routes other codecs own at the same paths win.
     """
-    path = settings.graphpipe_path.rstrip("/")
+    path = settings.graphpipe.path.rstrip("/")
     if path and not path.startswith("/"):
-        raise invalid(f"graphpipe_path must start with '/', got {settings.graphpipe_path!r}")
-    if settings.graphpipe_max_body_bytes < 1 or settings.graphpipe_max_batch < 1:
+        raise invalid(f"graphpipe_path must start with '/', got {settings.graphpipe.path!r}")
+    if settings.graphpipe.max_body_bytes < 1 or settings.graphpipe.max_batch < 1:
         raise invalid("graphpipe_max_body_bytes and graphpipe_max_batch must be >= 1")
     is_ready = is_ready_endpoint(service)
     prefixes = [path] if path else []
-    if settings.graphpipe_root or not path:
+    if settings.graphpipe.root or not path:
         prefixes.append("")
     out: list[BaseRoute] = []
     for prefix in prefixes:

@@ -112,7 +112,7 @@ class GraphPipeEndpoint:
 
     async def post(self, request: Request) -> Response:
         try:
-            body = await read_body(request, self.settings.graphpipe_max_body_bytes)
+            body = await read_body(request, self.settings.graphpipe.max_body_bytes)
             return Response(await self.answer(body, request), media_type=OCTET)
         except ClientDisconnect:
             return Response(status_code=499)
@@ -124,18 +124,18 @@ class GraphPipeEndpoint:
 
     async def answer(self, body: bytes, request: Request) -> bytes:
         # verifying and decoding cost time in proportion to the body: off the event loop
-        call = await asyncio.to_thread(wire.decode_request, body, self.settings.graphpipe_max_batch)
+        call = await asyncio.to_thread(wire.decode_request, body, self.settings.graphpipe.max_batch)
         if call is None:
             return wire.encode_metadata(self.metadata())
         self.service.models.require_ready()
-        plan = await make_plan(self.service, call, self.settings.graphpipe_max_batch, self.model)
+        plan = await make_plan(self.service, call, self.settings.graphpipe.max_batch, self.model)
         results = await _unless_disconnected(request, lambda: run_plan(self.service, plan))
         return wire.encode_outputs(assemble(plan.shape, results, self.service.info(self.model).readouts))
 
     def error(self, exc: GatewayError, request: Request) -> Response:
         log.info("graphpipe error %s: %s", exc.code.name, exc.message)
         retry = None if exc.retry_after_s is None else {"retry-after": str(int(exc.retry_after_s))}
-        if wants_http_errors(self.settings.graphpipe_error_status, request):
+        if wants_http_errors(self.settings.graphpipe.error_status, request):
             # counted by the middleware
             return PlainTextResponse(exc.message + "\n", status_code=http_status(exc), headers=retry)
         if not exc.reported:  # a 200 carrying an error: the middleware sees only the 200

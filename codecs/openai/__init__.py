@@ -21,8 +21,8 @@ __all__ = ["routes"]
 
 
 def routes(service: SessionService, settings: Settings) -> list[BaseRoute]:
-    if settings.openai_default_max_tokens is not None and settings.openai_default_max_tokens < 1:
-        raise invalid(f"openai_default_max_tokens must be >= 1, got {settings.openai_default_max_tokens}")
+    if settings.openai.default_max_tokens is not None and settings.openai.default_max_tokens < 1:
+        raise invalid(f"openai_default_max_tokens must be >= 1, got {settings.openai.default_max_tokens}")
     api = OpenAIEndpoints(service, settings)
     return [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),

@@ -80,7 +80,7 @@ class OpenAIEndpoints:
 
     async def _read(self, request: Request) -> bytes:
         """The body, up to ``openai_max_body_bytes``: refused from its Content-Length before a byte is read."""
-        limit = self.settings.openai_max_body_bytes
+        limit = self.settings.openai.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise _too_large(f"{declared} bytes", limit)

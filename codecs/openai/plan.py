@@ -106,7 +106,7 @@ async def _plan(
             features=common.features,
         ),
         max_tokens=common.max_tokens,
-        default_max_tokens=settings.openai_default_max_tokens,
+        default_max_tokens=settings.openai.default_max_tokens,
         logprobs=common.top_logprobs is not None,
         readouts=axes is not None,
         report_prompt=echo,

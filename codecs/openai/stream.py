@@ -43,8 +43,8 @@ class EventStream:
 
     def __init__(self, events: AsyncIterator[str], settings: Settings, dumps: Callable[[Any], str]) -> None:
         self.events = events
-        self.timeout_s = settings.slow_client_timeout_s
-        self.limit_bytes = settings.slow_client_buffer_bytes
+        self.timeout_s = settings.streams.timeout_s
+        self.limit_bytes = settings.streams.buffer_bytes
         self.dumps = dumps
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

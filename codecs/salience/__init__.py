@@ -47,12 +47,12 @@ PROTOCOL = "salience"
 
 def add_to_server(server: grpc.aio.Server, service: SessionService, settings: Settings) -> list[str]:
     """Register salience.v1.Salience and its companions; return their full names."""
-    guard = Guard(service, PROTOCOL, ring_for(settings), slow_client_timeout_s=settings.slow_client_timeout_s)
+    guard = Guard(service, PROTOCOL, ring_for(settings.security), slow_client_timeout_s=settings.streams.timeout_s)
     return [
         add_guarded(
             server,
             salience_pb2_grpc.add_SalienceServicer_to_server,
-            SalienceServicer(service, settings.slow_client_buffer_bytes),
+            SalienceServicer(service, settings.streams.buffer_bytes),
             guard,
         ),
         add_guarded(
@@ -66,7 +66,7 @@ def add_to_server(server: grpc.aio.Server, service: SessionService, settings: Se
         add_guarded(
             server,
             salience_features_pb2_grpc.add_FeaturesServicer_to_server,
-            FeaturesServicer(service, settings.slow_client_buffer_bytes),
+            FeaturesServicer(service, settings.streams.buffer_bytes),
             guard,
         ),
     ]

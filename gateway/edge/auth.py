@@ -23,19 +23,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from prismgate.core.errors import GatewayError
 from prismgate.core.principal import acting_as
 from prismgate.edge.refusals import refuse
-from prismgate.keys import ring_for
+from prismgate.keys import KeyRing
 from prismgate.logs import log_context
-from prismgate.settings import Settings
+from prismgate.settings.groups import GraphPipe
 
 TOKEN_SUBPROTOCOL = "bearer."
 
 
-def open_paths(settings: Settings) -> frozenset[str]:
-    """Paths served without a token: probes, metrics, the playground's static files."""
+def open_paths(graphpipe: GraphPipe) -> frozenset[str]:
+    """Paths served without a token: probes, metrics, the playground's static files, GraphPipe's probes."""
     paths = {"/healthz", "/readyz", "/metrics", "/playground", "/playground/", "/playground/app.js"}
     paths.add("/playground/style.css")
-    prefix = settings.graphpipe_path.rstrip("/")
-    bases = {prefix} | ({""} if settings.graphpipe_root or not prefix else set())
+    prefix = graphpipe.path.rstrip("/")
+    bases = {prefix} | ({""} if graphpipe.root or not prefix else set())
     for base in bases:
         paths |= {f"{base}/control/is_ready", f"{base}/control/is_alive"}
     return frozenset(paths)
@@ -60,10 +60,10 @@ def presented_token(scope: Scope) -> str | None:
 class BearerAuth:
     """Refuse HTTP requests and WebSockets without a known key, before any route runs; run the rest as its key."""
 
-    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+    def __init__(self, app: ASGIApp, keys: KeyRing, open_paths: frozenset[str]) -> None:
         self.app = app
-        self.keys = ring_for(settings)
-        self.open = open_paths(settings)
+        self.keys = keys
+        self.open = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in {"http", "websocket"}:

@@ -42,7 +42,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from prismgate.core.errors import Code
 from prismgate.edge.refusals import Refusal, refuse
-from prismgate.settings import Settings
+from prismgate.settings.groups import HTTP
 
 log = logging.getLogger(__name__)
 
@@ -249,15 +249,15 @@ class GuardedHTTP(HttpToolsProtocol):
             self.loop.call_later(LINGER_S, self.transport.close)
 
 
-def guarded_http(settings: Settings, clients: ClientConnections, refused: Refused) -> type[GuardedHTTP]:
+def guarded_http(http: HTTP, clients: ClientConnections, refused: Refused) -> type[GuardedHTTP]:
     """The protocol class for one gateway, its limits bound (uvicorn instantiates it per connection)."""
     return type(
         "GuardedHTTP",
         (GuardedHTTP,),
         {
-            "header_timeout_s": settings.http_header_timeout_s,
-            "send_timeout_s": settings.http_send_timeout_s,
-            "max_header_bytes": settings.http_max_header_bytes,
+            "header_timeout_s": http.header_timeout_s,
+            "send_timeout_s": http.send_timeout_s,
+            "max_header_bytes": http.max_header_bytes,
             "clients": clients,
             "refused": staticmethod(refused),
         },

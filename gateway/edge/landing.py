@@ -14,8 +14,6 @@ from starlette.datastructures import Headers
 from starlette.responses import HTMLResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from prismgate.settings import Settings
-
 
 def wants_html(accept: str) -> bool:
     """Whether ``text/html`` comes before any JSON type in the Accept header (browsers list it first)."""
@@ -28,14 +26,14 @@ def wants_html(accept: str) -> bool:
     return False
 
 
-def page(settings: Settings) -> str:
+def page(graphpipe_path: str, playground: bool) -> str:
     links = [
         ("/v1/models", "Models", "the OpenAI-compatible API (/v1)"),
         ("/metrics", "Metrics", "Prometheus"),
         ("/readyz", "Readiness", "whether the model is loaded"),
-        (settings.graphpipe_path, "GraphPipe metadata", "inputs and outputs as JSON"),
+        (graphpipe_path, "GraphPipe metadata", "inputs and outputs as JSON"),
     ]
-    if settings.playground:
+    if playground:
         links.insert(0, ("/playground", "Playground", "chat with the model and see its concept readouts"))
     items = "\n".join(
         f'<li><a href="{escape(href)}">{escape(name)}</a>: {escape(what)}</li>' for href, name, what in links
@@ -55,9 +53,9 @@ The documentation is the README and the <code>docs/</code> folder of the reposit
 
 
 class LandingPage:
-    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+    def __init__(self, app: ASGIApp, graphpipe_path: str, playground: bool) -> None:
         self.app = app
-        self.html = page(settings)
+        self.html = page(graphpipe_path, playground)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (

@@ -28,9 +28,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prismgate.core.errors import Code
-from prismgate.edge.auth import open_paths
 from prismgate.edge.refusals import Refusal, refuse
-from prismgate.settings import Settings
 
 CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 CORS_MAX_AGE_S = "600"
@@ -54,8 +52,7 @@ def _host_name(host_header: str) -> str:
 class Origins:
     """The ``allowed_origins`` policy for one server."""
 
-    def __init__(self, settings: Settings) -> None:
-        raw = settings.allowed_origins
+    def __init__(self, raw: str | None) -> None:
         self.any = raw is not None and raw.strip() == "*"
         self.listed = frozenset(o.strip().rstrip("/").lower() for o in (raw or "").split(",") if o.strip())
         self.default = raw is None
@@ -76,12 +73,13 @@ class Origins:
 class OriginPolicy:
     """The ASGI middleware that applies :class:`Origins` and the loopback ``Host`` check."""
 
-    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+    def __init__(self, app: ASGIApp, allowed_origins: str | None, host: str, open_paths: frozenset[str]) -> None:
+        """``host``: the address the server binds; ``open_paths``: paths any page may call."""
         self.app = app
-        self.origins = Origins(settings)
-        self.open = open_paths(settings)
-        self.check_host = is_loopback(settings.host)
-        self.bind_host = settings.host.strip("[]").lower()
+        self.origins = Origins(allowed_origins)
+        self.open = open_paths
+        self.check_host = is_loopback(host)
+        self.bind_host = host.strip("[]").lower()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in {"http", "websocket"}:

@@ -31,7 +31,7 @@ from prismgate.codecs.status import WIRE_STATUS, close_code, http_status
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.service import SessionService
 from prismgate.observer import request_tally
-from prismgate.settings import Settings
+from prismgate.settings.groups import GraphPipe
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,11 @@ def code_of_status(status: int) -> Code:
 class Wires:
     """Which protocol a path belongs to, from the settings that place the routes."""
 
-    def __init__(self, settings: Settings) -> None:
-        self.graphpipe_error_status = settings.graphpipe_error_status
-        prefix = settings.graphpipe_path.rstrip("/")
+    def __init__(self, graphpipe: GraphPipe) -> None:
+        self.graphpipe_error_status = graphpipe.error_status
+        prefix = graphpipe.path.rstrip("/")
         self._graphpipe_prefix = prefix
-        self._graphpipe_root = settings.graphpipe_root or not prefix
+        self._graphpipe_root = graphpipe.root or not prefix
 
     def protocol(self, path: str) -> str:
         if path == "/v1" or path.startswith("/v1/"):

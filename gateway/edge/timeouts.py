@@ -16,13 +16,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prismgate.core.errors import Code
 from prismgate.edge.refusals import Refusal, refuse
-from prismgate.settings import Settings
 
 
 class BodyTimeout:
-    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+    def __init__(self, app: ASGIApp, timeout_s: float) -> None:
         self.app = app
-        self.timeout_s = settings.http_body_timeout_s
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

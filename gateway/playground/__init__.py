@@ -90,7 +90,7 @@ def manifest(service: SessionService, settings: Settings) -> dict[str, object]:
     readouts = None
     if info.readouts is not None:
         m = info.readouts
-        measured = steering_for(settings, m, served_default=settings.model is None)
+        measured = steering_for(settings, m, served_default=settings.engine.model is None)
         steering = steering_defaults(m.layers, m.concepts, measured)
         first = first_steered(m.concepts, measured)
         readouts = {
@@ -99,7 +99,7 @@ def manifest(service: SessionService, settings: Settings) -> dict[str, object]:
             "hiddenSize": m.hidden_size,
             "layerConvention": m.layer_convention,
             "centers": None if m.centers is None else [list(row) for row in m.centers],
-            "scales": scales_for(settings, m, served_default=settings.model is None),
+            "scales": scales_for(settings, m, served_default=settings.engine.model is None),
             "defaultLayer": view_layer(m.layers),
             "defaultConcept": m.concepts.index(first) if first is not None else view_concept(m.concepts),
             "steering": steering,

@@ -80,7 +80,7 @@ EngineFactory = Callable[[Settings], list[Engine]]
 
 def served_engines(settings: Settings) -> list[Engine]:
     """One engine per served model and replica, as :func:`prismgate.compose.build_service` builds them."""
-    return [build_engine(served) for served in settings.served() for _ in range(served.replicas)]
+    return [build_engine(served) for served in settings.served() for _ in range(served.transformers.replicas)]
 
 
 @dataclass
@@ -103,14 +103,14 @@ class EngineHost:
         built = (engines or served_engines)(settings)
         self.pool = EnginePool(
             built,
-            max_active=settings.max_active,
-            max_queued=settings.max_queued,
-            reserved_slots=settings.reserved_slots,
-            memory_budget_bytes=settings.memory_budget_bytes,
+            max_active=settings.admission.max_active,
+            max_queued=settings.admission.max_queued,
+            reserved_slots=settings.admission.reserved_slots,
+            memory_budget_bytes=settings.admission.memory_budget_bytes,
         )
         self.store: SessionStore | None = None
         self.quota: Quota | None = None
-        if settings.session_store == "memory":
+        if settings.sessions.store == "memory":
             self.store = build_store(settings)
             self.quota = build_quota(settings)
             self.store.on_release(self.pool.release)

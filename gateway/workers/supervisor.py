@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -66,10 +65,10 @@ def serve_workers(settings: Settings, engines: EngineFactory | None = None) -> i
     engine); None: the settings' models."""
     from prismgate.server import CannotListen, _listen_http, _write_port_file
 
-    n = settings.workers
+    n = settings.server.workers
     try:
-        http_socket = _listen_http(settings.host, settings.http_port)
-        grpc_guard = _hold_grpc_port(settings.host, settings.grpc_port)
+        http_socket = _listen_http(settings.server.host, settings.server.http_port)
+        grpc_guard = _hold_grpc_port(settings.server.host, settings.server.grpc_port)
     except CannotListen as exc:
         log.error("%s", exc)
         return 1
@@ -106,7 +105,7 @@ def serve_workers(settings: Settings, engines: EngineFactory | None = None) -> i
                 log.error("the engine host did not start (exit status %s)", host.exitcode)
                 return 1
             time.sleep(0.02)
-        front = dataclasses.replace(settings, http_port=http_port, grpc_port=grpc_port, port_file=None)
+        front = settings.replace(http_port=http_port, grpc_port=grpc_port, port_file=None)
         previous = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # the front-ends, not the host, count
         started = [spawn.Event() for _ in range(n)]
@@ -132,22 +131,22 @@ def serve_workers(settings: Settings, engines: EngineFactory | None = None) -> i
             time.sleep(0.02)
         log.info(
             "HTTP on %s:%d, gRPC on %s:%d, %d front-end processes over one engine host",
-            settings.host,
+            settings.server.host,
             http_port,
-            settings.host,
+            settings.server.host,
             grpc_port,
             n,
             extra={"http_port": http_port, "grpc_port": grpc_port, "workers": n, "host_pid": host.pid},
         )
-        if settings.port_file:
-            _write_port_file(Path(settings.port_file), http_port, grpc_port)
+        if settings.server.port_file:
+            _write_port_file(Path(settings.server.port_file), http_port, grpc_port)
         status = _watch(host, frontends, stopping)
     finally:
         _stop(host, frontends, stopping)
         grpc_guard.close()
-        if settings.port_file:
+        if settings.server.port_file:
             with contextlib.suppress(OSError):
-                os.remove(settings.port_file)
+                os.remove(settings.server.port_file)
         shutil.rmtree(folder, ignore_errors=True)
     if any(p.exitcode not in (0, None) for p in [*frontends, host]):
         status = 1
@@ -251,7 +250,7 @@ async def _frontend(
     from prismgate.server import Gateway
     from prismgate.workers.remote import HostLink, RemotePool, RemoteQuota, RemoteStore
 
-    link = HostLink(path, settings.workers)
+    link = HostLink(path, settings.server.workers)
     await link.connect()
     shared = link.holds_sessions
     service = SessionService(
@@ -259,8 +258,8 @@ async def _frontend(
         RemoteStore(link) if shared else build_store(settings),
         build_budget(settings),
         RemoteQuota(link) if shared else build_quota(settings),
-        deterministic=settings.deterministic,
-        specials_in_text=settings.allow_special_tokens_in_text,
+        deterministic=settings.engine.deterministic,
+        specials_in_text=settings.security.allow_special_tokens_in_text,
     )
     gateway = Gateway(settings, service, http_socket=http_socket, shared_ports=True)
     gateway.app.add_middleware(WorkerHeader, value=str(index).encode())

@@ -8,11 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prismgate.core.errors import GatewayError
 from prismgate.engines.vllm import config
 from prismgate.engines.vllm.channel import StepPacket, decode_step, encode_step
 from prismgate.engines.vllm.tracker import Tracker
-from prismgate.settings import Settings
+from prismgate.settings import ConfigError, Settings
 
 pytestmark = pytest.mark.engine_suite
 
@@ -68,19 +67,23 @@ def test_parallel_settings_are_checked(tmp_path: Path) -> None:
         'pipeline_parallel_size = 2\ndata_parallel_size = 4\ndistributed_executor_backend = "ray"\n'
     )
     (big,) = Settings.load({}, env={}, config_file=str(path)).served()
-    assert (big.pipeline_parallel_size, big.data_parallel_size, big.distributed_executor_backend) == (2, 4, "ray")
+    assert (big.vllm.pipeline_parallel_size, big.vllm.data_parallel_size, big.vllm.distributed_executor_backend) == (
+        2,
+        4,
+        "ray",
+    )
     env = {"PRISMGATE_ENGINE": "vllm", "PRISMGATE_DATA_PARALLEL_SIZE": "2"}
-    assert Settings.load({}, env=env).data_parallel_size == 2
-    with pytest.raises(GatewayError, match="data_parallel_size must be >= 1"):
+    assert Settings.load({}, env=env).vllm.data_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"data_parallel_size .*must be 1 unless the engine is vllm"):
         Settings.load({"data_parallel_size": 2}, env={})  # the transformers engine: use replicas
-    with pytest.raises(GatewayError, match="pipeline_parallel_size must be >= 1"):
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size .*0 is not valid: expected int >= 1"):
         Settings.load({"engine": "vllm", "pipeline_parallel_size": 0}, env={})
-    with pytest.raises(GatewayError, match="distributed_executor_backend must be one of"):
+    with pytest.raises(ConfigError, match=r"distributed_executor_backend .*'slurm' is not one of mp, ray"):
         Settings.load({"engine": "vllm", "distributed_executor_backend": "slurm"}, env={})
     remote = Settings.load({"engine": "vllm", "vllm_readout_address": "tcp://10.0.0.5:5601"}, env={})
-    assert remote.vllm_readout_address == "tcp://10.0.0.5:5601"
+    assert remote.vllm.readout_address == "tcp://10.0.0.5:5601"
     for bad in ("ipc:///tmp/x", "tcp://10.0.0.5", "tcp://host:port", "tcp://a b:1"):
-        with pytest.raises(GatewayError, match="vllm_readout_address must be tcp://HOST:PORT"):
+        with pytest.raises(ConfigError, match=r"vllm_readout_address .*must be tcp://HOST:PORT"):
             Settings.load({"engine": "vllm", "vllm_readout_address": bad}, env={})
 
 
@@ -90,6 +93,7 @@ def test_the_parallel_example_in_the_scaling_guide_loads(tmp_path: Path) -> None
     path = tmp_path / "big.toml"
     path.write_text(example)
     (big,) = Settings.load({}, env={}, config_file=str(path)).served()
-    assert (big.engine, big.tensor_parallel_size, big.pipeline_parallel_size, big.data_parallel_size) == (
+    names = ("engine", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+    assert tuple(big.value(name) for name in names) == (
         "vllm", 4, 2, 2,
     )  # fmt: skip

@@ -36,7 +36,7 @@ def refused_while_another_is_served(url: str, body: bytes) -> tuple[dict[str, An
 
 
 def test_a_string_tensor_of_many_elements_is_refused_before_decoding(live_server: Any) -> None:
-    max_batch = live_server.gateway.settings.graphpipe_max_batch
+    max_batch = live_server.gateway.settings.graphpipe.max_batch
     body = infer_buffer([np.array([""] * 200_000)], ["prompt"])
     error, took = refused_while_another_is_served(live_server.http_url, body)
     assert error["code"] == Code.INVALID_ARGUMENT

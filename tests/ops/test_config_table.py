@@ -26,6 +26,19 @@ def test_every_setting_has_a_row() -> None:
         assert f"| `--{field.name.replace('_', '-')}` | `PRISMGATE_{field.name.upper()}` | `{field.name}` |" in doc
 
 
+def test_each_group_is_one_table_under_its_own_heading() -> None:
+    """The tables follow the groups: every setting sits under its group's heading, and nowhere else."""
+    from prismgate.settings.flags import sections
+
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    parts = doc.split("\n### ")[1:]
+    assert len(parts) == len(sections()) > 10
+    for part, (title, specs) in zip(parts, sections(), strict=True):
+        assert part.startswith(title[:1].upper() + title[1:] + "\n")
+        rows = [line.split(" | ")[0].strip("| `") for line in part.splitlines() if line.startswith("| `--")]
+        assert rows == [spec.flag for spec in specs]
+
+
 def test_check_fails_on_a_stale_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     try:

@@ -32,7 +32,7 @@ def idle_then_reuse(port: int, idle_s: float) -> bytes:
 
 
 def test_the_default_keeps_idle_connections_longer_than_uvicorns_5_s(live_server: Any) -> None:
-    assert live_server.gateway.settings.http_keep_alive_s >= 60
+    assert live_server.gateway.settings.http.keep_alive_s >= 60
     assert idle_then_reuse(live_server.gateway.http_port, 2.0).startswith(b"HTTP/1.1 200")
 
 

@@ -29,7 +29,7 @@ from websockets.sync.client import connect
 
 from prismgate.core.errors import Code
 from prismgate.edge.connections import ClientConnections, GuardedHTTP, WebSocketCap, guarded_http
-from prismgate.settings import Settings
+from prismgate.settings.groups import HTTP
 
 CAP = 3
 HEAD_LIMIT = 2048
@@ -73,10 +73,10 @@ async def _app(scope: Scope, receive: Receive, send: Send, edge: Edge) -> None:
 
 @pytest.fixture(scope="module")
 def edge() -> Iterator[Edge]:
-    settings = Settings(
-        http_header_timeout_s=HEAD_TIMEOUT_S,
-        http_send_timeout_s=SEND_TIMEOUT_S,
-        http_max_header_bytes=HEAD_LIMIT,
+    limits = HTTP(
+        header_timeout_s=HEAD_TIMEOUT_S,
+        send_timeout_s=SEND_TIMEOUT_S,
+        max_header_bytes=HEAD_LIMIT,
         max_connections_per_client=CAP,
     )
     clients = ClientConnections(CAP)
@@ -92,7 +92,7 @@ def edge() -> Iterator[Edge]:
 
     config = uvicorn.Config(
         WebSocketCap(app, clients),
-        http=guarded_http(settings, clients, refused),
+        http=guarded_http(limits, clients, refused),
         log_config=None,
         lifespan="off",
         access_log=False,

@@ -12,7 +12,7 @@ import pytest
 from prismgate.compose import sae_specs
 from prismgate.core.errors import GatewayError
 from prismgate.engines.hf import TransformersEngine
-from prismgate.settings import Settings
+from prismgate.settings import ConfigError, Settings
 from tests.sae.saes import write_sae
 from tests.serve_process import ENV, PRISMGATE
 
@@ -34,9 +34,9 @@ def test_models_entries_carry_their_own_saes_and_labels(tmp_path: Path, tiny_mod
 
 
 def test_settings_mistakes_are_named(tmp_path: Path) -> None:
-    with pytest.raises(GatewayError, match="give sae too"):
+    with pytest.raises(ConfigError, match="give sae too"):
         Settings.load({"sae_labels": "x.json"}, env={})
-    assert Settings.load({"sae": "x", "engine": "vllm"}, env={}).sae == "x"  # both engines read SAEs
+    assert Settings.load({"sae": "x", "engine": "vllm"}, env={}).instruments.sae == "x"  # both engines read SAEs
     settings = Settings.load({"sae": "a", "sae_labels": "x.json,y.json"}, env={})
     with pytest.raises(GatewayError, match="names 2 files for 1 SAEs"):
         sae_specs(settings, tmp_path, served_default=False)

@@ -53,6 +53,6 @@ def test_the_per_client_connection_cap_moves_to_nginx() -> None:
     assert "limit_conn_status 503;" in text  # what a replica answers past its cap
     servers = re.findall(r"\n    server \{(.*?)\n    \}", text, flags=re.S)
     assert len(servers) == 2  # HTTP and gRPC
-    default = Settings.load({}, env={}).max_connections_per_client
+    default = Settings.load({}, env={}).http.max_connections_per_client
     for body in servers:
         assert f"limit_conn prismgate_per_client {default};" in body
