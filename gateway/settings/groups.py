@@ -186,7 +186,13 @@ class Engine(Group):
     engine: str = setting("transformers", "Engine that runs the model.", choices=("transformers", "vllm"))
     model: str | None = setting(None, "Local Hugging Face model folder; default: the embedded SmolLM2-135M-Instruct.")
     model_name: str | None = setting(None, "Name clients use for the model (default: the folder's name).")
-    dtype: str = setting("auto", "Weights dtype.", choices=("auto", "bfloat16", "float16", "float32"))
+    dtype: str = setting(
+        "auto",
+        "Weights dtype. `auto`: the weights' own, except that bfloat16 weights are served in float32 on a "
+        "CPU without `amx_bf16` or `avx512_bf16` (faster there: docs/benchmarks.md); /readyz and "
+        "/v1/models say which and why.",
+        choices=("auto", "bfloat16", "float16", "float32"),
+    )
     max_model_len: int | None = setting(None, "Context length limit (default: the model's own).")
     deterministic: bool = setting(
         False,
