@@ -35,9 +35,9 @@ import torch
 
 from prismgate.core.errors import invalid
 from prismgate.core.steering import Comparison, Gate, Positions, Steering, SteeringEntry
+from prismgate.engines.introspect import decoder_layers
 from prismgate.engines.invariant_rows import SWITCH
 from prismgate.engines.readouts.pack import ConceptPack
-from prismgate.engines.readouts.probe import decoder_layers
 from prismgate.engines.sae.encode import SaeEncoder, decoder_direction
 
 # (kind, layer, index): a concept readout ("concept", layer, concept index in the pack) or an SAE

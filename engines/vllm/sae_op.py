@@ -21,8 +21,8 @@ once, as the readout op does) and how many watched columns the step uses. Under 
 the op always computes every column, since replays skip its host code.
 
 The product is not padded to a fixed row count as the readout op's is: on a CPU the padded
-eight-row product of a decode step costs about five times the one-row one (1.7 against 0.36 ms
-for SmolLM2's 576 x 4096 encoder, measured here), and the transformers engine pads only for
+eight-row product of a decode step costs several times the one-row one (figures in
+docs/benchmarks.md), and the transformers engine pads only for
 deterministic requests, which vLLM on CPU refuses. So a row's activations may differ in their
 last bits between batch sizes (the tests hold them to 1e-4); under vLLM's batch-invariant mode
 (GPU) vLLM's own kernels make the product batch invariant.
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from prismgate.core.features import MAX_WATCHED_FEATURES
-from prismgate.engines.readouts.probe import decoder_layers
+from prismgate.engines.introspect import decoder_layers
 from prismgate.engines.vllm.capture import recording
 from prismgate.engines.vllm.encoder import JUMPRELU, TOPK, SaeWeights, pre_activations
 from prismgate.engines.vllm.features import top_width

@@ -27,8 +27,8 @@ import numpy as np
 import numpy.typing as npt
 
 from prismgate.core.errors import invalid
-from prismgate.engines.readouts.capture import Capture, CapturedPrompts
-from prismgate.engines.readouts.prompt_sets import PromptSet, prompt_sets_digest
+from prismgate.instruments.packs.capture import Capture, CapturedPrompts
+from prismgate.instruments.packs.prompt_sets import PromptSet, prompt_sets_digest
 
 
 def direction(pos: npt.NDArray[np.float64], neg: npt.NDArray[np.float64], *, what: str = "") -> npt.NDArray[np.float64]:

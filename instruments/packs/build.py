@@ -30,7 +30,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from prismgate.engines.readouts.capture import (
+from prismgate.engines.introspect import decoder_layers
+from prismgate.engines.readouts.pack import DEFAULT_PACKS, ConceptPack
+from prismgate.instruments.packs.capture import (
     DEFAULT_BATCH,
     OUTLIER_FACTOR,
     SKIP_FIRST,
@@ -44,11 +46,9 @@ from prismgate.engines.readouts.capture import (
     load_model,
     token_keep,
 )
-from prismgate.engines.readouts.directions import concept_centers, concept_directions, direction, method_text
-from prismgate.engines.readouts.pack import DEFAULT_PACKS, ConceptPack
-from prismgate.engines.readouts.probe import decoder_layers
-from prismgate.engines.readouts.prompt_sets import PromptSet, checked_sets, load_prompt_sets, prompt_sets_digest
-from prismgate.engines.readouts.report import (
+from prismgate.instruments.packs.directions import concept_centers, concept_directions, direction, method_text
+from prismgate.instruments.packs.prompt_sets import PromptSet, checked_sets, load_prompt_sets, prompt_sets_digest
+from prismgate.instruments.packs.report import (
     DEFAULT_FOLDS,
     FoldFit,
     Separation,
@@ -57,7 +57,7 @@ from prismgate.engines.readouts.report import (
     separation,
     separation_report,
 )
-from prismgate.engines.readouts.show import describe, readouts
+from prismgate.instruments.packs.show import describe, readouts
 
 # Everything this module offered before it was split up stays importable from here.
 __all__ = [
@@ -211,8 +211,8 @@ def build_pack(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``prismgate concepts {build,show} ...``: see :func:`prismgate.engines.readouts.cli.main`."""
-    from prismgate.engines.readouts.cli import main as cli_main  # cli imports this module's defaults
+    """``prismgate concepts {build,show} ...``: see :func:`prismgate.instruments.packs.cli.main`."""
+    from prismgate.instruments.packs.cli import main as cli_main  # cli imports this module's defaults
 
     return cli_main(argv)
 

@@ -35,17 +35,17 @@ from typing import Any
 
 import torch
 
-from prismgate.engines.readouts.capture import deterministic_torch
-from prismgate.engines.readouts.probe import decoder_layers
+from prismgate.engines.introspect import decoder_layers
 from prismgate.engines.sae.encode import SaeEncoder
 from prismgate.engines.sae.files import CFG_FILE, WEIGHTS_FILE, SparseAutoencoder
+from prismgate.instruments.packs.capture import deterministic_torch
 
 OUTLIER_FACTOR = 3.0
 DEAD_STEPS = 8  # a feature silent for this many steps counts as dead for the AuxK loss
 AUX_K = 256
 AUX_WEIGHT = 1 / 32
 MAX_TOKENS = 128  # a text's tokens read (longer ones are cut)
-# The weights are stored as float16 (half the file; the shipped SAE is 9.4 MB, not 19): every
+# The weights are stored as float16 (half the file): every
 # quality figure is measured on the rounded weights, which are exactly what a load reads back.
 STORED_DTYPE = torch.float16
 

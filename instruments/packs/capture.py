@@ -9,8 +9,8 @@ Why these choices:
 * **All tokens but the first.** Readouts are served for every token, so a prompt is summed up
   by its typical token, not only its last one (the last token mixes in "end of sentence"
   features, and a handful of tokens per prompt is a noisy estimate). Position 0 is left out:
-  it is the attention sink, whose residual norm is about 100 times that of other tokens in
-  SmolLM2 (measured: ~21000 vs ~200 from layer 16 on), so one token would dominate each
+  it is the attention sink, whose residual norm is orders of magnitude above other tokens'
+  (figures in docs/benchmarks.md), so one token would dominate each
   prompt's mean with content that has nothing to do with the concept. Other massive-norm
   tokens are left out too (:func:`token_keep`).
 * **Prompts are raw text** (no chat template), encoded like the engine encodes text, so a
@@ -33,8 +33,8 @@ import numpy as np
 import numpy.typing as npt
 
 from prismgate.core.errors import invalid
-from prismgate.engines.readouts.probe import decoder_layers
-from prismgate.engines.readouts.prompt_sets import PromptSet
+from prismgate.engines.introspect import decoder_layers, hidden_size
+from prismgate.instruments.packs.prompt_sets import PromptSet
 
 SKIP_FIRST = 1  # tokens left out at the start of each prompt (the attention sink)
 OUTLIER_FACTOR = 3.0  # tokens above this multiple of their prompt's median norm are left out
@@ -203,7 +203,7 @@ class Capture:
         """
         import torch
 
-        hidden = int(model.config.get_text_config().hidden_size)
+        hidden = hidden_size(model)
         out = PromptMeans(
             means=np.zeros((len(token_ids), len(layers), hidden), dtype=np.float64),
             tokens=np.array([max(len(ids) - self.skip_first, 0) for ids in token_ids], dtype=np.int64),
