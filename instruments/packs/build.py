@@ -1,23 +1,11 @@
 """Build concept packs from contrastive prompt sets, and report how well each direction separates.
 
-A build is four steps, each in its own module:
-
-1. load and check the prompt sets (:mod:`.prompt_sets`);
-2. run every distinct prompt through the model and keep its mean residual stream after each
-   wanted layer (:mod:`.capture`, which says why these tokens and how it stays deterministic);
-3. per concept and layer, the normalised difference of the positive and negative means, and
-   the center: the midpoint of the two classes' mean readout on that direction (:mod:`.directions`),
-   and the scale: half the gap between them (:func:`concept_scales`);
-4. optionally, the held-out separation report (:mod:`.report`), which is how
-   :data:`DEFAULT_LAYERS` were chosen.
-
-Two builds on one machine give identical bits. Rebuild the default pack (about 7 s on one thread
-plus 2 s loading, then 48-74 s measuring where each concept steers, :mod:`.steering_range`, which
-``--no-steering`` skips; --report adds a second pass)::
-
-    OMP_NUM_THREADS=1 prismgate concepts build --out engines/readouts/packs/smollm2-135m-instruct.safetensors --report
-
-The command line is :mod:`.cli`; :func:`main` here is kept for ``python -m`` and older callers.
+A build is four steps, each in its own module: the prompt sets (:mod:`.prompt_sets`), the mean
+residual stream of every prompt at each wanted layer (:mod:`.capture`), the directions, centers
+(:mod:`.directions`) and scales (:func:`concept_scales`), and optionally the held-out separation
+report (:mod:`.report`), which is how :data:`DEFAULT_LAYERS` were chosen. Two builds on one
+machine give identical bits. The recipe is docs/instruments.md; the command line is :mod:`.cli`
+(:func:`main` here serves ``python -m``).
 """
 
 from __future__ import annotations
