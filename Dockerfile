@@ -48,6 +48,7 @@ COPY pyproject.toml setup.py README.md ./
 COPY gateway ./gateway
 COPY codecs ./codecs
 COPY engines ./engines
+COPY instruments ./instruments
 COPY schemas ./schemas
 
 # prismgate itself (torch==2.13.0 is already satisfied by the CPU build), then the

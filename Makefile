@@ -66,7 +66,7 @@ test-all: setup
 typecheck: setup
 	rm -rf build/typecheck && mkdir -p build/typecheck/prismgate
 	for f in gateway/*; do ln -s ../../../$$f build/typecheck/prismgate/; done
-	for d in codecs engines schemas; do ln -s ../../../$$d build/typecheck/prismgate/$$d; done
+	for d in codecs engines instruments schemas; do ln -s ../../../$$d build/typecheck/prismgate/$$d; done
 	$(BIN)/mypy
 
 # lint-imports checks the layering contracts in pyproject.toml ([tool.importlinter]) on the

@@ -2,7 +2,7 @@
 
 ``codecs`` cannot be a top-level package (it is a standard-library module), so the
 folders the architecture names are installed as ``prismgate`` (gateway/),
-``prismgate.codecs``, ``prismgate.engines`` and ``prismgate.schemas``.
+``prismgate.codecs``, ``prismgate.engines``, ``prismgate.instruments`` and ``prismgate.schemas``.
 """
 
 from setuptools import find_packages, setup
@@ -11,6 +11,7 @@ ROOTS = {
     "prismgate": "gateway",
     "prismgate.codecs": "codecs",
     "prismgate.engines": "engines",
+    "prismgate.instruments": "instruments",
     "prismgate.schemas": "schemas",
 }
 

@@ -109,7 +109,7 @@ def build_engine(name: str, saes: list[Path]) -> Any:
 
 async def run(engine_name: str, n_layers: int, rounds: int, tokens: int) -> dict[tuple[int, bool], list[float]]:
     """Tokens/s of every round, by (batch, features on)."""
-    from prismgate.engines.sae.auto import SHIPPED, sae_folders
+    from prismgate.instruments.sae.auto import SHIPPED, sae_folders
 
     shipped = sae_folders(SHIPPED)[0]
     with tempfile.TemporaryDirectory(prefix="prismgate-bench-saes-") as tmp:

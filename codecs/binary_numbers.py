@@ -2,8 +2,8 @@
 
 Why: a readout is layers x concepts float32 values for every token (64 with the default
 pack), and printing them as JSON text is most of what a stream with readouts costs the
-front-end (numpy's shortest float32 text is about 0.3 us a value). Their bytes, in base64,
-cost a fraction of that and are exact. The choice is modelled on OpenAI embeddings'
+front-end. Their bytes, in base64, cost a fraction of that and are exact (docs/benchmarks.md,
+"Readouts on the wire"). The choice is modelled on OpenAI embeddings'
 ``encoding_format: "base64"``: the default is the text every client already reads; a
 client that asks gets little-endian float32 (or float16, half the bytes, on request) in
 row-major order, as ``numpy.frombuffer(base64.b64decode(s), "<f4")`` reads them.

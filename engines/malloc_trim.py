@@ -3,13 +3,11 @@
 The engine's tensors come and go in sizes that glibc serves from its heap (a layer's keys
 and values growing chunk by chunk, a chunk's activations and logits). What a request
 frees stays mapped in holes between what others hold, so a burst of long prompts leaves the
-process gigabytes larger than what it uses: eight 3,516-token echoes with top-20 logprobs and
-readouts on SmolLM2 (the load of bench/hostile.py row 10) left it 1.5 GB larger, of which
-``malloc_trim`` gave 1.3 GB back. ``malloc_trim`` walks the whole heap (about 10 ms, up to
-50 ms on a fragmented one), so the scheduler calls it after rounds that prefill or end a
+process far larger than what it uses; ``malloc_trim`` gives most of it back (figures in
+docs/benchmarks.md). It walks the whole heap, so the scheduler calls it after rounds that prefill or end a
 request, at most once a second, never on every step, and once more a second after it goes idle
-(the last answers are built and freed after their generations end; README.md, Reliability, has the figures).
-Elsewhere than glibc it does nothing.
+(the last answers are built and freed after their generations end). Elsewhere than glibc it
+does nothing.
 """
 
 from __future__ import annotations

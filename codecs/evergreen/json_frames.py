@@ -2,8 +2,8 @@
 
 Why a printer of its own: a JSON client gets one message per generated token (a text
 fragment, and a readouts and a logprobs line when it asked), and protobuf's JSON printer
-walks every message field by field in Python: about 10 us a fragment, as much as the rest
-of the token's path. The messages a generation sends per token are always the same shape
+walks every message field by field in Python, as much time a fragment as the rest of the
+token's path (figures in docs/benchmarks.md). The messages a generation sends per token are always the same shape
 (node fragments with an id, a seq, ``continued`` and inline data), so those are printed
 here from precomputed pieces; every other message (actions, metadata, refs, children)
 goes to ``MessageToJson``. ``tests/evergreen/test_json_frames.py`` pins the bytes.

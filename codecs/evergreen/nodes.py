@@ -1,25 +1,11 @@
 """The node store of one Evergreen session: every ordering and shape rule of the spec.
 
 Transport-independent (WebSocket and gRPC feed it the same ``NodeFragment`` messages) and
-synchronous: it either accepts a fragment or raises :class:`GatewayError`, which aborts
-the session. Actions wait on it through :meth:`NodeStore.wait_complete` (the spec's data
-dependency barriers: a node may name children that have not arrived yet).
-
-Rules kept (see docs/evergreen.md):
-
-* fragments of a node arrive in any order; the first fragment for an ``(id, seq)`` wins and
-  later copies are ignored without error (retries);
-* the fragment with ``continued == false`` fixes the node's last seq; a fragment past it aborts;
-* a node is a leaf (chunks) or a non-leaf (child ids), fixed by the first fragment that has
-  either; a fragment with both, or of the other kind, aborts. Empty fragments (neither) are
-  allowed: real clients close nodes with them;
-* leaf metadata comes with seq 0; metadata on later fragments is accepted when it equals
-  seq 0's and aborts when it differs;
-* children may be referenced before they arrive; an edge that closes a cycle or makes the
-  graph deeper than the depth limit aborts;
-* limits on distinct nodes and stored bytes per session;
-* nodes the server produces (action outputs) are claimed up front: their ids must be new,
-  and the client may not send fragments for them.
+synchronous: it either accepts a fragment or raises :class:`GatewayError`, which aborts the
+session. Actions wait on it through :meth:`NodeStore.wait_complete` (the spec's data dependency
+barriers: a node may name children that have not arrived yet). The rules it keeps (fragment
+order and retries, the last seq, leaf or non-leaf, metadata, cycles and depth, the limits on
+nodes and bytes, server-claimed output ids) are docs/evergreen.md, "Node rules".
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
 """Batch-invariant kernels for the transformers engine: a row's bits never depend on its neighbours.
 
-A deterministic request (``GenerateSpec.deterministic``) must give the same token ids,
-logprobs and readouts whatever else shares its forward passes, however its prompt was
-chunked, and whether its keys and values were decoded one by one or prefilled at once. Every
-operation of the forward pass is computed row by row already except two, and this module
-makes those two invariant while the switch is on (docs/determinism.md tells the whole story):
-
-- **Matrix products** (every linear layer, the LM head, the readout projection, attention's
-  two products): a GEMM's kernel depends on its number of rows, so while the switch is on
-  every product runs in blocks of exactly ``BLOCK_ROWS`` rows
-  (:mod:`prismgate.engines.invariant_rows` says why); :func:`install` gives every linear layer
-  a forward that does so.
-- **Attention**: the sum over keys is where batching, padding and chunking change the order
-  of additions. :func:`invariant_attention` computes it in one canonical order that depends
-  only on the query's absolute position: keys re-based so that key ``j`` of the sequence
-  is column ``j`` (left padding of a batched decode removed), scores in float32, the softmax
-  max (exact in any order), then sums in fixed blocks of :data:`BLOCK` keys (a fixed-length
-  reduction) combined block after block by a sequential ``cumsum``. Keys a query may not see,
-  padding included, are exact zeros in those sums, and adding zero changes no bits. A query
-  decoded alone, one inside a batch of eight, and the same position inside a prefill chunk
-  of any size therefore add the same numbers in the same order.
-
-The switch costs nothing while off: attention goes to PyTorch's SDPA exactly as before and
-the linear layers run unpadded.
+A deterministic request (``GenerateSpec.deterministic``) must give the same token ids, logprobs
+and readouts whatever else shares its forward passes, however its prompt was chunked, and
+whether its keys and values were decoded one by one or prefilled at once. Every operation of the
+forward pass is row by row already except two, made invariant here while the switch is on:
+matrix products run in blocks of exactly ``BLOCK_ROWS`` rows (:func:`install`,
+:mod:`prismgate.engines.invariant_rows`), and attention sums over keys in one canonical order
+that depends only on the query's absolute position (:func:`invariant_attention`). Off, the
+switch costs nothing: attention goes to PyTorch's SDPA and linear layers run unpadded.
+docs/determinism.md, "How each source of variation is closed", has the whole story.
 """
 
 from __future__ import annotations

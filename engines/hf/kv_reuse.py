@@ -2,8 +2,8 @@
 
 A session's KV cache (and the token ids it holds) is kept after its turn, least recently
 used first out once the total passes ``max_tokens`` tokens or ``max_bytes`` bytes (the bytes
-its tensors' storage holds: a token is 23 KB of keys and values on SmolLM2, so a token count
-alone let idle sessions hold gigabytes). The next turn of that session keeps the
+its tensors' storage holds: a token's keys and values are tens of kilobytes, so a token count
+alone would let idle sessions hold gigabytes). The next turn of that session keeps the
 longest prefix its tokens share with the cache and runs the rest through the model, except
 positions the client asked logprobs or readouts for: the cache keeps keys and values, not
 logits or hidden states, so those are recomputed rather than missing or stale. A cached

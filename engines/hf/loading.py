@@ -15,8 +15,9 @@ from prismgate.engines.hf import invariance_check, invariant
 from prismgate.engines.hf.adapters import ModelAdapter, load_adapter
 from prismgate.engines.hf.cpu_dtype import cpu_flags
 from prismgate.engines.hf.steering import Steerer
+from prismgate.engines.introspect import decoder_layers
 from prismgate.engines.readouts.pack import ConceptPack
-from prismgate.engines.readouts.probe import ReadoutProbe, decoder_layers
+from prismgate.engines.readouts.probe import ReadoutProbe
 from prismgate.engines.sae.encode import SaeEncoder
 from prismgate.engines.sae.files import load_for_model
 from prismgate.engines.sae.probe import FeatureProbe, feature_manifest

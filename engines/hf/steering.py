@@ -1,26 +1,15 @@
 """Steering inside the forward pass: vectors added to the residual stream after a decoder layer.
 
-One hook per concept-pack layer and per SAE layer, registered ahead of the readout hooks on the same layer, so
-the readouts of that layer and of every later one see the steered stream. Before each forward
-pass the step says which rows and which of their tokens each vector goes to (:meth:`Steerer.plan`);
-the hook touches only those slices. A row nobody steers is never written, so an unsteered
-request in a batch computes exactly what it computes alone. The add is done in float32 and
-cast back to the model's dtype once per vector.
-
-A gated vector (:class:`prismgate.core.steering.Gate`) is added at a token only while its gate
-readout one position earlier passes the threshold. The hook of the gate's layer takes that
-readout (the projection the readouts use) of every token before adding its own layer's
-vectors, so a later or the same layer can use it within the pass: token ``t`` of a row looks at
-token ``t - 1``; a row's first token at the value its request carried from its previous pass
-(:attr:`RowPlan.before`), or finds the gate closed when there is none (position 0).
-
-SAE features (:class:`~prismgate.engines.sae.encode.SaeEncoder`): an entry naming a feature
-with a scale is a vector like any other (the feature's decoder row at unit length, normalised
-as a raw direction is, so the two give the same bits). A clamp is added per token: the hook
-encodes the stream of the clamped rows and adds ``(target - activation) * W_dec[f]``. A gate
-on a feature compares that feature's activation, encoded the same way. Both encodes run the
-row-invariant products (:data:`~prismgate.engines.invariant_rows.SWITCH` on), so a clamped or
-feature-gated row gets the same bits whatever else runs in its batch.
+One hook per concept-pack layer and per SAE layer, registered ahead of the readout hooks on the
+same layer, so the readouts of that layer and of every later one see the steered stream. Before
+each pass the step says which rows and tokens each vector goes to (:meth:`Steerer.plan`); a row
+nobody steers is never written, so an unsteered request in a batch computes exactly what it
+computes alone. Adds are float32, cast back once per vector. A gated vector goes in at a token
+only while its gate readout one position earlier passes (the gate layer's hook reads it before
+adding its own vectors; a row's first token uses the value its request carried,
+:attr:`RowPlan.before`). SAE features steer as vectors (unit decoder rows), clamps and feature
+gates by encoding the stream with the row-invariant products (:class:`~prismgate.engines.sae.encode.SaeEncoder`),
+so a row gets the same bits whatever else runs in its batch. The rules: docs/steering.md.
 """
 
 from __future__ import annotations
@@ -35,9 +24,9 @@ import torch
 
 from prismgate.core.errors import invalid
 from prismgate.core.steering import Comparison, Gate, Positions, Steering, SteeringEntry
+from prismgate.engines.introspect import decoder_layers
 from prismgate.engines.invariant_rows import SWITCH
 from prismgate.engines.readouts.pack import ConceptPack
-from prismgate.engines.readouts.probe import decoder_layers
 from prismgate.engines.sae.encode import SaeEncoder, decoder_direction
 
 # (kind, layer, index): a concept readout ("concept", layer, concept index in the pack) or an SAE

@@ -30,12 +30,10 @@ from prismgate.engines.readouts.probe import ReadoutProbe
 from prismgate.engines.sae.probe import Captured, FeatureProbe
 
 # Prompt tokens per step while a chunk scores prompt positions: each scored position needs a
-# full-vocabulary row of logits (100 KB in bf16 at SmolLM2's 49k vocabulary, kept in the model's
-# dtype and converted a row at a time), reduced to its top-k as soon as the chunk has run, so a
-# chunk holds at most 50 MB of them (100 MB in float32), however large an operator sets
-# prefill_chunk. Not fewer: every chunk grows each layer's keys and values by a copy, and
-# 64-token chunks left the heap so fragmented that eight 3,516-token echoes on SmolLM2 (the load of
-# bench/hostile.py row 10) grew the process by 5.8 GB (512: 1.5 GB; both before the engine trimmed its heap).
+# full-vocabulary row of logits (kept in the model's dtype and converted a row at a time),
+# reduced to its top-k as soon as the chunk has run, so this bounds those rows however large an
+# operator sets prefill_chunk. Not fewer: every chunk grows each layer's keys and values by a
+# copy, and small chunks fragment the heap (figures in docs/benchmarks.md).
 SCORED_CHUNK = 512
 
 
@@ -236,7 +234,7 @@ class Stepper:
             job.emit(job.held)
             job.held = None
         # the kept row is a float32 copy: a view would keep this chunk's whole [rows, vocab] logits
-        # alive until the next feed (a prefill chunk of 512 rows is 50 MB in bf16 at a 49k vocabulary)
+        # alive until the next feed (a prefill chunk's rows are a full vocabulary each)
         if needs_next:
             job.next_logits = logits[-1].to(torch.float32, copy=True)
         elif end < n and covered(spec.logprob_ranges, end):

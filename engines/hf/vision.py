@@ -1,28 +1,12 @@
 """Qwen2-VL family support for the transformers engine.
 
-A session's timeline holds each image as a pre-expanded block ``vision_start +
-N * image_pad + vision_end`` (the client writes it, the core checks it). Running such a
-timeline through Qwen2-VL needs three things a text model does not:
-
-* the image's features in place of its pad tokens: the vision tower runs on the image's
-  pixel values, for exactly the images whose blocks lie inside the chunk being run, and
-  the features are written over the pads' embeddings (by declared position, never by
-  token id, so a pad token the model happened to generate stays an ordinary token);
-* 3-D rotary positions (M-RoPE). They depend only on where the images sit and on their
-  grids, so they are computed once for the whole timeline up to the last image (with
-  the model's own ``get_rope_index``) and every chunk takes its slice; past the last
-  image, position ``p`` is ``p + delta``. A reused KV prefix therefore saw exactly the
-  positions a full recompute would give it;
-* chunk and restart points outside image blocks: the vision tower encodes a whole image
-  at once, so a chunk never splits a block and a restart never lands inside one.
-
-The KV cache is keyed on token ids by the engine, but two different images of the same
-size give identical token ids. The adapter remembers which images (by digest) each cache
-object encoded, and ``rewind_point`` restarts before the first image that differs.
-
-Images are decoded with PIL and preprocessed with ``Qwen2VLImageProcessorPil`` (no
-torchvision needed). The result is cached by image digest: the core asks for the token
-count when it validates a call, and the engine needs the pixel values again at prefill.
+A session's timeline holds each image as a pre-expanded block ``vision_start + N * image_pad +
+vision_end``. Running it needs what a text model does not: the vision tower's features written
+over the pads (by declared position, never by token id), 3-D rotary positions (M-RoPE) computed
+once per timeline with the model's own ``get_rope_index``, chunk and restart points outside image
+blocks, and a KV cache that knows which images it encoded (two images of one size give the same
+ids). Images are preprocessed without torchvision and cached by digest. Why each:
+docs/architecture.md, "Vision models".
 """
 
 from __future__ import annotations

@@ -1,34 +1,11 @@
 """Concept packs: a safetensors file of unit directions in the residual stream.
 
-Format (version 1):
-
-* tensor ``directions``: float32 ``[n_layers, n_concepts, hidden]``, each row unit norm;
-* optional tensor ``centers``: float32 ``[n_layers, n_concepts]``, each concept's neutral point
-  at each layer. The builder stores the midpoint between the positive and the negative prompts'
-  mean readout: ``0.5 * (mean_p∈pos m(p) . d + mean_p∈neg m(p) . d)``, where ``m(p)`` is the mean
-  residual stream over the tokens of prompt p that the build counts, so ``m(p) . d`` is the mean
-  of those tokens' readouts and every prompt weighs the same (the threshold the separation report
-  scores tokens against). Readouts stay raw dot products; ``value - center`` is what is > 0 on
-  the positive side. Packs without it (older ones) load with ``centers = None``;
-* optional tensor ``scales``: float32 ``[n_layers, n_concepts]``, each > 0: half the gap between
-  the positive and the negative prompts' mean readout (``0.5 * (mean pos - mean neg)`` of the same
-  ``m(p) . d`` as the center). ``(value - center) / scale`` is +1 at the typical positive prompt and
-  -1 at the typical negative one, the same yardstick for every answer: displays (the playground)
-  use it as a fixed colour scale per concept and layer. Packs without it load with ``scales = None``;
-* optional metadata ``steering`` (JSON object, concept -> ``{"layer", "scale", "range", "effect"}``):
-  where each concept steers and how hard, as the builder measured it (:mod:`.steering_range`):
-  the steering layer, a starting scale, the largest scale that kept the text fluent, and how far
-  the starting scale moved the concept's readout (in scales). A concept that never steered
-  fluently is absent. Packs without it load with ``steering = None``;
-* metadata (strings): ``format`` = ``prismgate.concept-pack/1``, ``model_id``,
-  ``layers`` and ``concepts`` (JSON lists), ``hidden_size``, ``layer_convention``
-  (always "residual stream after decoder layer L"), ``method`` (how the vectors were
-  made) and ``descriptions`` (JSON object, concept -> text).
-
-The readout of a token is ``directions[l] @ h_L(token)`` for each configured layer L.
-
-The file is written by :func:`_safetensors_bytes`, not safetensors' own writer, so that a pack
-always gives the same bytes.
+A pack holds, per layer it reads after and per concept, a unit direction (the readout of a
+token is ``directions[l] @ h_L(token)``), optionally each concept's neutral center, its scale
+and where it steers, and metadata saying the model, the layers and how the vectors were made.
+The format, field by field, is docs/architecture.md, "Concept pack files". The file is written
+by :func:`_safetensors_bytes`, not safetensors' own writer, so that a pack always gives the
+same bytes.
 """
 
 from __future__ import annotations

@@ -14,32 +14,15 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from prismgate.engines.introspect import decoder_layers, hidden_size
 from prismgate.engines.invariant_rows import matmul_rows
 from prismgate.engines.readouts.pack import ConceptPack
-
-# Where causal LMs keep their decoder layers: transformers' text models, transformers'
-# vision-language models, and vLLM's model classes (plain and multimodal).
-_LAYER_PATHS = ("model.layers", "model.language_model.layers", "language_model.model.layers", "language_model.layers")
-
-
-def decoder_layers(model: Any) -> Any:
-    """The list of decoder layers of a causal LM, in transformers or inside vLLM's worker."""
-    for path in _LAYER_PATHS:
-        obj = model
-        try:
-            for part in path.split("."):
-                obj = getattr(obj, part)
-        except AttributeError:
-            continue
-        return obj
-    raise TypeError(f"cannot find decoder layers in {type(model).__name__}")
 
 
 class ReadoutProbe:
     def __init__(self, model: Any, pack: ConceptPack) -> None:
         layers = decoder_layers(model)
-        hidden = model.config.get_text_config().hidden_size
-        pack.check_model(len(layers), hidden)
+        pack.check_model(len(layers), hidden_size(model))
         self.pack = pack
         param = next(model.parameters())
         self._directions = [

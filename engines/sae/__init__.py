@@ -1,1 +1,1 @@
-"""Sparse autoencoders (SAEs): loading SAELens's on-disk format, encoding, and training a small one."""
+"""Sparse autoencoders (SAEs) at serve time: loading SAELens's on-disk format, encoding, feature capture."""

@@ -1,25 +1,11 @@
 """SAEs in SAELens's on-disk format: a folder with ``cfg.json`` and ``sae_weights.safetensors``.
 
 Read without SAELens (the reference implementation the tests check against, not a runtime
-dependency). What is understood, and refused otherwise with a message naming the file and the
-field:
-
-* ``architecture``: ``standard`` (ReLU), ``topk`` (with ``k``) or ``jumprelu`` (with a
-  ``threshold`` tensor); configs written before SAELens 6 (``hook_point``,
-  ``activation_fn_str``, ``activation_fn_kwargs.k``) are read as SAELens reads them;
-* ``d_in``, ``d_sae``; tensors ``W_enc [d_in, d_sae]``, ``b_enc [d_sae]``, ``W_dec [d_sae, d_in]``,
-  ``b_dec [d_in]`` (and ``threshold [d_sae]``), any floating dtype (SAELens casts them to the
-  config's ``dtype``; this engine computes in float32);
-* ``apply_b_dec_to_input``; ``normalize_activations`` must be ``none`` and
-  ``rescale_acts_by_decoder_norm`` false (others would need the statistics SAELens keeps
-  beside the weights);
-* the hook (``metadata.hook_name``, or ``hook_name`` / ``hook_point`` at the top level):
-  ``blocks.L.hook_resid_post`` is the residual stream after decoder layer L, the readouts'
-  convention; ``blocks.L.hook_resid_pre`` (L >= 1) is the same stream after layer L - 1.
-
-An optional labels file (JSON object, feature id -> label, as a Neuronpedia export gives or a
-list of ``{"index": .., "description": ..}``) names features wherever ids are shown; a
-``labels.json`` inside the folder is used when none is given.
+dependency). The ReLU, TopK and JumpReLU architectures on the residual stream
+(``blocks.L.hook_resid_post``, or ``hook_resid_pre`` of layer L + 1) are understood, with
+configs as SAELens 6 and earlier write them; anything else is refused with a message naming the
+file and the field. An optional labels file (a Neuronpedia export, or ``labels.json`` in the
+folder) names features. Every field and what it must hold: docs/sae.md, "Loading".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """SAE features computed inside the forward pass, by hooks on the decoder layers that have an SAE.
 
-Like the readout probe (:mod:`prismgate.engines.readouts.probe`): a forward hook on decoder
+Like the readout probe (:mod:`prismgate.engines.readouts.probe`), a forward hook on decoder
 layer L sees the residual stream after it, encodes it there (float32, on the model's device)
 and keeps only what the requests of this pass asked for: the top ``k`` feature ids and their
 activations (``k`` the largest any row asked) and the activations of the watched ids (their
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from prismgate.core.features import FeatureManifest, Features, FeatureSpec
-from prismgate.engines.readouts.probe import decoder_layers
+from prismgate.engines.introspect import decoder_layers
 from prismgate.engines.sae.encode import SaeEncoder
 
 
@@ -35,9 +35,9 @@ def feature_manifest(encoders: Sequence[SaeEncoder]) -> FeatureManifest | None:
     )
 
 
-# A decode step's few rows are encoded on one thread: a float32 product of 8 x 576 x 4096 takes
-# about 1 ms on one core, while on two threads of a busy machine its OpenMP barrier waits for a
-# descheduled thread (measured 5-25 ms, a quarter of a batch-8 step). Prefills keep every thread.
+# A decode step's few rows are encoded on one thread: their product is small, and on a busy
+# machine OpenMP's barrier waits for a descheduled thread far longer than the product takes.
+# Prefills keep every thread.
 ONE_THREAD_ROWS = 64
 
 

@@ -1,51 +1,12 @@
 """Readouts and steering inside vLLM's compiled forward pass, through buffers that outlive the step.
 
-Forward hooks never fire inside a graph that torch.compile traced or a CUDA graph replays,
-so the readout is part of the graph itself: each decoder layer a concept pack names gets a
-forward that, after the layer's own, calls the custom op ``prismgate::readout``. The op
-writes ``(hidden + residual) @ D_L`` for every row of the batch into a buffer allocated
-once at load time (``[rows, n_concepts]`` float32, one per layer), so the captured graph
-writes to the same memory at every replay. The host then reads the rows of the requests
-that asked, after the step (:mod:`prismgate.engines.vllm.worker`).
-
-Why a custom op with ``mutates_args``: Dynamo keeps it in the graph as one opaque node
-(it never traces into it, so no shape specialisation leaks out), Inductor re-inplaces the
-write, and CUDA graphs capture it like any other kernel. Rows past the step's real tokens
-(CUDA-graph padding) are written too and never read. In a step where no request reads
-readouts, a flag in host memory that the host sets before the step makes the op return at
-once, so readouts cost nothing when nobody asks (under CUDA graphs, whose replays run no
-host code, the op always writes; that is one small matrix product per pack layer).
-
-Steering is the same idea the other way round: the custom op ``prismgate::steer``, called
-after the layer's own forward and before its readout, adds vectors to the residual stream
-from buffers the host fills before each step (:class:`SteerBuffers`): per row of the batch
-and per round, an index into the layer's vector table (row 0 is no vector), a scale and
-whether the scale is a multiple of the stream's norm. The arithmetic is the transformers
-engine's (:mod:`prismgate.engines.hf.steering`): the stream in the model's dtype, the vector
-added in float32, cast back once per round. A row no vector touches keeps its ``hidden``
-and ``residual`` bit for bit (a masked select, never an add of zero); a steered row gets the
-whole stream in ``hidden`` and zero in ``residual``, which every vLLM decoder layer and the
-final norm only ever add together. That sum is rounded once more than vLLM's fused add rounds
-it, so a vector of scale 0 is no vector: its row stays unwritten too.
-
-Readout-gated steering stays in the same op: in a step where a gate reads a layer, that
-layer's op first writes the readouts of the stream, before its own vectors, into a buffer
-every layer shares (:class:`GateReadouts`); a gated round at the same or a later layer then
-compares, per row, the readout of the row's previous position (a row of this pass, or a
-value the host carried from the request's previous step) with the gate's threshold and
-lets the vector in only where it passes. Which row is whose previous position, and the
-carried value, are host-written buffers like the rest.
-
-Steering by SAE feature stays in the same op too. Every layer an SAE reads after steers (a pack
-layer or not: :func:`.steer.steering_layers`), and there the op also gets the SAE's tensors: a
-feature with a scale is a table row holding its unit decoder row; a clamp round encodes the
-stream and adds ``(target - activation) * W_dec[f]``; a gate on a feature has its layer write
-that feature's activation into a column of the same gate buffer the readouts use, after the
-concepts' (:mod:`.sae_steer`). Only the rows of requests that clamp or gate on a feature there
-are encoded.
-
-The layer forwards must be replaced before vLLM runs the model for the first time: that
-first run is when it compiles (see :mod:`prismgate.engines.vllm.workers`).
+Forward hooks never fire inside a graph that torch.compile traced or a CUDA graph replays, so
+each decoder layer a pack or an SAE names gets a forward that calls the custom ops
+``prismgate::steer`` (vectors added from host-filled buffers, :class:`SteerBuffers`; gates read
+through :class:`GateReadouts`) and ``prismgate::readout`` (the stream dotted with the layer's
+directions, into a buffer allocated once). The layer forwards must be replaced before vLLM's
+first, compiling run (:mod:`prismgate.engines.vllm.workers`). How the ops keep the engine's
+contract is docs/vllm.md, "The compiled ops".
 
 Only torch (and the core) is imported here: this runs inside vLLM's worker process.
 """
@@ -57,8 +18,8 @@ from typing import Any
 
 import torch
 
+from prismgate.engines.introspect import decoder_layers
 from prismgate.engines.invariant_rows import in_blocks
-from prismgate.engines.readouts.probe import decoder_layers
 from prismgate.engines.vllm.encoder import SaeWeights
 from prismgate.engines.vllm.sae_steer import SaeSteerBuffers, feature_steer
 from prismgate.engines.vllm.steer import FEATURE_GATES, MAX_ROUNDS, RAW_SLOTS, steering_layers

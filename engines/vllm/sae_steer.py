@@ -1,29 +1,10 @@
 """Steering by SAE feature inside the steering op: clamps, and the activations feature gates compare.
 
-At a layer an SAE reads after, the steering op (:mod:`.capture`) gets the SAE's tensors and
-three more host-written buffers (:class:`SaeSteerBuffers`):
-
-* a **clamp** round of a row (``clamp_feature[row, k]`` a feature id, -1 none) replaces the
-  round's vector by ``(clamp_target - a) * W_dec[f]``, ``a`` the feature's activation in the
-  stream as the round finds it (after the rounds before it at this layer), the transformers
-  engine's arithmetic (:class:`prismgate.engines.hf.steering.Clamps`): the activation in float32,
-  the decoder row raw. Where the activation already is the target the vector is zero and the row
-  is left unwritten, as a vector of scale 0 leaves it;
-* a **feature gate** reading this layer (``gate_feature[row, c]`` a feature id, -1 none) has the
-  op write that feature's activation in the stream before this layer's vectors into gate column
-  ``c`` (after the concepts' columns of the shared gate buffer,
-  :class:`~.capture.GateReadouts`), where a gated round at this or a later layer compares it,
-  exactly as a concept gate compares a readout;
-* ``encode[:m]`` are the rows that need the encoder at this layer (those of requests that clamp
-  here or gate on a feature here), ``m`` in host memory: only they are encoded.
-
-The encoder is :mod:`.encoder`'s (TopK takes each row's whole top ``k``), its product run so that
-a row's bits do not depend on the rows encoded beside it (:func:`.encoder.row_pre_activations`).
-A round that clamps encodes the stream it starts from; round 0 shares the encoding the gate
-reads take (both see the stream before this layer's vectors). Under CUDA-graph capture the op's
-host code does not run at replay, so every round of an SAE layer records a clamp (an encoder
-product over every row) and the gate columns are always written; rows with no clamp
-(:data:`NO_FEATURE`) select nothing.
+At a layer an SAE reads after, the steering op (:mod:`.capture`) gets the SAE's tensors and the
+host-written buffers of :class:`SaeSteerBuffers`: per row and round a feature to clamp and its
+target (the vector becomes ``(target - a) * W_dec[f]``), per row the features gates read here,
+and the rows that need the encoder at all. The rules, and what CUDA-graph capture records, are
+docs/vllm.md, "SAE features in the graph".
 
 Only torch is imported here: this runs inside vLLM's worker process.
 """

@@ -1,27 +1,14 @@
 """A request's steering in the vLLM worker's terms, and the prefix-cache scope it needs.
 
-The worker adds vectors from a table per steered layer (:mod:`.capture`): rows for the
-pack's concepts, and :data:`RAW_SLOTS` rows for raw directions, which this side hands out
-to requests in flight (:class:`RawSlots`) so that two requests never share a row. What a
-request steers travels in ``SamplingParams.extra_args`` with the rest of what the worker
-reads (:func:`.plan.wants`), as plain lists.
+The worker adds vectors from a table per steered layer (the pack's layers and each SAE's,
+:func:`steering_layers`): rows for the pack's concepts, and :data:`RAW_SLOTS` rows for raw
+directions and SAE features with a scale, handed out to requests in flight (:class:`RawSlots`)
+so two requests never share a row. What a request steers travels in
+``SamplingParams.extra_args`` with the rest of what the worker reads (:func:`.plan.wants`).
 
-The steered layers are the pack's and, with SAEs, each SAE's (:func:`steering_layers`). An SAE
-feature steers there as the transformers engine steers by it: a feature with a ``scale`` takes a
-raw row, which the worker fills with the feature's unit decoder row
-(:func:`prismgate.engines.sae.encode.decoder_direction`, from the SAE it loaded itself); a
-``clamp`` and a gate on a feature need the feature's activation in the stream, which the
-steering op encodes on the device (:mod:`.sae_steer`).
-
-vLLM's prefix cache keys blocks by their tokens and the request's ``cache_salt``; it knows
-nothing of steering. :func:`cache_salt` therefore folds the steering a request applies into
-its salt: requests that steer their positions alike share blocks, requests that steer
-differently (or not at all) never do, and unsteered requests keep the salt they always had.
-vLLM also caches the blocks a request generates, under the same salt: that is exact when
-the request steers its prompt and its generated tokens alike (the next turn sees those
-tokens as prompt, steered the same way). When it steers them differently (``prompt`` or
-``generated`` entries) the salt also names the prompt's length, so only a request with the
-same prompt and spec ever reads those blocks.
+vLLM's prefix cache keys blocks by their tokens and ``cache_salt`` and knows nothing of
+steering, so :func:`cache_salt` folds the steering into the salt: requests that steer alike
+share blocks, others never do (docs/vllm.md, "steering and the prefix cache").
 
 Only the core is imported here: this module is also loaded inside vLLM's worker.
 """

@@ -1,28 +1,13 @@
 """The host half of in-graph steering: before each step, which row of the batch gets which vector.
 
-The graph (:mod:`.capture`) reads, per steered layer, an index into the layer's vector
-table, a scale and a norm-matching flag for every row and round, and a round count in host
-memory. This fills them from the requests' steering (:func:`.steer.worker_steering`) and
-their rows' absolute positions: an entry steers a row when its ``positions`` cover the row's
-position given the request's prompt length, so a request preempted and recomputed is
-steered exactly as it was the first time. Entries at one layer take rounds in their order.
-
-A step nobody steers after a step nobody steered writes nothing at all: every round count
-is already 0, and the op returns before touching the stream. Nor does a step laid out as the
-one before (the same requests on the same rows, as many of their rows in the prompt), which
-is every decode step of a steady batch: the buffers already say what it needs.
-
-A gated entry (:func:`.steer.worker_steering`) also writes its gate into its rounds, and
-each step's rows their previous row; the first row of a request in a step takes the gate
-readout its request carried from the step before (:meth:`SteerWriter.carry` keeps it after
-each step), or NaN, a closed gate, at position 0 or when the carried value is not the
-previous position's. A step with a gated request is always written in full: its carried
-values change from step to step.
-
-Entries by SAE feature (:func:`.steer.worker_steering`): a feature with a scale is a raw row the
-writer fills with the feature's unit decoder row, from the SAE the worker loaded; a clamp and a
-gate on a feature go to the SAE layer's own buffers (:mod:`.sae_rows`). A feature gate's value
-is carried from step to step like a readout's: it is a column of the same gate buffer.
+The graph (:mod:`.capture`) reads, per steered layer, a vector index, a scale and a
+norm-matching flag for every row and round. This fills them from the requests' steering
+(:func:`.steer.worker_steering`) and their rows' absolute positions, so a request preempted and
+recomputed is steered exactly as the first time. A step laid out as the one before (every
+decode step of a steady batch) writes nothing: the buffers already say what it needs. Gated
+entries also get their rows' previous readouts, carried between steps (:meth:`SteerWriter.carry`,
+NaN, a closed gate, at position 0), so a step with a gated request is written in full. Clamps
+and feature gates go to the SAE layer's buffers (:mod:`.sae_rows`).
 """
 
 from __future__ import annotations

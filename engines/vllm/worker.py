@@ -1,43 +1,12 @@
 """The part of the vLLM engine that runs inside vLLM's worker process.
 
 prismgate's worker classes (:mod:`.workers`) add :class:`PrismgateWorkerExtension` to vLLM's
-own. Two moments matter:
-
-* **load**: right after the weights are loaded, before vLLM's first (compiling) forward pass,
-  the concept pack named in vLLM's ``additional_config`` goes into the model's graph
-  (:mod:`.capture`): each configured layer writes its readouts, ``(hidden + residual) @ D``
-  in float32, into a persistent buffer for every row of the batch. That is the same with
-  torch.compile, CUDA graphs or eager mode.
-* **setup**: the gateway calls :meth:`PrismgateWorkerExtension.prismgate_setup` once by name
-  through ``collective_rpc``. It wraps the runner's ``_model_forward``, host code around the
-  model call run once per real engine step: before the call it plans which rows belong to
-  which request; after it, it copies those requests' rows out of the readout buffers and
-  scores prompt positions a request asked logprobs for from the final-normed hidden states
-  with the model's own ``compute_logits`` (so prompt logprobs never need vLLM's
-  ``prompt_logprobs``, which turns prefix-cache reads off).
-
-Rows of the flattened batch map to requests through the runner's ``query_start_loc`` and
-``input_batch.req_ids``, and to absolute positions as the runner itself computes them
-(``num_computed_tokens`` + offset in the query: plain positions even for M-RoPE models).
-What a request wants is read from its ``SamplingParams.extra_args["prismgate"]``, so no
-extra RPC per request is needed. Once per engine step, each worker that computed something
-sends it to the gateway process over a ZMQ PUSH socket (:mod:`prismgate.engines.vllm.channel`
-defines the frames): the first tensor-parallel rank of every pipeline stage of every
-data-parallel engine core. A pipeline stage sends the readouts of the pack's layers it holds
-(the gateway merges the stages' rows) and the last stage the prompt logprobs. A step no
-request asked readouts of sends no message, and its in-graph readout ops return at once (a
-host flag set here before the step; under CUDA graphs they still compute, unread).
-
-SAE features ride along: each SAE's layer gets the in-graph encoder (:mod:`.sae_op`) after the
-pack's ops, and a step where a request asks for features (``extra_args``' ``fe``: how many top
-features to send, which ids it watches) writes each row's watched ids before the model call and
-sends each such request's top ids and activations (and watched activations) after it.
-
-Steering rides the same path the other way: before the model call the host writes which
-vector goes to which row into the graph's steering buffers (:mod:`.steer_rows`), from the
-request's ``extra_args`` as well; a request that only steers sends nothing back. After a step,
-the gate readouts of a request with readout-gated steering at its last row stay in the worker
-for its next step (:meth:`.steer_rows.SteerWriter.carry`).
+own. At **load**, before vLLM's first (compiling) forward pass, the concept pack and SAEs go
+into the model's graph (:mod:`.capture`, :mod:`.sae_op`). At **setup** (called once by name
+through ``collective_rpc``) it wraps the runner's ``_model_forward``: before each real engine
+step it maps rows to requests and writes their steering and watched features; after it, it
+sends what they asked for (readouts, prompt logprobs, SAE features) to the gateway over ZMQ
+(:mod:`.channel`). Row mapping, who sends and what is docs/vllm.md, "The worker's side".
 
 This module imports only torch, numpy and zmq at the top: it is loaded by vLLM's worker
 process, long before any model exists.
@@ -53,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from prismgate.engines.readouts.probe import decoder_layers
+from prismgate.engines.introspect import decoder_layers
 from prismgate.engines.vllm.channel import FeatureRows, StepPacket, encode_step
 from prismgate.engines.vllm.steer import MAX_ROUNDS
 from prismgate.engines.vllm.steer_rows import SteeredRows, SteerWriter

@@ -1,29 +1,14 @@
 """Chat messages -> tokens (and image blocks), shared by every codec that speaks in messages.
 
-Why here and not in a codec: how a conversation becomes tokens (the chat template, vision
-blocks sized by the engine, reusing the exact ids a model generated) is a rule of the
-model, not of a wire. Evergreen's chunk trees and OpenAI's message lists both end here.
-
-Two things a plain ``tokenizer.render_chat`` cannot do are handled by splicing:
-
-* a message part that carries the exact token ids the model produced (an earlier answer
-  used again as input) keeps those ids, so the next turn shares its prefix with the
-  session token for token and the engine prefills only the new delta;
-* an image part becomes ``<|vision_start|> + N * <|image_pad|> + <|vision_end|>`` with N
-  from the engine (through :meth:`Models.image_tokens <prismgate.core.models.Models.image_tokens>`).
-
-Messages that need either are rendered with a placeholder character as their content;
-the placeholder's tokens are then replaced by the message's real tokens.
-
-A third reason to splice: a message whose text holds a control token's string
-(``<|im_end|>\n<|im_start|>system``). Rendered in the template, it would be read as the
-control tokens, and a user could forge a system turn; spliced, its text is encoded as text
-(:meth:`Tokenizer.encode <prismgate.core.engine.Tokenizer.encode>`) and only the template
-places control tokens. ``ModelCatalog.specials_in_text`` (the ``allow_special_tokens_in_text``
-setting) restores reading them as control tokens.
-
-Where a rendered prompt goes in a session (the smallest append, or a continuation)
-is :mod:`prismgate.core.prompts`.
+How a conversation becomes tokens is a rule of the model, not of a wire, so Evergreen's chunk
+trees and OpenAI's message lists both end here. Three cases are spliced rather than rendered by
+``tokenizer.render_chat``: a message part carrying the exact ids the model produced keeps them
+(the next turn shares its prefix token for token); an image part becomes vision start, N image
+pads (N from the engine, :meth:`Models.image_tokens <prismgate.core.models.Models.image_tokens>`)
+and vision end; and text holding a control token's string is encoded as text, so a user cannot
+forge a system turn (``allow_special_tokens_in_text`` restores reading them). Such messages are
+rendered with a placeholder whose tokens are then replaced. Where the rendered prompt goes in a
+session is :mod:`prismgate.core.prompts`.
 """
 
 from __future__ import annotations

@@ -1,33 +1,13 @@
 """A fair share of a saturated pool for every key: who gets the next free slot.
 
-When every slot is taken, requests wait; today's order inside one key stays (lowest
-priority value first, then first come). Across keys the next slot goes to the waiting
-key that has been served the fewest *tokens* per unit of weight: start-time fair
-queueing over tokens, the continuous form of deficit round robin. Tokens, not
-requests: a key that sends long generations is charged for every token they produce,
-so a key with short requests is not starved behind it, and two keys with equal
-weights converge to equal token counts whatever their request sizes.
-
-A key that has been idle does not bank credit: when it starts waiting again its count
-is raised to the pool's current virtual time (the count of the key served last), so
-it competes from now on, not from the start of the day.
-
-The pool charges each generated token as it streams, and the prompt tokens the engine
-ran (its cache reused the rest) when the request ends, beyond the first
-:data:`FREE_PROMPT_TOKENS` of each request, at :data:`PROMPT_TOKEN_COST` each
-(:func:`prompt_cost`). The share is what clients compare, generated tokens, so a chat-sized
-prompt costs nothing: charged in full at 1/8, a key of short answers to 35-token chat prompts
-got 0.64 of the tokens of a key of long ones (bench/fair_share.py), paying for prompts the
-engine runs in one pass with most of its share. A long prompt is still charged, at 1/8 of a
-generated token per token (it runs ``prefill_chunk`` tokens per forward pass, a generated token
-one), so a key cannot take the engine with long prompts and one-token answers for free.
-
-Without preemption a waiting key's request starts only when a slot frees, and a pool full
-of one key's long generations frees slots rarely. ``reserve`` slots of the pool are
-therefore kept for *newcomers*, keys with nothing running and nothing queued: one may take
-a free reserved slot at once, ahead of the queue, and a reserved slot that frees goes only
-to a newcomer. The cost is those slots idle while a single key fills the pool; 0 (the
-default) reserves none.
+Across keys the next slot goes to the waiting key served the fewest *tokens* per unit of weight
+(start-time fair queueing over tokens), so a key of long generations cannot starve a key of short
+ones; within a key, lowest priority value first, then first come. An idle key banks no credit.
+Generated tokens are charged as they stream, prompt tokens the engine ran beyond
+:data:`FREE_PROMPT_TOKENS` at :data:`PROMPT_TOKEN_COST` each (:func:`prompt_cost`), so a
+chat-sized prompt is free and long prompts are not. ``reserve`` slots are kept for keys with
+nothing running or queued, since nothing running is ever preempted. docs/keys.md, "A fair
+share", says why each rule and what it measured.
 """
 
 from __future__ import annotations

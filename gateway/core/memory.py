@@ -1,26 +1,10 @@
 """Memory is a budget too: what a request may make the server hold, known before it runs.
 
-``max_active`` counts requests, not bytes: eight requests that each report top-20 logprobs
-and readouts at every position of a long prompt hold gigabytes together while each is
-"one request". So every request's worst case is estimated from its spec before admission
-(:func:`request_bytes`): the keys and values the engine holds for its prompt and its
-``max_tokens`` (``EngineInfo.kv_bytes_per_token``: a token is 23 KB on SmolLM2, so three
-3,516-token prompts hold 240 MB of them), the logprob entries, readout values and SAE
-features it will report (held as events, then as the wire's encoding until sent) and the one
-vocabulary row of logits an engine keeps for it between steps. The pool admits requests
-while their estimates fit the server's budget (:class:`MemoryBudget`, the
-``memory_budget_bytes`` setting), queues the rest, and refuses at once (RESOURCE_EXHAUSTED,
-naming the setting) a request that alone would exceed it. A request that fits goes ahead of
-larger ones waiting (a two-token completion must not wait behind a queue of heavy echoes);
-the large one is not starved for long, since a plain request holds little and ``max_active``
-bounds how many run. A non-streamed answer is built after its generation has ended: a codec
-that builds one holds its generation's bytes until the answer is written (:func:`hold_answer`).
-
-The per-entry sizes are what CPython and the codecs make of one entry at the peak (the
-event, the response's objects, its JSON text and bytes), not the wire's bytes alone: the
-issue's request (3,532 positions of top-20 logprobs and 2 x 256 readouts, a 21 MB JSON
-answer) was measured at about 200-230 MB of process growth on its own, and is estimated
-here at about 220 MB of reports.
+``max_active`` counts requests, not bytes, so every request's worst case is estimated from its
+spec before admission (:func:`request_bytes`: its keys and values, the reports it will make,
+its logits row) and the pool admits requests while their estimates fit ``memory_budget_bytes``
+(:class:`MemoryBudget`); one that alone exceeds it is refused. The rules (first fit, answers held
+until written) are docs/architecture.md, "The memory budget".
 """
 
 from __future__ import annotations
@@ -36,6 +20,8 @@ from prismgate.core.actions import GenerateSpec, PositionRange
 from prismgate.core.engine import EngineInfo
 from prismgate.core.errors import Code, GatewayError, exhausted
 
+# Per-entry sizes: what CPython and the codecs make of one entry at the peak, not the wire's bytes
+# (docs/benchmarks.md, "Figures behind the code's constants").
 LOGPROB_ENTRY_BYTES = 400  # one (id, logprob) of a position's list, with its text, as event, objects and JSON
 FEATURE_ENTRY_BYTES = 400  # one SAE feature of a token (id, activation, label), counted as a logprob entry
 READOUT_VALUE_BYTES = 104  # one float of a readout: float32 in the event, a Python float, its JSON text and bytes

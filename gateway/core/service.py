@@ -1,24 +1,11 @@
 """The Session/Action core: every protocol's requests end up here.
 
 Codecs translate wire messages into a :class:`~prismgate.core.turns.ChatTurn` (the
-chat-shaped protocols) or a :class:`GenerateAction` (Salience, which places tokens
-itself) and session calls; this service is the one public API they use. It owns every
-policy a request meets before an engine sees it, each in its own module:
-
-* which models are served and whether they are ready: :mod:`prismgate.core.models`;
-* where a prompt goes in a session: :mod:`prismgate.core.prompts` (rendering chat:
-  :mod:`prismgate.core.chat`);
-* ``max_tokens`` and the context fit: :mod:`prismgate.core.limits`;
-* per-request size limits, checked before the work: :mod:`prismgate.core.budget`;
-* whether an action fits its session and model: :mod:`prismgate.core.checks`;
-* what a failed or cancelled turn leaves in the session: :mod:`prismgate.core.turns`;
-* who is asking (:mod:`prismgate.core.principal`): a session belongs to the key that
-  opened it (another key is told it does not exist), a key's permissions, its limits
-  (:mod:`prismgate.core.quota`) and its share of a saturated pool
-  (:mod:`prismgate.core.fairness`).
-
-It then submits the work to the engine pool and keeps the session's timeline true to
-what the engine produced.
+chat-shaped protocols) or a :class:`GenerateAction` (Salience, which places tokens itself) and
+session calls; this service is the one public API they use. It applies every policy a request
+meets before an engine sees it, each kept in its own module of the core (docs/architecture.md,
+"Where each policy lives"), then submits the work to the engine pool and keeps the session's
+timeline true to what the engine produced.
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
 """Concept steering: what a request adds to the residual stream, and where.
 
-A steering entry adds ``scale * direction`` to the hidden state after decoder layer ``layer``
-(the stream the readouts read) at the positions it names. ``direction`` is a concept of the
-model's pack (a unit vector) or a raw vector the client sends, normalised here to unit length
-so that ``scale`` means the same for both: the length of the vector added, in the residual
-stream's own units. With ``norm_match`` the added length is instead ``scale`` times the norm of
-the hidden state at that position, so one scale suits every layer and every token.
-
-The ranges (:data:`MAX_SCALE`, :data:`MAX_NORM_MATCHED_SCALE`) are wide enough to push a model
-far off its usual text and narrow enough that a typo (a scale of 1e6) is refused rather than
-decoded into garbage.
-
-Which positions: ``prompt`` steers the positions of the request's prompt (its whole timeline
-before the first generated token), ``generated`` the positions it generates, ``both`` all.
-A request's result depends only on its tokens and its spec, never on what a cache holds: the
-engine reuses the keys and values of a cached position only when that position was computed
-under the same steering (:func:`spans` and :func:`agreed_prefix` say which).
-
-A :class:`Gate` makes an entry conditional: its vector is added at a position only while a
-readout of the same request at the previous position is above (or below) a threshold. The
-gate reads the residual stream after its layer, a pack layer at or before the steered one,
-before the vectors of that layer are added, so within one forward pass it is known before the
-entry needs it; at position 0 (no previous position) the gate is closed.
-
-SAE features (docs/sae.md) steer too. An entry naming ``feature`` instead of a concept or a
-direction adds ``scale`` times that feature's decoder row at unit length (so ``scale`` means what
-it means for a concept), at a layer that has an SAE. With ``clamp`` instead of ``scale`` it sets
-the feature's activation to ``clamp`` at each covered position: the engine encodes the stream
-there with the SAE and adds ``(clamp - activation)`` times the raw decoder row, as SAELens and
-Neuronpedia do. A gate may name a ``feature`` instead of a concept: it compares that feature's
-activation at its layer (an SAE layer), one position earlier, as a concept gate compares a readout.
+A steering entry adds ``scale * direction`` (a pack concept, a raw vector normalised here, or an
+SAE feature's decoder row) to the stream after decoder layer ``layer`` at the positions it names,
+optionally clamped (SAE features) or gated on a readout of the previous position (:class:`Gate`).
+This module holds the rules every engine applies: the ranges (:data:`MAX_SCALE`,
+:data:`MAX_NORM_MATCHED_SCALE`: wide enough to push a model off its usual text, narrow enough to
+refuse a typo), and which cached positions were computed under the same steering
+(:func:`spans`, :func:`agreed_prefix`), so a result never depends on what a cache holds. What
+each field means is docs/steering.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """A chat-shaped turn: the request a codec hands the core, and what the core planned for it.
 
 Evergreen, OpenAI and GraphPipe do not place tokens at positions (Salience does, through
-:class:`~prismgate.core.actions.GenerateAction` directly); they send a prompt, sampling
-knobs, an optional ``max_tokens`` and which reports they want. :class:`ChatTurn` says
-exactly that, and :meth:`SessionService.plan_turn` applies the core's rules to it:
-
-* the model is resolved (:mod:`prismgate.core.models`);
-* the prompt is planned against the session (:mod:`prismgate.core.prompts`);
-* ``max_tokens`` is chosen and the context fit checked (:mod:`prismgate.core.limits`);
-* logprobs and readouts cover the generated positions (and the prompt when asked),
-  readouts only where a concept pack is loaded (:mod:`prismgate.core.checks`).
-
-Turn atomicity, the one rule for what a turn leaves in its session:
-
-* a chat turn (``GenerateAction.atomic``) is all or nothing: unless it finishes (EOS,
-  LENGTH, a stop string, or max_tokens 0), whatever stopped it (a refusal, a full
-  queue, an engine error, a client that went away, a CANCEL) leaves the session exactly
-  as it was before the turn, so the client's next turn starts from the same place;
-* an explicit append (Salience) keeps its append once validated, and drops the decoded
-  tokens of a turn that did not finish: the session length is then
-  ``offset + len(append_tokens)``, which a client that placed tokens itself can rely on.
+:class:`~prismgate.core.actions.GenerateAction` directly); they send a prompt, sampling knobs,
+an optional ``max_tokens`` and which reports they want. :class:`ChatTurn` says exactly that,
+and :meth:`SessionService.plan_turn` applies the core's rules to it (model, prompt placement,
+``max_tokens`` and context fit, which positions are reported). This module also says the one
+rule for what a turn leaves in its session (docs/architecture.md, "Turn atomicity").
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def first_steered(concepts: tuple[str, ...], measured: dict[str, SteeringRange])
 def steering_defaults(
     layers: tuple[int, ...], concepts: tuple[str, ...], measured: dict[str, SteeringRange]
 ) -> dict[str, object]:
-    """The steering the page starts with, as the pack measured it (:mod:`~prismgate.engines.readouts.steering_range`).
+    """The steering the page starts with, as the pack measured it (:mod:`~prismgate.instruments.packs.steering_range`).
 
     ``layer``/``range``: the steering layer and the sliders' reach; ``concept``/``scale``: the
     slider that starts away from 0 (None/0 when nothing was measured); ``concepts``: each measured

@@ -130,7 +130,7 @@ async def test_requests_ending_together_share_the_pass_of_their_last_token(engin
     # The last decoded token's readout comes from a pass that feeds it. Requests that end on the
     # same batched step get that pass together (one more batched pass), not one pass each: with
     # readouts on every token, four requests ending together once cost four single passes at the end.
-    from prismgate.engines.readouts.probe import decoder_layers
+    from prismgate.engines.introspect import decoder_layers
 
     passes: list[tuple[int, int]] = []  # (rows, tokens) of every forward pass, in order
     layer = decoder_layers(engine._scheduler.stepper.adapter.model)[0]

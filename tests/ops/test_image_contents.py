@@ -58,6 +58,9 @@ def test_the_wheel_holds_what_the_container_needs(tmp_path: Path) -> None:
         "prismgate/schemas/salience.proto",
         # the default model's concept pack: without it the image serves no readouts
         "prismgate/engines/readouts/packs/smollm2-135m-instruct.safetensors",
+        # --concept-pack auto (the GPU profile's default) builds with the instruments and their prompt sets
+        "prismgate/instruments/packs/auto.py",
+        "prismgate/instruments/packs/prompt_sets/sentiment.json",
     ]
     missing = [n for n in needed if n not in names]
     assert not missing, f"pip install . would leave out {missing} (see [tool.setuptools.package-data])"

@@ -19,9 +19,9 @@ import httpx
 import numpy as np
 import pytest
 
-from prismgate.engines.readouts.build import DEFAULT_PACK
 from prismgate.engines.readouts.pack import ConceptPack
-from prismgate.engines.readouts.steering_range import MAX_LOGPROB_DROP, MIN_DISTINCT, distinct
+from prismgate.instruments.packs.build import DEFAULT_PACK
+from prismgate.instruments.packs.steering_range import MAX_LOGPROB_DROP, MIN_DISTINCT, distinct
 from prismgate.playground import first_steered
 from tests.conftest import LiveServer, run_server
 from tests.playground.test_playground import wait_for

@@ -15,10 +15,10 @@ import pytest
 
 from prismgate.compose import concept_pack_for
 from prismgate.core.errors import GatewayError
-from prismgate.engines.readouts.auto import cached_pack_path, pack_digest, select_layers
 from prismgate.engines.readouts.pack import ConceptPack
-from prismgate.engines.readouts.prompt_sets import load_prompt_sets
-from prismgate.engines.readouts.report import Separation, SeparationReport
+from prismgate.instruments.packs.auto import cached_pack_path, pack_digest, select_layers
+from prismgate.instruments.packs.prompt_sets import load_prompt_sets
+from prismgate.instruments.packs.report import Separation, SeparationReport
 from prismgate.server import Gateway
 from tests.conftest import TINY_MODEL_ID, run_server, tiny_settings
 from tests.tiny_model import build_tiny_llama
@@ -90,7 +90,7 @@ def test_first_start_builds_second_start_reuses(
 
 
 def pack_module_dir() -> Path:
-    from prismgate.engines.readouts import build
+    from prismgate.instruments.packs import build
 
     return Path(build.__file__).parent
 
@@ -183,7 +183,8 @@ def test_the_gpu_profile_keeps_built_packs_on_a_volume() -> None:
 async def test_stopped_while_building_never_loads_the_model(tiny_model_dir: Path, tmp_path: Path) -> None:
     from prismgate.core.health import STOPPING
     from prismgate.engines.hf import TransformersEngine
-    from prismgate.engines.readouts.auto_engine import AutoPackEngine
+    from prismgate.engines.prepare import PreparedEngine
+    from prismgate.instruments.packs.auto import pack_step
 
     made: list[Path | None] = []
 
@@ -192,7 +193,8 @@ async def test_stopped_while_building_never_loads_the_model(tiny_model_dir: Path
         return TransformersEngine(tiny_model_dir, model_id=TINY_MODEL_ID, concept_pack=pack, threads=1)
 
     path = tmp_path / "pack.safetensors"
-    engine = AutoPackEngine(make, model_dir=tiny_model_dir, model_id=TINY_MODEL_ID, pack_path=path, pairs=40)
+    step = pack_step(tiny_model_dir, path, model_id=TINY_MODEL_ID, pairs=40)
+    engine = PreparedEngine(make, [step], model_id=TINY_MODEL_ID, pack=None)
     starting = asyncio.create_task(engine.start())
     for _ in range(6000):  # polled: the build reports through health(), as /readyz reads it
         if engine.health().reason.startswith("building concept pack"):
@@ -210,7 +212,7 @@ async def test_stopped_while_building_never_loads_the_model(tiny_model_dir: Path
 def test_cli_build_chooses_layers_like_auto(
     tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from prismgate.engines.readouts.cli import main
+    from prismgate.instruments.packs.cli import main
 
     out = tmp_path / "pack.safetensors"
     assert main(["build", "--model", str(tiny_model_dir), "--layers", "auto", "--out", str(out)]) == 0

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from prismgate.core.errors import GatewayError
-from prismgate.engines.readouts.build import build_pack, build_pack_and_report
-from prismgate.engines.readouts.capture import collect_prompt_means, load_model, token_keep
-from prismgate.engines.readouts.cli import main
 from prismgate.engines.readouts.pack import ConceptPack, view_layer
-from prismgate.engines.readouts.prompt_sets import PromptSet, load_prompt_sets
-from prismgate.engines.readouts.show import readouts
+from prismgate.instruments.packs.build import build_pack, build_pack_and_report
+from prismgate.instruments.packs.capture import collect_prompt_means, load_model, token_keep
+from prismgate.instruments.packs.cli import main
+from prismgate.instruments.packs.prompt_sets import PromptSet, load_prompt_sets
+from prismgate.instruments.packs.show import readouts
 
 # Byte-level tokenizer: one token per byte, so lengths are easy to reason about.
 COLORS = PromptSet(

@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 
 from prismgate.engines.models import DEFAULT_MODEL_ID, default_model_path
-from prismgate.engines.readouts.build import (
+from prismgate.engines.readouts.pack import ConceptPack
+from prismgate.instruments.packs.build import (
     DEFAULT_LAYERS,
     DEFAULT_LAYERS_NOTE,
     DEFAULT_PACK,
     PROMPT_SETS_DIR,
     build_pack_and_report,
 )
-from prismgate.engines.readouts.pack import ConceptPack
-from prismgate.engines.readouts.prompt_sets import load_prompt_sets
-from prismgate.engines.readouts.steering_range import METHOD as STEERING_METHOD
+from prismgate.instruments.packs.prompt_sets import load_prompt_sets
+from prismgate.instruments.packs.steering_range import METHOD as STEERING_METHOD
 
 
 @pytest.mark.slow

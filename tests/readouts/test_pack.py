@@ -12,9 +12,9 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from prismgate.core.errors import GatewayError
-from prismgate.engines.readouts.cli import main
 from prismgate.engines.readouts.pack import FORMAT, LAYER_CONVENTION, ConceptPack, SteeringRange
-from prismgate.engines.readouts.show import describe
+from prismgate.instruments.packs.cli import main
+from prismgate.instruments.packs.show import describe
 
 LAYERS = (2, 5)
 CONCEPTS = ("alpha", "beta", "gamma")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from prismgate.engines.readouts.build import PROMPT_SETS_DIR
-from prismgate.engines.readouts.prompt_sets import load_prompt_sets
+from prismgate.instruments.packs.build import PROMPT_SETS_DIR
+from prismgate.instruments.packs.prompt_sets import load_prompt_sets
 
 REQUIRED = {"sentiment", "formality", "question", "code", "refusal", "french"}
 

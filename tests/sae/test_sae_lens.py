@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from prismgate.engines.sae.auto import SHIPPED, sae_folders
 from prismgate.engines.sae.encode import SaeEncoder
 from prismgate.engines.sae.files import load_sae
+from prismgate.instruments.sae.auto import SHIPPED, sae_folders
 from tests.sae.saes import write_sae
 
 sae_lens = pytest.importorskip("sae_lens", reason="sae-lens is a dev dependency: make setup installs it")
@@ -54,8 +54,8 @@ def test_apply_b_dec_to_input_false_matches_sae_lens(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_the_shipped_sae_matches_sae_lens_on_the_models_own_stream(tmp_path: Path) -> None:
     from prismgate.engines.models import resolve_model
-    from prismgate.engines.readouts.capture import load_model
-    from prismgate.engines.sae.train import LayerTap
+    from prismgate.instruments.packs.capture import load_model
+    from prismgate.instruments.sae.train import LayerTap
 
     folder = sae_folders(SHIPPED)[0]
     sae = load_sae(folder)

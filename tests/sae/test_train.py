@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from prismgate.engines.sae.auto import auto_saes
 from prismgate.engines.sae.files import load_sae
+from prismgate.instruments.sae.auto import auto_saes
 from tests.serve_process import ENV, PRISMGATE
 
 pytestmark = pytest.mark.slow
@@ -59,7 +59,7 @@ def test_bad_arguments_are_one_line(tiny_model_dir: Path) -> None:
 def test_a_label_is_the_distinct_tokens_of_the_strongest_activations_most_frequent_first() -> None:
     import numpy as np
 
-    from prismgate.engines.sae.labels import TOP_EXAMPLES, labels_from_examples
+    from prismgate.instruments.sae.labels import TOP_EXAMPLES, labels_from_examples
 
     text = {1: " cat", 2: " dog", 3: "x", 4: " the"}
     n = TOP_EXAMPLES

@@ -1,7 +1,7 @@
 """The embedded pack's measured steering, checked on real generations (slow: real weights).
 
 ``prismgate concepts build`` measured, per concept, a layer and a starting scale on its own few
-prompts (:mod:`prismgate.engines.readouts.steering_range`). On a question it never saw, that
+prompts (:mod:`prismgate.instruments.packs.steering_range`). On a question it never saw, that
 layer and scale must still move the concept's readout over the answer (read back unsteered)
 and keep the answer fluent by the builder's own measure.
 """
@@ -16,9 +16,9 @@ import pytest_asyncio
 from prismgate.core.steering import SteeringEntry
 from prismgate.engines.hf import TransformersEngine
 from prismgate.engines.models import DEFAULT_MODEL_ID, default_model_path
-from prismgate.engines.readouts.build import DEFAULT_PACK
 from prismgate.engines.readouts.pack import ConceptPack
-from prismgate.engines.readouts.steering_range import PROMPTS, Runner, fluent_rung
+from prismgate.instruments.packs.build import DEFAULT_PACK
+from prismgate.instruments.packs.steering_range import PROMPTS, Runner, fluent_rung
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 

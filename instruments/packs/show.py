@@ -13,10 +13,10 @@ import numpy as np
 import numpy.typing as npt
 
 from prismgate.core.errors import invalid
-from prismgate.engines.readouts.capture import deterministic_torch
 from prismgate.engines.readouts.pack import ConceptPack
 from prismgate.engines.readouts.probe import ReadoutProbe
 from prismgate.engines.readouts.table import Columns, ReadoutTable
+from prismgate.instruments.packs.capture import deterministic_torch
 
 
 def describe(pack: ConceptPack) -> dict[str, Any]:

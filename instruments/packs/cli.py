@@ -14,22 +14,22 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from prismgate.core.errors import GatewayError, invalid
-from prismgate.engines.readouts.auto import pack_at_layers, select_layers
-from prismgate.engines.readouts.build import (
+from prismgate.engines.introspect import decoder_layers, hidden_size
+from prismgate.engines.readouts.pack import PREFERRED_VIEW_LAYER, ConceptPack
+from prismgate.engines.readouts.table import Columns
+from prismgate.instruments.packs.auto import pack_at_layers, select_layers
+from prismgate.instruments.packs.build import (
     DEFAULT_LAYERS,
     DEFAULT_LAYERS_NOTE,
     DEFAULT_PACK,
     PROMPT_SETS_DIR,
     build_pack_and_report,
 )
-from prismgate.engines.readouts.capture import DEFAULT_BATCH, load_model
-from prismgate.engines.readouts.pack import PREFERRED_VIEW_LAYER, ConceptPack
-from prismgate.engines.readouts.probe import decoder_layers
-from prismgate.engines.readouts.prompt_sets import load_prompt_sets
-from prismgate.engines.readouts.report import DEFAULT_FOLDS
-from prismgate.engines.readouts.show import describe, print_readouts, print_similarity, print_summary
-from prismgate.engines.readouts.steering_range import Rung, describe_rungs, measure_steering
-from prismgate.engines.readouts.table import Columns
+from prismgate.instruments.packs.capture import DEFAULT_BATCH, load_model
+from prismgate.instruments.packs.prompt_sets import load_prompt_sets
+from prismgate.instruments.packs.report import DEFAULT_FOLDS
+from prismgate.instruments.packs.show import describe, print_readouts, print_similarity, print_summary
+from prismgate.instruments.packs.steering_range import Rung, describe_rungs, measure_steering
 
 
 def _layer_list(text: str) -> list[int] | str:
@@ -249,7 +249,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if args.model is not None:
         folder, _, _ = resolve_model_arg(args.model)
         model, tokenizer = load_model(folder)
-        pack.check_model(len(decoder_layers(model)), int(model.config.get_text_config().hidden_size))
+        pack.check_model(len(decoder_layers(model)), hidden_size(model))
         print(f"fits       {folder}")
         if args.text and columns is not None:
             print_readouts(model, tokenizer, pack, args.text, columns)

@@ -8,7 +8,7 @@ import torch
 
 from prismgate.engines.sae.encode import SaeEncoder
 from prismgate.engines.sae.files import SparseAutoencoder
-from prismgate.engines.sae.train import LayerTap
+from prismgate.instruments.sae.train import LayerTap
 
 
 def top_features(

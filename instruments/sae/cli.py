@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from prismgate.core.errors import invalid
-from prismgate.engines.readouts.capture import deterministic_torch, load_model
-from prismgate.engines.readouts.cli import resolve_model_arg, run_command
-from prismgate.engines.readouts.probe import decoder_layers
-from prismgate.engines.sae.auto import SHIPPED, cached_sae_root, layer_dir, sae_folders, train_settings
-from prismgate.engines.sae.corpus import corpus, split
+from prismgate.engines.introspect import decoder_layers, hidden_size
 from prismgate.engines.sae.encode import SaeEncoder
 from prismgate.engines.sae.files import CFG_FILE, load_sae
-from prismgate.engines.sae.labels import label_features, write_labels
-from prismgate.engines.sae.train import TrainConfig, save, train_and_evaluate
+from prismgate.instruments.packs.capture import deterministic_torch, load_model
+from prismgate.instruments.packs.cli import resolve_model_arg, run_command
+from prismgate.instruments.sae.auto import SHIPPED, cached_sae_root, layer_dir, sae_folders, train_settings
+from prismgate.instruments.sae.corpus import corpus, split
+from prismgate.instruments.sae.labels import label_features, write_labels
+from prismgate.instruments.sae.train import TrainConfig, save, train_and_evaluate
 
 DEFAULT_TOP = 5
 
@@ -161,7 +161,7 @@ def _cmd_label(args: argparse.Namespace) -> int:
     folder = Path(args.sae) if args.sae else _shipped()
     sae = load_sae(folder)
     model, tokenizer = load_model(resolve_model_arg(args.model)[0])
-    sae.check_model(len(decoder_layers(model)), int(model.config.get_text_config().hidden_size))
+    sae.check_model(len(decoder_layers(model)), hidden_size(model))
     _label(model, tokenizer, folder, split(corpus())[0], args.threads)
     return 0
 
@@ -177,10 +177,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if sae.model_name:
         print(f"model      {sae.model_name}")
     if args.text:
-        from prismgate.engines.sae.show import print_features
+        from prismgate.instruments.sae.show import print_features
 
         model, tokenizer = load_model(resolve_model_arg(args.model)[0])
-        sae.check_model(len(decoder_layers(model)), int(model.config.get_text_config().hidden_size))
+        sae.check_model(len(decoder_layers(model)), hidden_size(model))
         print_features(model, tokenizer, sae, args.text, args.top)
     return 0
 

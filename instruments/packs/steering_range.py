@@ -1,31 +1,12 @@
 """Where and how hard a pack's concepts steer: per concept, a layer, a starting scale and a range.
 
-A pack's directions read well at many layers, but they steer well at few: added late, a
-direction changes nothing the model says; added too hard, the text degenerates ("La la la...").
-So the builder measures it, on the serving engine itself (:class:`~prismgate.engines.hf.engine.
-TransformersEngine`, the forward hooks and scheduler every steering request goes through):
-
-1. a few short chat prompts (:data:`PROMPTS`) are answered greedily, :data:`TOKENS` tokens each,
-   unsteered, then steered by each concept at each candidate layer (:func:`candidate_layers`:
-   the shallower half of the pack's layers, at most :data:`MAX_CANDIDATES`) with positive scales
-   on a geometric ladder (:data:`SCALES`), every entry ``positions: both`` as the playground sends it;
-2. every answer, steered or not, is read back by the unsteered model (a prefill-only run with
-   logprobs and readouts): its **effect** is how far the concept's readout over the answer moved
-   from the unsteered answer's, in the pack's scales, averaged over the pack's deeper half of
-   layers (the text itself now reads as the concept, not just the added vector), and its
-   **fluency** is the mean logprob the unsteered model gives its tokens;
-3. a rung is fluent when its answers' mean logprob falls on average no more than
-   :data:`MAX_LOGPROB_DROP` below their unsteered twins' and no answer repeats itself (fewer than
-   :data:`MIN_DISTINCT` of its token trigrams distinct, :func:`distinct`); the ladder of a layer
-   stops at the first rung that is not;
-4. the concept's starting rung is the one that moves the readout most among the fluent rungs that
-   have :data:`MARGIN` fluent rungs above them at their layer (the playground's answers run longer
-   than :data:`TOKENS`, and a scale near the edge of fluency loops in a 64-token answer);
-   its layer is the concept's ``layer``, its scale the starting ``scale``, and the last fluent rung
-   at that layer the ``range``.
-
-Greedy and deterministic (batch-invariant kernels), so a rebuild measures the same numbers.
-Only positive scales are measured; displays use the range on both sides.
+A pack's directions read well at many layers but steer well at few, so the builder measures it
+on the serving engine itself: short prompts answered greedily, steered by each concept at each
+candidate layer up a ladder of scales; each answer read back by the unsteered model for its
+**effect** (how far the concept's readout moved) and **fluency** (its mean logprob); the
+starting rung is the most effective fluent one with :data:`MARGIN` fluent rungs above it.
+Greedy and deterministic, so a rebuild measures the same numbers. The four steps in full:
+docs/instruments.md, "Where a concept steers".
 """
 
 from __future__ import annotations

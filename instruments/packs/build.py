@@ -1,23 +1,11 @@
 """Build concept packs from contrastive prompt sets, and report how well each direction separates.
 
-A build is four steps, each in its own module:
-
-1. load and check the prompt sets (:mod:`.prompt_sets`);
-2. run every distinct prompt through the model and keep its mean residual stream after each
-   wanted layer (:mod:`.capture`, which says why these tokens and how it stays deterministic);
-3. per concept and layer, the normalised difference of the positive and negative means, and
-   the center: the midpoint of the two classes' mean readout on that direction (:mod:`.directions`),
-   and the scale: half the gap between them (:func:`concept_scales`);
-4. optionally, the held-out separation report (:mod:`.report`), which is how
-   :data:`DEFAULT_LAYERS` were chosen.
-
-Two builds on one machine give identical bits. Rebuild the default pack (about 7 s on one thread
-plus 2 s loading, then 48-74 s measuring where each concept steers, :mod:`.steering_range`, which
-``--no-steering`` skips; --report adds a second pass)::
-
-    OMP_NUM_THREADS=1 prismgate concepts build --out engines/readouts/packs/smollm2-135m-instruct.safetensors --report
-
-The command line is :mod:`.cli`; :func:`main` here is kept for ``python -m`` and older callers.
+A build is four steps, each in its own module: the prompt sets (:mod:`.prompt_sets`), the mean
+residual stream of every prompt at each wanted layer (:mod:`.capture`), the directions, centers
+(:mod:`.directions`) and scales (:func:`concept_scales`), and optionally the held-out separation
+report (:mod:`.report`), which is how :data:`DEFAULT_LAYERS` were chosen. Two builds on one
+machine give identical bits. The recipe is docs/instruments.md; the command line is :mod:`.cli`
+(:func:`main` here serves ``python -m``).
 """
 
 from __future__ import annotations
@@ -30,7 +18,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from prismgate.engines.readouts.capture import (
+from prismgate.engines.introspect import decoder_layers
+from prismgate.engines.readouts.pack import DEFAULT_PACKS, ConceptPack
+from prismgate.instruments.packs.capture import (
     DEFAULT_BATCH,
     OUTLIER_FACTOR,
     SKIP_FIRST,
@@ -44,11 +34,9 @@ from prismgate.engines.readouts.capture import (
     load_model,
     token_keep,
 )
-from prismgate.engines.readouts.directions import concept_centers, concept_directions, direction, method_text
-from prismgate.engines.readouts.pack import DEFAULT_PACKS, ConceptPack
-from prismgate.engines.readouts.probe import decoder_layers
-from prismgate.engines.readouts.prompt_sets import PromptSet, checked_sets, load_prompt_sets, prompt_sets_digest
-from prismgate.engines.readouts.report import (
+from prismgate.instruments.packs.directions import concept_centers, concept_directions, direction, method_text
+from prismgate.instruments.packs.prompt_sets import PromptSet, checked_sets, load_prompt_sets, prompt_sets_digest
+from prismgate.instruments.packs.report import (
     DEFAULT_FOLDS,
     FoldFit,
     Separation,
@@ -57,7 +45,7 @@ from prismgate.engines.readouts.report import (
     separation,
     separation_report,
 )
-from prismgate.engines.readouts.show import describe, readouts
+from prismgate.instruments.packs.show import describe, readouts
 
 # Everything this module offered before it was split up stays importable from here.
 __all__ = [
@@ -211,8 +199,8 @@ def build_pack(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``prismgate concepts {build,show} ...``: see :func:`prismgate.engines.readouts.cli.main`."""
-    from prismgate.engines.readouts.cli import main as cli_main  # cli imports this module's defaults
+    """``prismgate concepts {build,show} ...``: see :func:`prismgate.instruments.packs.cli.main`."""
+    from prismgate.instruments.packs.cli import main as cli_main  # cli imports this module's defaults
 
     return cli_main(argv)
 

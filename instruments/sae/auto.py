@@ -15,13 +15,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from prismgate.core.errors import invalid
-from prismgate.engines.readouts.auto import model_digest
-from prismgate.engines.sae.corpus import corpus, corpus_digest
+from prismgate.engines.sae import files
 from prismgate.engines.sae.files import CFG_FILE
-from prismgate.engines.sae.train import TrainConfig
+from prismgate.instruments.packs.auto import model_digest
+from prismgate.instruments.sae.corpus import corpus, corpus_digest
+from prismgate.instruments.sae.train import TrainConfig
 
 RECIPE = 1  # bump when training changes what it writes: cached SAEs are then trained again
-SHIPPED = Path(__file__).parent / "saes" / "smollm2-135m-instruct"
+SHIPPED = Path(files.__file__).parent / "saes" / "smollm2-135m-instruct"  # runtime data: the server loads it
 
 
 def default_cache_dir() -> Path:

@@ -26,17 +26,16 @@ from pathlib import Path
 import numpy as np
 
 from prismgate.core.errors import invalid
-from prismgate.engines.readouts.build import PROMPT_SETS_DIR, build_pack_and_report
-from prismgate.engines.readouts.capture import load_model
+from prismgate.engines.introspect import decoder_layers
+from prismgate.engines.prepare import PackStep
 from prismgate.engines.readouts.pack import FORMAT, ConceptPack
-from prismgate.engines.readouts.probe import decoder_layers
-from prismgate.engines.readouts.prompt_sets import PromptSet, load_prompt_sets, prompt_sets_digest
-from prismgate.engines.readouts.report import SeparationReport
-from prismgate.engines.readouts.steering_range import measure_steering
+from prismgate.instruments.packs.build import PROMPT_SETS_DIR, build_pack_and_report
+from prismgate.instruments.packs.capture import load_model
+from prismgate.instruments.packs.prompt_sets import PromptSet, load_prompt_sets, prompt_sets_digest
+from prismgate.instruments.packs.report import SeparationReport
+from prismgate.instruments.packs.steering_range import measure_steering
 
-# per concept: SmolLM2-135M's directions and report take 7 s, then 81 s measuring steering, on one thread of a
-# busy 2-core machine
-DEFAULT_PAIRS = 8
+DEFAULT_PAIRS = 8  # per concept: enough for the held-out report; build time grows with it (docs/steering.md)
 MAX_LAYERS = 8  # layers a built pack reads after, as many as the embedded pack
 PLATEAU = 0.03  # layers within this much of the best mean token accuracy count as equally good
 RECIPE = 2  # bump when the build below changes what it writes: older cached packs are then rebuilt
@@ -267,3 +266,24 @@ def _free_accelerator_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def pack_step(
+    folder: str | Path,
+    path: Path,
+    *,
+    model_id: str,
+    pairs: int = DEFAULT_PAIRS,
+    dtype: str = "auto",
+    device: str = "auto",
+    threads: int = 1,
+) -> PackStep:
+    """The start's step that reuses or builds the pack at ``path`` (a :class:`~prismgate.engines.prepare.PackStep`)."""
+    check_pairs(pairs)  # a bad pair count is a settings error, found before anything loads
+
+    def build(out: Path, progress: Progress) -> BuildStats:
+        return build_auto_pack(
+            folder, out, model_id=model_id, pairs=pairs, dtype=dtype, device=device, threads=threads, progress=progress
+        )
+
+    return PackStep(build, path, model_id=model_id, pairs=pairs)

@@ -17,9 +17,9 @@ import numpy as np
 import numpy.typing as npt
 
 from prismgate.core.errors import invalid
-from prismgate.engines.readouts.capture import Capture, CapturedPrompts, deterministic_torch
-from prismgate.engines.readouts.directions import direction
-from prismgate.engines.readouts.prompt_sets import PromptSet
+from prismgate.instruments.packs.capture import Capture, CapturedPrompts, deterministic_torch
+from prismgate.instruments.packs.directions import direction
+from prismgate.instruments.packs.prompt_sets import PromptSet
 
 DEFAULT_FOLDS = 4
 

@@ -20,8 +20,8 @@ import importlib
 import inspect
 from collections.abc import Sequence
 
-from prismgate.engines.readouts.build import PROMPT_SETS_DIR
-from prismgate.engines.readouts.prompt_sets import load_prompt_sets
+from prismgate.instruments.packs.build import PROMPT_SETS_DIR
+from prismgate.instruments.packs.prompt_sets import load_prompt_sets
 
 # Standard-library modules whose documentation is read, in this order (pure Python, always present).
 STDLIB_MODULES = (

@@ -1,25 +1,10 @@
 """Train a small TopK SAE on one layer of a served model, and measure it the way SAE papers do.
 
-Recipe (Gao et al. 2024, "Scaling and evaluating sparse autoencoders", at toy scale):
-
-* **activations**: the residual stream after decoder layer L (the readouts' hooks, the
-  engine's own loader and dtype), of the texts of :mod:`.corpus`, one text per row, no chat
-  template. Position 0 and massive-norm tokens (above :data:`OUTLIER_FACTOR` times their
-  text's median norm: attention sinks, ~100x the others in SmolLM2) are left out of training
-  and of the statistics: a handful of nearly constant huge vectors would otherwise be all the
-  SAE learns;
-* **model**: ``acts = TopK_k(relu((x - b_dec) @ W_enc + b_enc))``, ``x_hat = acts @ W_dec + b_dec``;
-  decoder rows kept at unit norm; ``W_enc`` starts as ``W_dec.T``, ``b_dec`` as the mean;
-  inputs scaled by one constant to mean squared norm 1 while training, folded back into
-  ``b_enc`` and ``b_dec`` at the end, so the saved SAE reads the raw stream;
-* **loss**: mean squared error plus the AuxK term (features that have not fired for
-  :data:`DEAD_STEPS` steps reconstruct the residual error with their own top-``k_aux``), Adam,
-  fixed seed and thread count: the same inputs give the same weights.
-
-Quality (:class:`Quality`), on the held-out texts: fraction of variance explained, mean L0,
-features never active on any token (training or held-out), and the model's next-token loss
-with the SAE's reconstruction spliced in at layer L (every token but position 0) against the
-clean loss and against the layer's output zero-ablated (so ``loss recovered`` can be read).
+The recipe is Gao et al. 2024 ("Scaling and evaluating sparse autoencoders") at toy scale: the
+residual stream after layer L of the :mod:`.corpus` texts (position 0 and massive-norm tokens
+left out), a TopK autoencoder with unit-norm decoder rows, MSE plus the AuxK term, Adam, fixed
+seed and threads: the same inputs give the same weights. :class:`Quality` is measured on the
+held-out texts. The recipe in full: docs/instruments.md, "Training an SAE".
 """
 
 from __future__ import annotations
@@ -35,17 +20,17 @@ from typing import Any
 
 import torch
 
-from prismgate.engines.readouts.capture import deterministic_torch
-from prismgate.engines.readouts.probe import decoder_layers
+from prismgate.engines.introspect import decoder_layers
 from prismgate.engines.sae.encode import SaeEncoder
 from prismgate.engines.sae.files import CFG_FILE, WEIGHTS_FILE, SparseAutoencoder
+from prismgate.instruments.packs.capture import deterministic_torch
 
 OUTLIER_FACTOR = 3.0
 DEAD_STEPS = 8  # a feature silent for this many steps counts as dead for the AuxK loss
 AUX_K = 256
 AUX_WEIGHT = 1 / 32
 MAX_TOKENS = 128  # a text's tokens read (longer ones are cut)
-# The weights are stored as float16 (half the file; the shipped SAE is 9.4 MB, not 19): every
+# The weights are stored as float16 (half the file): every
 # quality figure is measured on the rounded weights, which are exactly what a load reads back.
 STORED_DTYPE = torch.float16
 

@@ -3,7 +3,7 @@
 An SAE trained here has no human-written labels, and a feature id alone says nothing to someone
 searching the playground for "French" or "cat". This gives each feature a label read off the
 data: the residual stream of the training corpus (the same texts and kept tokens as
-:func:`~prismgate.engines.sae.train.capture`) is encoded, each feature's :data:`TOP_EXAMPLES`
+:func:`~prismgate.instruments.sae.train.capture`) is encoded, each feature's :data:`TOP_EXAMPLES`
 strongest activations are found, and its label is the distinct tokens at those activations,
 the most frequent first (ties: the strongest), at most :data:`LABEL_TOKENS` of them, e.g.
 ``' cat' ' cats' ' kitten'``. Features that never fire on the corpus get no label. Written as
@@ -23,7 +23,7 @@ import torch
 
 from prismgate.engines.sae.encode import SaeEncoder
 from prismgate.engines.sae.files import CFG_FILE, LABELS_FILE
-from prismgate.engines.sae.train import LayerTap, _batches, _encode_texts, _kept, _padded
+from prismgate.instruments.sae.train import LayerTap, _batches, _encode_texts, _kept, _padded
 
 TOP_EXAMPLES = 20  # a feature's strongest activations on the corpus that its label is read from
 LABEL_TOKENS = 3  # distinct tokens in a label

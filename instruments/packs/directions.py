@@ -1,22 +1,10 @@
 """Difference-of-means directions: one unit vector per concept and layer, and the words that describe them.
 
-A concept's direction at layer L is::
-
-    m(p)      = mean over the counted tokens of prompt p of h_L(token)    (see capture.py)
-    direction = normalize(mean_p∈pos m(p) - mean_p∈neg m(p))
-
-computed in float64, then cast to float32 and normalised again so every row of a pack is a
-unit vector to float32 precision.
-
-Its center at layer L, with ``d`` the stored float32 direction taken to float64::
-
-    center = 0.5 * (mean_p∈pos m(p) . d + mean_p∈neg m(p) . d)
-
-``m(p) . d`` is the mean readout of the tokens of p that the build counts, so the center is the
-midpoint between the two classes' mean token readout, every prompt weighing the same: the
-threshold the separation report scores held-out tokens against (there fitted without the
-held-out fold). Each concept has its own baseline (SmolLM2's ``code`` sits far below zero on
-neutral text), so a readout means little until this center is subtracted.
+A concept's direction at layer L is the normalised difference of its positive and negative
+prompts' mean residual streams (float64, then float32 normalised again); its center the midpoint
+of the two classes' mean readout on that direction, the threshold the separation report scores
+tokens against. The formulas and why each concept needs its own center: docs/instruments.md,
+"Directions, centers and scales".
 """
 
 from __future__ import annotations
@@ -27,8 +15,8 @@ import numpy as np
 import numpy.typing as npt
 
 from prismgate.core.errors import invalid
-from prismgate.engines.readouts.capture import Capture, CapturedPrompts
-from prismgate.engines.readouts.prompt_sets import PromptSet, prompt_sets_digest
+from prismgate.instruments.packs.capture import Capture, CapturedPrompts
+from prismgate.instruments.packs.prompt_sets import PromptSet, prompt_sets_digest
 
 
 def direction(pos: npt.NDArray[np.float64], neg: npt.NDArray[np.float64], *, what: str = "") -> npt.NDArray[np.float64]:

@@ -1,24 +1,10 @@
 """Capture the residual stream after chosen decoder layers while prompts run through the model.
 
-Why these choices:
-
-* **h_L is what decoder layer L returns**, read by forward hooks on the same layer objects
-  the serving engine's :class:`~prismgate.engines.readouts.probe.ReadoutProbe` hooks, on the
-  model loaded by the engine's own loader (:func:`load_model`: same dtype, bf16 by default).
-  HF's ``hidden_states[-1]`` is not used: it has the final norm applied.
-* **All tokens but the first.** Readouts are served for every token, so a prompt is summed up
-  by its typical token, not only its last one (the last token mixes in "end of sentence"
-  features, and a handful of tokens per prompt is a noisy estimate). Position 0 is left out:
-  it is the attention sink, whose residual norm is about 100 times that of other tokens in
-  SmolLM2 (measured: ~21000 vs ~200 from layer 16 on), so one token would dominate each
-  prompt's mean with content that has nothing to do with the concept. Other massive-norm
-  tokens are left out too (:func:`token_keep`).
-* **Prompts are raw text** (no chat template), encoded like the engine encodes text, so a
-  direction describes the text, not the framing around it.
-* **Deterministic**: prompts are de-duplicated and run in sorted order (by length, then ids)
-  in fixed-size right-padded batches (right padding keeps every real token's position and
-  causal context exactly as unbatched), one thread, ``torch.manual_seed(0)``
-  (:func:`deterministic_torch`), hidden states accumulated in float64 in a fixed order.
+What a build reads is what the server reads: forward hooks on the same decoder layers the
+serving probe hooks, on the model the engine's own loader loads (:func:`load_model`). Every
+token but the first and other massive-norm ones counts (:func:`token_keep`), prompts are raw
+text, and the run is deterministic (:func:`deterministic_torch`, sorted right-padded batches,
+float64 sums). Why each choice: docs/instruments.md, "What a build reads".
 """
 
 from __future__ import annotations
@@ -33,8 +19,8 @@ import numpy as np
 import numpy.typing as npt
 
 from prismgate.core.errors import invalid
-from prismgate.engines.readouts.probe import decoder_layers
-from prismgate.engines.readouts.prompt_sets import PromptSet
+from prismgate.engines.introspect import decoder_layers, hidden_size
+from prismgate.instruments.packs.prompt_sets import PromptSet
 
 SKIP_FIRST = 1  # tokens left out at the start of each prompt (the attention sink)
 OUTLIER_FACTOR = 3.0  # tokens above this multiple of their prompt's median norm are left out
@@ -91,9 +77,8 @@ def token_keep(norms: Any, valid: Any, factor: float | None) -> Any:
 
     A valid token counts unless its norm exceeds ``factor`` times the lower median norm of
     its prompt's valid tokens at that layer. Such tokens are attention sinks with massive
-    activations (SmolLM2: ' the' at layers 2-8 is ~5x the median; a second sink at position 1
-    or 2 from layer 11 on is ~150x): nearly constant vectors that would otherwise dominate a
-    prompt's mean. At least half of a prompt's valid tokens always count.
+    activations (figures in docs/benchmarks.md): nearly constant vectors that would otherwise
+    dominate a prompt's mean. At least half of a prompt's valid tokens always count.
     """
     import torch
 
@@ -203,7 +188,7 @@ class Capture:
         """
         import torch
 
-        hidden = int(model.config.get_text_config().hidden_size)
+        hidden = hidden_size(model)
         out = PromptMeans(
             means=np.zeros((len(token_ids), len(layers), hidden), dtype=np.float64),
             tokens=np.array([max(len(ids) - self.skip_first, 0) for ids in token_ids], dtype=np.int64),

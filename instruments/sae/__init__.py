@@ -1,0 +1,1 @@
+"""Sparse autoencoders made: the training corpus, training, feature labels and the ``prismgate sae`` CLI."""
