@@ -68,10 +68,10 @@ def create_app(
             body = {"ready": False, "state": "store_unavailable", "reason": store_down, "models": models}
             return JSONResponse(body, status_code=503)
         info = service.info()
-        body = {"ready": True, "model": info.model_id, "engine": info.engine_name, "models": models}
+        answer: dict[str, object] = {"ready": True, "model": info.model_id, "engine": info.engine_name}
         if info.dtype:
-            body["dtype"] = {"name": info.dtype, "reason": info.dtype_reason}
-        return JSONResponse(body)
+            answer["dtype"] = {"name": info.dtype, "reason": info.dtype_reason}
+        return JSONResponse({**answer, "models": models})
 
     async def favicon(_request: Request) -> Response:
         # browsers ask for it on every page (the playground, /metrics): no icon, and no 404 in the console
