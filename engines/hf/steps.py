@@ -37,6 +37,9 @@ from prismgate.engines.sae.probe import Captured, FeatureProbe
 # prefill_chunk. Not fewer: every chunk grows each layer's keys and values by a copy, and
 # 64-token chunks left the heap so fragmented that eight 3,516-token echoes on SmolLM2 (the load of
 # bench/hostile.py row 10) grew the process by 5.8 GB (512: 1.5 GB; both before the engine trimmed its heap).
+# The pace (:mod:`~prismgate.engines.hf.pace`) still goes down to 64-token chunks while others wait:
+# the scheduler now trims the heap after rounds that prefill, and the pace runs the smallest chunks
+# only when a round's time allows no more.
 SCORED_CHUNK = 512
 
 
