@@ -214,9 +214,9 @@ class TransformersOptions(Group):
     prefill_chunk: int = setting(512, "transformers engine: prompt tokens run per step, so long prompts interleave.")
     step_target_ms: NonNegative = setting(
         200,
-        "transformers engine: while other requests wait, a round's prefill is sized (measured seconds per prompt "
-        "token) to last about this long: chunks shrink to 64 tokens and prompts prefilling take turns, so a "
-        "stream's next token waits about this long behind long prompts; alone, chunks are prefill_chunk. 0: no bound.",
+        "transformers engine: while other requests wait, each round's prefill is sized from the measured seconds "
+        "per prompt token to last about this long (at least one 64-token chunk): chunks shrink and prompts "
+        "prefilling take turns; alone, a prompt runs prefill_chunk tokens a step. 0: no bound.",
     )
     max_cached_tokens: int = setting(1 << 18, "transformers engine: KV-cache tokens kept across session turns (LRU).")
     max_cached_bytes: int = setting(
