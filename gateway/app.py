@@ -61,7 +61,12 @@ def create_app(
             return JSONResponse({"ready": False, "reason": "shutting down", "models": models}, status_code=503)
         health = service.pool.health()
         if not health.ready:
-            body = {"ready": False, "state": health.state.value, "reason": health.reason, "models": models}
+            body: dict[str, object] = {
+                "ready": False,
+                "state": health.state.value,
+                "reason": health.reason,
+                "models": models,
+            }
             return JSONResponse(body, status_code=503)
         store_down = await service.store.unreachable()
         if store_down is not None:  # every session call would fail: a load balancer should send none here

@@ -49,6 +49,7 @@ class TransformersEngine:
         max_model_len: int | None = None,
         threads: int | None = None,
         prefill_chunk: int = 512,
+        step_target_ms: int = 200,
         max_cached_tokens: int = 1 << 18,
         max_cached_bytes: int = 0,
         max_batch: int = 16,
@@ -64,6 +65,7 @@ class TransformersEngine:
         self._max_model_len = max_model_len
         self._threads = threads
         self.prefill_chunk = prefill_chunk
+        self.step_target_ms = step_target_ms  # while others wait, a round's prefill lasts about this long (0: no bound)
         self.max_batch = max_batch  # decode steps of this many requests run as one forward pass
         self.max_batch_tokens = max_batch_tokens  # ... while batch size x longest context stays under this
         self._sessions = SessionCaches(max_cached_tokens, max_cached_bytes)
@@ -104,6 +106,7 @@ class TransformersEngine:
             max_batch=self.max_batch if loaded.adapter.batches_decode else 1,
             max_batch_tokens=self.max_batch_tokens,
             threads=self._threads,
+            step_target_s=self.step_target_ms / 1000,
         )
         self._scheduler.start()
 

@@ -51,6 +51,18 @@ class Job:
         return len(self.request.tokens)
 
     @property
+    def prefilling(self) -> bool:
+        """Prompt tokens are still to run (or the request has not begun: what its session keeps is not known yet)."""
+        return not self.ended and (not self.started or self.next_prefill < self.prompt_len)
+
+    @property
+    def prompt_outputs(self) -> bool:
+        """Some prompt position is scored, read out or encoded: its prefill costs more per token."""
+        spec = self.request.spec
+        ranges = spec.logprob_ranges + spec.readout_ranges + (spec.features.ranges if spec.features else ())
+        return any(r.start < self.prompt_len and r.end > r.start for r in ranges)
+
+    @property
     def decoding(self) -> bool:
         """The next step feeds the last sampled token: a plain decode step, batchable."""
         return (

@@ -2,7 +2,9 @@
 
 Requests are stepped best priority first, then first come, one step each per round, so streams
 interleave; within a round, those with no token yet step first, ahead of the batched decode
-step, so that a newcomer's first token waits for nobody else's next one. Those whose next step
+step, so that a newcomer's first token waits for nobody else's next one. Prompts still
+prefilling take the round's prefill in turns, sized so that the round lasts about a target time
+while others wait (:mod:`~prismgate.engines.hf.pace`). Those whose next step
 is a plain decode step go together in one batched forward pass
 (:mod:`~prismgate.engines.hf.batched_decode`); the rest take their own step
 (:mod:`~prismgate.engines.hf.steps`). A request whose consumer is slow is skipped until it
@@ -25,6 +27,7 @@ from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, FinishReason
 from prismgate.engines.hf.batched_decode import batch_members, decode_batch
 from prismgate.engines.hf.job import Job
+from prismgate.engines.hf.pace import Pace, Prefill
 from prismgate.engines.hf.steps import Stepper
 from prismgate.engines.malloc_trim import HeapTrimmer
 
@@ -32,8 +35,17 @@ log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, stepper: Stepper, *, max_batch: int, max_batch_tokens: int, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        stepper: Stepper,
+        *,
+        max_batch: int,
+        max_batch_tokens: int,
+        threads: int | None = None,
+        step_target_s: float = 0.0,
+    ) -> None:
         self.stepper = stepper
+        self.pace = Pace(ceiling=stepper.prefill_chunk, target_s=step_target_s)
         self.max_batch = max_batch
         self.max_batch_tokens = max_batch_tokens
         self._threads = threads
@@ -138,8 +150,12 @@ class Scheduler:
             # time to first token waits for no other request's token (one step each per round still)
             rest = [job for job in self._active if job not in batch]
             fresh = [job for job in rest if job.generated == 0]
+            chunks = self._paced()
             for job in fresh:
-                self._step_alone(job)
+                if not job.prefilling:
+                    self._step_alone(job)
+                elif job.order in chunks or job.cancelled:
+                    self._prefill(job, chunks.get(job.order))
             if batch:
                 self._guarded(batch, functools.partial(decode_batch, stepper, batch))
             for job in rest:
@@ -151,20 +167,40 @@ class Scheduler:
             if ended or fresh:  # requests freed their memory, or prefills grew and dropped keys and values
                 self.trimmer.maybe()
 
-    def _step_alone(self, job: Job) -> None:
-        """One step of ``job`` on its own (a prefill chunk, or a decode step outside the batch)."""
+    def _paced(self) -> dict[int, int]:
+        """This round's prefill chunks, by request order: who prefills, and how many tokens."""
+        waiting = [job for job in self._active if not (job.ended or job.cancelled or job.channel.paused)]
+        prefills = [
+            Prefill(job.order, job.next_prefill, job.prompt_len - job.next_prefill, job.prompt_outputs)
+            for job in waiting
+            if job.prefilling
+        ]
+        return self.pace.plan(prefills, others_wait=len(waiting) > len(prefills))
+
+    def _prefill(self, job: Job, chunk: int | None) -> None:
+        """A prefill chunk of ``job``, timed for the pace."""
+        before, outputs, started = job.next_prefill, job.prompt_outputs, self.pace.clock()
+        if self._step_alone(job, chunk):
+            context = max(before, job.reused)  # a request's first step may have found its prompt's start kept
+            self.pace.record(context, job.next_prefill - context, outputs, self.pace.clock() - started)
+
+    def _step_alone(self, job: Job, chunk: int | None = None) -> bool:
+        """One step of ``job`` on its own (a prefill chunk, or a decode step outside the batch); whether one ran."""
         if job.ended:
-            return
+            return False
         if job.cancelled:
             self.stepper.end(job, FinishReason.CANCELLED)
-        elif not job.channel.paused:
-            self._guarded([job], functools.partial(self.stepper.step, job))
+            return False
+        if job.channel.paused:
+            return False
+        return self._guarded([job], functools.partial(self.stepper.step, job, chunk))
 
-    def _guarded(self, jobs: list[Job], work: Callable[[], None]) -> None:
-        """Run model work for ``jobs``; a failure fails those requests, never the worker."""
+    def _guarded(self, jobs: list[Job], work: Callable[[], None]) -> bool:
+        """Run model work for ``jobs``; a failure fails those requests, never the worker. Whether it succeeded."""
         try:
             with torch.inference_mode():
                 work()
+            return True
         except Exception as exc:  # the model failed: report it, keep serving
             error = exc if isinstance(exc, GatewayError) else None
             if error is None:
@@ -173,3 +209,4 @@ class Scheduler:
             for job in jobs:
                 if not job.ended:
                     self.stepper.fail(job, error)
+            return False

@@ -1,7 +1,8 @@
 """The step machine: one request advanced by one step at a time.
 
 A step is a prefill chunk of at most ``prefill_chunk`` prompt tokens (:data:`SCORED_CHUNK` while
-the chunk scores prompt positions), or one decode token.
+the chunk scores prompt positions; fewer when the scheduler paces it, :mod:`~prismgate.engines.hf.pace`),
+or one decode token.
 Small steps let the scheduler interleave requests, so a long prompt cannot stall other
 streams for its whole prefill. A decoded token whose readout was asked for is held until
 the next step has run it through the model (its hidden state appears only then).
@@ -33,7 +34,10 @@ from prismgate.engines.sae.probe import Captured, FeatureProbe
 # full-vocabulary row of logits (kept in the model's dtype and converted a row at a time),
 # reduced to its top-k as soon as the chunk has run, so this bounds those rows however large an
 # operator sets prefill_chunk. Not fewer: every chunk grows each layer's keys and values by a
-# copy, and small chunks fragment the heap (figures in docs/benchmarks.md).
+# copy, and small chunks fragment the heap (figures in docs/benchmarks.md). The pace
+# (:mod:`~prismgate.engines.hf.pace`) still goes down to 64-token chunks while others wait: the
+# scheduler trims the heap after rounds that prefill, and the smallest chunks run only when a
+# round's time allows no more.
 SCORED_CHUNK = 512
 
 
@@ -61,7 +65,8 @@ class Stepper:
         self.batch = BatchCache(adapter)  # the merged cache of the requests decoding together
         self.forks = Forks(caches)  # prefilled prompts waiting for their other generations
 
-    def step(self, job: Job) -> None:
+    def step(self, job: Job, chunk: int | None = None) -> None:
+        """Advance ``job`` one step; a prefill chunk runs at most ``chunk`` prompt tokens when given."""
         if not job.started:
             self._begin(job)
             if job.finish is not None:
@@ -71,7 +76,7 @@ class Stepper:
         n = job.prompt_len
         if job.next_prefill < n:
             start = job.next_prefill
-            size = self.prefill_chunk
+            size = self.prefill_chunk if chunk is None else max(1, min(chunk, self.prefill_chunk))
             if any(covered(spec.logprob_ranges, p) for p in range(start + 1, min(n, start + size) + 1)):
                 size = min(size, SCORED_CHUNK)
             end = self.adapter.chunk_end(job.request.images, start, min(n, start + size))

@@ -212,6 +212,12 @@ class TransformersOptions(Group):
     device: str = setting("auto", "transformers engine: cpu, cuda, cuda:N or auto.")
     threads: int | None = setting(None, "CPU threads for the transformers engine (default: torch's choice).")
     prefill_chunk: int = setting(512, "transformers engine: prompt tokens run per step, so long prompts interleave.")
+    step_target_ms: NonNegative = setting(
+        200,
+        "transformers engine: while other requests wait, each round's prefill is sized from the measured seconds "
+        "per prompt token to last about this long (at least one 64-token chunk): chunks shrink and prompts "
+        "prefilling take turns; alone, a prompt runs prefill_chunk tokens a step. 0: no bound.",
+    )
     max_cached_tokens: int = setting(1 << 18, "transformers engine: KV-cache tokens kept across session turns (LRU).")
     max_cached_bytes: int = setting(
         0,

@@ -111,7 +111,9 @@ async def test_a_newcomer_prefills_before_the_batched_decode_step(engine: Any, m
     monkeypatch.setattr(scheduling, "decode_batch", decode)
     stepper = engine._scheduler.stepper
     real_step = stepper.step
-    monkeypatch.setattr(stepper, "step", lambda job: (log.append(job.request.request_id), real_step(job))[1])
+    monkeypatch.setattr(
+        stepper, "step", lambda job, chunk=None: (log.append(job.request.request_id), real_step(job, chunk))[1]
+    )
 
     ps = prompts(engine)
     running = [asyncio.create_task(run(engine, p, max_tokens=48, ignore_eos=True)) for p in ps[:3]]

@@ -1,0 +1,111 @@
+"""Pacing: how much prompt each round prefills, so that those waiting on the round wait about a target time.
+
+A round of the worker thread runs prefill chunks, then the decode steps; a decoding stream waits
+for every chunk of the round. While others wait (decoding streams, queued requests, other prompts
+prefilling), the round's prefill is sized to last about ``target_s``: the requests with prompt
+left take turns (the one that stepped least recently first), each taking a chunk that fits what
+is left of the round's time, until the time is spent; at least one chunk runs each round, of at
+least ``floor`` tokens. Alone, a request prefills ``ceiling`` tokens a step.
+
+The time a chunk takes is measured, not guessed: seconds per prompt token, a moving average per
+context size (attention makes deeper positions dearer) and per kind (a prompt whose positions
+are scored or read out costs more per token). A cost not yet measured gets the smallest chunk,
+which measures it. Chunk sizes are multiples of ``align``, so the shapes the model sees stay few.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """A request with prompt tokens still to run."""
+
+    key: int  # the request's identity across rounds
+    context: int  # positions already in its cache
+    left: int  # prompt tokens still to run
+    outputs: bool  # its prompt's positions are scored, read out or encoded
+
+
+class Pace:
+    def __init__(
+        self,
+        *,
+        ceiling: int,
+        target_s: float,
+        floor: int = 64,
+        align: int = 32,
+        weight: float = 0.5,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.ceiling = ceiling
+        self.target_s = target_s  # 0: no bound, every prefilling request takes a full chunk each round
+        self.floor = min(floor, ceiling)
+        self.align = align
+        self.weight = weight  # of the newest measurement in the moving average
+        self.clock = clock  # what the scheduler times chunks with
+        self._rates: dict[tuple[bool, int], float] = {}  # (outputs, context bucket) -> seconds per token
+        self._served: dict[int, int] = {}  # request key -> the round it last prefilled in
+        self._round = 0
+
+    @staticmethod
+    def bucket(context: int) -> int:
+        """Contexts of about the same cost per token: below 256, then one per doubling."""
+        return (context // 256).bit_length()
+
+    def rate(self, context: int, outputs: bool) -> float | None:
+        """Seconds per prompt token at ``context``: its bucket's, else the nearest measured one's (below first)."""
+        here = self.bucket(context)
+        measured = sorted(b for kind, b in self._rates if kind == outputs)
+        if not measured:
+            return None
+        below = [b for b in measured if b <= here]
+        return self._rates[outputs, below[-1] if below else measured[0]]
+
+    def record(self, context: int, tokens: int, outputs: bool, seconds: float) -> None:
+        """A chunk of ``tokens`` prompt tokens from ``context`` on took ``seconds``."""
+        if tokens <= 0 or seconds < 0:
+            return
+        key = (outputs, self.bucket(context))
+        sample = seconds / tokens
+        old = self._rates.get(key)
+        self._rates[key] = sample if old is None else old + self.weight * (sample - old)
+
+    def plan(self, prefills: Sequence[Prefill], others_wait: bool) -> dict[int, int]:
+        """This round's chunk size for each request that prefills in it (by key); those left out wait a round.
+
+        ``prefills`` come in the scheduler's order (priority, then arrival), which breaks ties
+        between requests that last stepped in the same round."""
+        self._round += 1
+        self._served = {p.key: self._served[p.key] for p in prefills if p.key in self._served}
+        if self.target_s <= 0 or not (others_wait or len(prefills) > 1):
+            for p in prefills:
+                self._served[p.key] = self._round
+            return {p.key: self.ceiling for p in prefills}
+        chosen: dict[int, int] = {}
+        budget = self.target_s
+        for p in sorted(prefills, key=lambda p: self._served.get(p.key, -1)):
+            rate = self.rate(p.context, p.outputs)
+            if rate is None:  # unmeasured: the smallest chunk, which measures it, and nothing else this round
+                if not chosen:
+                    chosen[p.key] = self.floor
+                    self._served[p.key] = self._round
+                break
+            size = self.fit(budget / rate) if rate > 0 else self.ceiling
+            cost = min(size, p.left) * rate
+            if chosen and cost > budget:
+                break  # not even the smallest chunk fits what is left of the round
+            chosen[p.key] = size
+            self._served[p.key] = self._round
+            budget -= cost
+            if budget <= 0:
+                break
+        return chosen
+
+    def fit(self, tokens: float) -> int:
+        """A chunk of about ``tokens``: a multiple of ``align``, within [floor, ceiling]."""
+        size = int(tokens) // self.align * self.align
+        return max(self.floor, min(self.ceiling, size))

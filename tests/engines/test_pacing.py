@@ -1,0 +1,182 @@
+"""Paced prefill on the engine: a long prompt's chunks shrink and take turns while a stream decodes.
+
+The pace's clock is replaced by a fake one, so what a chunk "took" is set by the test and the
+chunk sizes do not depend on the machine's speed; the order of the model's work is read from a
+log of every pass the stepper runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from prismgate.core.actions import PositionRange
+from prismgate.core.events import TokenEvent
+from prismgate.engines.hf import TransformersEngine
+from tests.engines.requests import chat, run
+from tests.engines.test_determinism import fingerprint
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+Log = list[tuple[tuple[int, ...], int, int]]  # (prompt, start, end) of each pass a request ran on its own
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def engine(long_model_dir: Path, tiny_pack: Path) -> AsyncIterator[Any]:
+    eng = TransformersEngine(
+        long_model_dir,
+        model_id="tiny-llama",
+        concept_pack=tiny_pack,
+        dtype="bfloat16",
+        threads=1,
+        prefill_chunk=512,
+        max_batch=1,  # every decode step is a pass of its own, in the log
+    )
+    await eng.start()
+    assert eng.info.deterministic, eng.info.deterministic_off
+    yield eng
+    await eng.close()
+
+
+def logged(engine: Any, clock: Callable[[], float]) -> Log:
+    """Record every pass the stepper runs from now on; the pace reads ``clock``."""
+    scheduler = engine._scheduler
+    stepper = scheduler.stepper
+    log: Log = []
+    feed = type(stepper).feed
+
+    def recording(job: Any, start: int, end: int) -> None:
+        log.append((job.request.tokens, start, end))
+        feed(stepper, job, start, end)
+
+    stepper.feed = recording
+    scheduler.pace.clock = clock
+    return log
+
+
+def restore(engine: Any) -> None:
+    scheduler = engine._scheduler
+    del scheduler.stepper.feed
+    scheduler.pace = type(scheduler.pace)(ceiling=512, target_s=0.2)
+
+
+def every_chunk_a_second() -> Callable[[], float]:
+    """A clock by which each prefill chunk lasts a second: under contention, chunks are the floor's 64."""
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 0.5
+        return now[0]
+
+    return clock
+
+
+def long_prompt(seed: int, n: int) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.randrange(0, 250) for _ in range(n))
+
+
+async def first_token_then(engine: Any, prompt: tuple[int, ...], started: asyncio.Event, **spec: Any) -> None:
+    """Run a request, setting ``started`` at its first generated token."""
+    from prismgate.core.actions import GenerateSpec
+    from prismgate.core.engine import EngineRequest
+
+    request = EngineRequest(request_id=str(id(started)), tokens=prompt, spec=GenerateSpec(**spec))
+    async for event in engine.generate(request):
+        if isinstance(event, TokenEvent) and not event.is_prefill:
+            started.set()
+
+
+async def test_a_long_prompt_prefills_in_small_chunks_between_a_streams_tokens_then_full_ones_alone(
+    engine: Any,
+) -> None:
+    log = logged(engine, every_chunk_a_second())
+    try:
+        stream = chat(engine, "hello there")
+        long = long_prompt(1, 3000)
+        decoding = asyncio.Event()
+        streaming = asyncio.create_task(first_token_then(engine, stream, decoding, max_tokens=24, ignore_eos=True))
+        await asyncio.wait_for(decoding.wait(), 60)
+        await run(engine, long, max_tokens=1)
+        await streaming
+    finally:
+        restore(engine)
+    chunks = [(i, end - start) for i, (tokens, start, end) in enumerate(log) if tokens == long and start < len(long)]
+    decodes = [i for i, (tokens, start, end) in enumerate(log) if tokens == stream and start >= len(stream)]
+    last_decode = decodes[-1]
+    contended = [size for i, size in chunks if i < last_decode]
+    alone = [size for i, size in chunks if i > last_decode]
+    assert contended and set(contended) == {64}, contended  # shrunk while the stream decoded
+    assert alone[:-1] and set(alone[:-1]) == {512}, alone  # grown back once alone (the last is the remainder)
+    # between two chunks of the prompt, the stream decoded a token
+    between = [sum(1 for d in decodes if a < d < b) for (a, _), (b, _) in itertools.pairwise(chunks)]
+    assert all(n >= 1 for n in between[: len(contended) - 1]), between
+
+
+async def test_several_long_prompts_take_turns_so_a_stream_waits_for_one_chunk_a_round(engine: Any) -> None:
+    log = logged(engine, every_chunk_a_second())
+    try:
+        stream = chat(engine, "hello again")
+        prompts = [long_prompt(seed, 700) for seed in (2, 3, 4)]
+        decoding = asyncio.Event()
+        streaming = asyncio.create_task(first_token_then(engine, stream, decoding, max_tokens=40, ignore_eos=True))
+        await asyncio.wait_for(decoding.wait(), 60)
+        await asyncio.gather(*(run(engine, p, max_tokens=1) for p in prompts))
+        await streaming
+    finally:
+        restore(engine)
+    kinds = [-1 if tokens == stream else prompts.index(tokens) for tokens, start, end in log]
+    decodes = [i for i, kind in enumerate(kinds) if kind == -1]
+    rounds = [kinds[a + 1 : b] for a, b in itertools.pairwise(decodes)]
+    assert max(len(r) for r in rounds) == 1, rounds  # one prompt's chunk between two of the stream's tokens
+    served = [r[0] for r in rounds if r]
+    everyone = max(served.index(p) for p in range(3))  # from here on all three are prefilling
+    assert len(served) > everyone + 9, served  # the stream outlived many turns
+    for i in range(max(0, everyone - 2), everyone + 9):
+        assert len(set(served[i : i + 3])) == 3, served  # in turns
+
+
+async def test_a_deterministic_request_keeps_its_bits_when_its_chunks_change_size_mid_prefill(engine: Any) -> None:
+    prompt = long_prompt(5, 1400)
+    n = len(prompt)
+    spec = {
+        "max_tokens": 6,
+        "ignore_eos": True,
+        "deterministic": True,
+        "logprob_top_k": 3,
+        "logprob_ranges": (PositionRange(1, n + 6),),
+        "readout_ranges": (PositionRange(0, n + 6),),
+    }
+    log = logged(engine, every_chunk_a_second())
+    try:
+        alone, _ = await run(engine, prompt, **spec)
+        full = [end - start for tokens, start, end in log if tokens == prompt and start < n]
+        log.clear()
+        rng = random.Random(7)
+        now = [0.0]
+
+        def jittery() -> float:  # each chunk "lasts" between 0.02 and 0.5 s: the next one is 64 to 512 tokens
+            now[0] += rng.uniform(0.01, 0.25)
+            return now[0]
+
+        engine._scheduler.pace.clock = jittery
+        stream = chat(engine, "keep talking")
+        decoding = asyncio.Event()
+        streaming = asyncio.create_task(first_token_then(engine, stream, decoding, max_tokens=60, ignore_eos=True))
+        await asyncio.wait_for(decoding.wait(), 60)
+        contended, _ = await run(engine, prompt, **spec)
+        await streaming
+    finally:
+        restore(engine)
+    chunks = [end - start for tokens, start, end in log if tokens == prompt and start < n]
+    assert full[:-1] == [512] * (len(full) - 1)
+    assert len(set(chunks[:-1])) >= 3, chunks  # the chunk size changed mid-prefill, more than once
+    assert len(contended) == len(alone) == n + 6
+    assert fingerprint(contended) == fingerprint(alone)
