@@ -140,6 +140,8 @@ def _serving_engine(
         max_cached_tokens=settings.max_cached_tokens,
         max_cached_bytes=settings.max_cached_bytes,
         max_batch=settings.max_batch,
+        grammar_cache_bytes=settings.grammar_cache_bytes,
+        grammar_compile_timeout_s=settings.grammar_compile_timeout_s,
         saes=saes,
     )
 

@@ -31,7 +31,8 @@ def setting(default: Any, help: str, *, choices: Sequence[str] | None = None) ->
 # The settings a [[models]] entry may set for its own engine.
 ENGINE_OPTIONS = (
     "device", "dtype", "threads", "max_model_len", "prefill_chunk", "max_cached_tokens", "max_cached_bytes",
-    "max_batch", "replicas", "gpu_memory_utilization", "vllm_kv_cache_gb", "vllm_enforce_eager", "tensor_parallel_size",
+    "max_batch", "replicas", "grammar_cache_bytes", "grammar_compile_timeout_s", "gpu_memory_utilization",
+    "vllm_kv_cache_gb", "vllm_enforce_eager", "tensor_parallel_size",
     "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend", "vllm_readout_address",
     "vllm_block_size", "vllm_cache_scope", "vllm_steering_rounds",
 )  # fmt: skip
@@ -194,6 +195,16 @@ class Settings:
         1,
         "transformers engine: copies of the model in this process; a session's turns stay on the copy that "
         "holds its KV cache (docs/scaling.md). vLLM: use its own data parallelism (data_parallel_size) instead.",
+    )
+    grammar_cache_bytes: int = setting(
+        64 << 20,
+        "transformers engine: bytes of compiled structured-output grammars kept for reuse (xgrammar's cache, "
+        "least recently used out first; 0: no cache, each request compiles its own).",
+    )
+    grammar_compile_timeout_s: float = setting(
+        10.0,
+        "transformers engine: longest wait for a structured-output grammar to compile; past it the request is "
+        "a 400 (the compile finishes in the background, one at a time, and is cached).",
     )
     max_batch: int = setting(
         16, "transformers engine: decode steps of up to this many requests run as one forward pass (1: no batching)."
@@ -393,6 +404,10 @@ class Settings:
     )
     max_actions_in_flight: int = setting(1024, "Evergreen: most actions not yet ended on one session.")
     max_steering_entries: int = setting(8, "Most steering entries in one request.")
+    max_grammar_bytes: int = setting(
+        32768, "Largest structured-output constraint (JSON schema, regex, grammar or choices), in UTF-8 bytes."
+    )
+    max_grammar_depth: int = setting(16, "Deepest nesting of arrays and objects in a structured-output JSON schema.")
 
     # -- several models (TOML only: a list of tables) ---------------------------------
     models: tuple[ModelConfig, ...] = field(
@@ -551,7 +566,7 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "engine", "model", "model_name", "concept_pack", "concept_pack_cache", "concept_pack_pairs", "sae",
             "sae_labels", "sae_cache", "device",
             "dtype", "threads", "max_model_len", "prefill_chunk", "max_cached_tokens", "max_cached_bytes", "replicas",
-            "max_batch", "deterministic",
+            "max_batch", "grammar_cache_bytes", "grammar_compile_timeout_s", "deterministic",
         ),
     ),
     (
@@ -579,7 +594,8 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "grpc_max_message_bytes",
             "openai_max_body_bytes", "graphpipe_max_body_bytes", "graphpipe_max_batch", "max_json_depth",
             "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_position_ranges",
-            "prompt_bytes_per_context_token", "max_steering_entries", "evergreen_max_nodes", "evergreen_max_bytes",
+            "prompt_bytes_per_context_token", "max_steering_entries", "max_grammar_bytes", "max_grammar_depth",
+            "evergreen_max_nodes", "evergreen_max_bytes",
             "evergreen_max_depth", "max_expanded_leaves", "max_actions_in_flight",
             "evergreen_ref_max_bytes", "evergreen_ref_timeout_s",
         ),

@@ -45,6 +45,7 @@ class Plan:
     top_logprobs: int = 0  # alternatives per token
     features: FeatureSpec | None = None  # as planned by the core: its layers filled in
     feature_manifest: FeatureManifest | None = None  # labels, by layer
+    structured_param: str | None = None  # the field that asked for a grammar (its compile errors name it)
 
 
 async def plan_chat(service: SessionService, settings: Settings, req: ChatRequest) -> Plan:
@@ -73,6 +74,11 @@ async def _plan(
         except GatewayError as exc:
             raise as_readouts_param(exc) if exc.code is Code.INVALID_ARGUMENT else exc from None
         axes = readout_axes(manifest, common.readouts)
+    if common.structured is not None:
+        try:
+            service.budget.check_structured(common.structured)
+        except GatewayError as exc:
+            raise from_gateway(exc, param=common.structured_param) from None
     try:
         steering = read_steering(common.steering, service.budget)
         if steering:
@@ -104,6 +110,7 @@ async def _plan(
             logprob_top_k=common.top_logprobs or 0,
             steering=steering,
             features=common.features,
+            structured=common.structured,
         ),
         max_tokens=common.max_tokens,
         default_max_tokens=settings.openai_default_max_tokens,
@@ -134,6 +141,7 @@ async def _plan(
         top_logprobs=common.top_logprobs or 0,
         features=features,
         feature_manifest=service.info(planned.model).features if features is not None else None,
+        structured_param=common.structured_param if common.structured is not None else None,
     )
 
 

@@ -5,7 +5,7 @@ Policy on fields (documented in docs/openai.md):
 * fields this server implements (OpenAI's, vLLM's sampling extensions, prismgate's own)
   are type- and range-checked, and a bad one is a 400 whose ``param`` names it;
 * OpenAI and vLLM fields that would change the output but are not implemented here
-  (tools, JSON mode, beam search, ...) are a 400 saying so, never silently dropped: a
+  (tools, beam search, ...) are a 400 saying so, never silently dropped: a
   client must not get an answer to a question it did not ask (:mod:`.unimplemented`);
 * fields that do not change the output (``user``, ``metadata``, ``priority``, ...) are
   ignored, and so are fields nobody defined, as OpenAI does, so that newer clients keep
@@ -27,10 +27,12 @@ from prismgate.codecs.binary_numbers import BadEncoding, read_encoding
 from prismgate.codecs.openai.errors import bad_request
 from prismgate.codecs.openai.features import parse_features
 from prismgate.codecs.openai.fields import get_bool, get_float, get_int, get_object, get_str
+from prismgate.codecs.openai.structured import read_structured
 from prismgate.codecs.openai.unimplemented import check_fields
 from prismgate.core.actions import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from prismgate.core.chat import ImagePart, Message, Part, TextPart
 from prismgate.core.features import FeatureSpec
+from prismgate.core.structured import Structured
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # n
@@ -42,8 +44,8 @@ _COMMON_FIELDS = frozenset(
         "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed",
         "deterministic", "stop", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
         "logit_bias", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
-        "response_format", "logprobs", "logprobs_encoding_format", "logprobs_dtype", "readouts", "features",
-        "session_id", "steering",
+        "response_format", "structured_outputs", "logprobs", "logprobs_encoding_format", "logprobs_dtype",
+        "readouts", "features", "session_id", "steering",
     }
 )  # fmt: skip
 CHAT_FIELDS = _COMMON_FIELDS | {
@@ -105,6 +107,8 @@ class Common:
     features: FeatureSpec | None  # SAE features per token (codecs/openai/features.py)
     session_id: str | None
     steering: Any  # the raw "steering" list: read in the plan, against the service's request budget
+    structured: Structured | None = None  # response_format / structured_outputs: the grammar the answer follows
+    structured_param: str = "response_format"  # the field it came from, for errors
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +201,8 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, top_logprobs: int |
         features=parse_features(body.get("features")),
         session_id=get_str(body, "session_id"),
         steering=body.get("steering"),
+        structured=read_structured(body),
+        structured_param="structured_outputs" if body.get("structured_outputs") is not None else "response_format",
     )
 
 
@@ -246,9 +252,6 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
 
 
 def _reject_unsupported(body: Mapping[str, Any], *, chat: bool) -> None:
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad_request("only response_format {'type': 'text'} is supported by this server", "response_format")
     if not chat:
         return
     if body.get("tools"):

@@ -35,7 +35,6 @@ _REFUSED_BOTH: dict[str, tuple[Any, ...]] = {
     "logprob_token_ids": (),
     "allowed_token_ids": (),
     "bad_words": (),
-    "structured_outputs": (),
     "return_tokens_as_token_ids": (False,),
     "return_token_ids": (False,),
     "vllm_xargs": (),
