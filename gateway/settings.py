@@ -198,8 +198,8 @@ class Settings:
     )
     grammar_cache_bytes: int = setting(
         64 << 20,
-        "transformers engine: bytes of compiled structured-output grammars kept for reuse (xgrammar's cache, "
-        "least recently used out first; 0: no cache, each request compiles its own).",
+        "transformers engine: bytes of compiled structured-output grammars (llguidance's text) kept for reuse, "
+        "least recently used out first; 0: no cache, each request compiles its own.",
     )
     grammar_compile_timeout_s: float = setting(
         10.0,

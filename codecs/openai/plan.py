@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from prismgate.codecs.openai.errors import from_gateway
+from prismgate.codecs.openai.errors import bad_request, from_gateway
 from prismgate.codecs.openai.readouts import ReadoutAxes, as_readouts_param, readout_axes
 from prismgate.codecs.openai.request import ChatRequest, Common, CompletionRequest
 from prismgate.codecs.steering import read_steering
@@ -46,10 +46,24 @@ class Plan:
     features: FeatureSpec | None = None  # as planned by the core: its layers filled in
     feature_manifest: FeatureManifest | None = None  # labels, by layer
     structured_param: str | None = None  # the field that asked for a grammar (its compile errors name it)
+    tool_calls: bool = False  # the answer's <tool_call> blocks become tool_calls (codecs/openai/tools.py)
 
 
 async def plan_chat(service: SessionService, settings: Settings, req: ChatRequest) -> Plan:
-    return await _plan(service, settings, req.common, Messages(req.messages), echo=False)
+    common, tools = req.common, req.tools
+    uses_tools = any(m.tool_calls or m.tool_call_id is not None for m in req.messages)
+    if (tools is not None or uses_tools) and not service.info(common.model).tokenizer.renders_tools:
+        raise bad_request(
+            f"the chat template of model {common.model!r} does not support tools (tool calls or results)",
+            "tools" if tools is not None else "messages",
+        )
+    if tools is None:
+        return await _plan(service, settings, common, Messages(req.messages), echo=False)
+    if tools.constraint is not None:  # required, or a named function: the answer is calls, by grammar
+        common = replace(common, structured=tools.constraint, structured_param="tool_choice")
+    plan = await _plan(service, settings, common, Messages(req.messages, tools=tools.definitions), echo=False)
+    plan.tool_calls = True
+    return plan
 
 
 async def plan_completion(service: SessionService, settings: Settings, req: CompletionRequest) -> Plan:

@@ -89,7 +89,7 @@ _IGNORED_BOTH = frozenset(
         "prompt_cache_key",
     }
 )
-CHAT_IGNORED = _IGNORED_BOTH | {"parallel_tool_calls"}
+CHAT_IGNORED = _IGNORED_BOTH
 _EMPTY_ASKS = frozenset({"web_search_options"})  # an empty object turns the feature on
 COMPLETION_IGNORED = _IGNORED_BOTH
 

@@ -164,7 +164,9 @@ def _translate(structured: Structured) -> str:
         return str(llguidance.LLMatcher.grammar_from_json_schema(structured.source, defaults=compact))
     if structured.kind is Kind.CHOICE:
         return str(llguidance.grammar_from("choice", json.dumps(list(structured.choices))))
-    return str(llguidance.grammar_from(structured.kind.value, structured.source))
+    if structured.kind is Kind.REGEX:
+        return str(llguidance.grammar_from("regex", structured.source))
+    return str(llguidance.grammar_from("grammar", structured.source))  # EBNF (GBNF) or Lark
 
 
 def _first_line(exc: BaseException | str) -> str:

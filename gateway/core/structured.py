@@ -3,7 +3,7 @@
 A :class:`Structured` says what the answer must be: any JSON object, JSON valid under a
 schema, a match of a regular expression, one of a list of strings, or a sentence of an
 EBNF grammar. Codecs build it from their wire fields; engines turn it into a token mask
-(the transformers engine, with xgrammar) or into their own structured-output parameters
+(the transformers engine, with llguidance) or into their own structured-output parameters
 (vLLM). Its size is checked by the request budget before any engine compiles it
 (:meth:`~prismgate.core.budget.RequestBudget.check_structured`).
 """
@@ -24,7 +24,7 @@ class Kind(enum.StrEnum):
     JSON_SCHEMA = "json_schema"  # JSON valid under ``source`` (a JSON Schema, as JSON text)
     REGEX = "regex"  # a full match of ``source``
     CHOICE = "choice"  # exactly one of ``choices``
-    GRAMMAR = "grammar"  # a sentence of ``source``, an EBNF grammar (GBNF dialect, root rule ``root``)
+    GRAMMAR = "grammar"  # a sentence of ``source``, an EBNF (GBNF, root rule ``root``) or Lark grammar
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from prismgate.codecs.openai.tools import Tools, parse_calls
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.structured import Kind, Structured, json_schema
 from tests.engines.requests import run
@@ -64,3 +65,16 @@ async def test_an_invalid_regex_is_refused_by_vllm(tiny_pair: Any) -> None:
     with pytest.raises(GatewayError) as caught:
         await run(vl, prompt(vl), max_tokens=4, structured=Structured(Kind.REGEX, "(unclosed"))
     assert caught.value.code is Code.INVALID_ARGUMENT
+
+
+async def test_a_tool_call_grammar_is_the_same_on_both_engines(tiny_pair: Any) -> None:
+    """tool_choice with a named function: a Lark grammar around a JSON schema (codecs/openai/tools.py)."""
+    hf, vl = tiny_pair
+    time = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
+    tools = Tools(({"type": "function", "function": {"name": "get_time", "parameters": time}},), "get_time")
+    constraint = tools.constraint
+    assert constraint is not None
+    ids, text = await answer(hf, constraint)
+    _, calls = parse_calls(text)
+    assert [c.name for c in calls] == ["get_time"] and json.loads(calls[0].arguments)["zone"] in ("UTC", "CET")
+    assert await answer(vl, constraint) == (ids, text)
