@@ -16,6 +16,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from prismgate.codecs.openai.tools import CallStream, parse_calls
 from tests.conftest import LiveServer, run_server, tiny_settings
@@ -148,7 +149,9 @@ def test_calls_stream_as_tool_call_deltas(tool_client: openai.OpenAI, model: str
     check_calls(final.choices[0].message.tool_calls)
 
 
-def test_tool_results_go_back_in_the_next_turn(tool_client: openai.OpenAI, tool_server: LiveServer, model: str) -> None:
+def test_tool_results_go_back_in_the_next_turn(
+    tool_client: openai.OpenAI, tool_server: LiveServer, tool_model: Path, model: str
+) -> None:
     first = tool_client.chat.completions.create(
         model=model, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=200
     )
@@ -159,8 +162,26 @@ def test_tool_results_go_back_in_the_next_turn(tool_client: openai.OpenAI, tool_
         {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sun"}'},
     ]
     second = tool_client.chat.completions.create(model=model, messages=turn, tools=TOOLS, max_tokens=4, temperature=0)
-    # the call and the result are in the prompt the template rendered
-    assert second.usage.prompt_tokens > first.usage.prompt_tokens + len(call.function.arguments) + len("sun")
+    # the prompt is the template's rendering of the call (its arguments as an object) and of the result
+    tokenizer = AutoTokenizer.from_pretrained(tool_model)
+    rendered = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)},
+                }
+            ],
+        },
+        turn[2],
+    ]
+    text = tokenizer.apply_chat_template(rendered, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert call.function.name in text and "<tool_response>" in text
+    assert second.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
     body = {"model": model, "messages": turn, "max_tokens": 1}
     r = httpx.post(tool_server.http_url + "/v1/chat/completions", json={**body, "tools": TOOLS, "tool_choice": "none"})
     assert r.status_code == 200, r.text
