@@ -113,9 +113,12 @@ class Grammars:
     def _build_tokenizer(self) -> Any:
         import llguidance.hf
 
-        self._tokenizer = llguidance.hf.from_tokenizer(
-            self._hf, n_vocab=self.vocab_size, eos_token=sorted(self.eos_token_ids)
-        )
+        try:
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                self._hf, n_vocab=self.vocab_size, eos_token=sorted(self.eos_token_ids)
+            )
+        except (ValueError, TypeError, AttributeError) as exc:  # llguidance reads fast (Rust) tokenizers only
+            raise GrammarRefused(f"this model's tokenizer cannot take structured outputs: {_first_line(exc)}") from None
         return self._tokenizer
 
     def close(self) -> None:
