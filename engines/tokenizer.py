@@ -38,12 +38,25 @@ class HFTokenizer:
     def token_text(self, token_id: int) -> str:
         return str(self.hf.decode([token_id], skip_special_tokens=False))
 
-    def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:
+    @property
+    def renders_tools(self) -> bool:
+        """A template that reads the ``tools`` variable (Hermes, Qwen2.5, SmolLM3, Llama 3.1 ...)."""
+        template = self.hf.chat_template
+        return isinstance(template, str) and "tools" in template and "tool_call" in template
+
+    def render_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> list[int]:
         if self.hf.chat_template is None:
             raise invalid("this model has no chat template; send raw tokens or turn the chat template off")
+        extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
         with self._lock:  # the template's own control tokens are control tokens (the flag off)
             ids = self.hf.apply_chat_template(
-                [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=True
+                [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=True, **extra
             )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]

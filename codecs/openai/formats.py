@@ -32,6 +32,8 @@ from prismgate.codecs.openai.features import features_of
 from prismgate.codecs.openai.generation import Piece, Token
 from prismgate.codecs.openai.plan import Plan
 from prismgate.codecs.openai.readouts import ReadoutAxes
+from prismgate.codecs.openai.tools import CallStream, as_wire, parse_calls
+from prismgate.core.chat import ToolCall
 from prismgate.core.events import Done, FinishReason
 
 # one encoder for every payload: json.dumps with options builds a new one per call
@@ -274,10 +276,29 @@ class ChatFormat(Format):
         }
         return [self.chunk([choice], prismgate=self.extension())]
 
+    def __init__(self, plan: Plan, include_usage: bool, *, index: int = 0, first: Format | None = None) -> None:
+        super().__init__(plan, include_usage, index=index, first=first)
+        self.calls = CallStream() if plan.tool_calls else None  # <tool_call> blocks -> tool_calls deltas
+
+    def piece_payloads(self, piece: Piece) -> list[str]:
+        if self.calls is not None:
+            return [dumps(chunk) for chunk in self.piece(piece)]
+        return super().piece_payloads(piece)
+
     def piece(self, piece: Piece) -> list[dict[str, Any]]:
+        delta: dict[str, Any] = {"content": piece.text}
+        if self.calls is not None:
+            before = self.calls.calls
+            text, found = self.calls.feed(piece.text)
+            delta = {"content": text} if text else {}
+            if found:
+                delta["tool_calls"] = [as_wire(c, before + i) for i, c in enumerate(found)]
+            reports = self.plan.want_logprobs or self.plan.axes is not None or self.plan.features is not None
+            if not delta and not (reports and piece.tokens):
+                return []  # held: it may open a tool call
         choice = {
             "index": self.index,
-            "delta": {"content": piece.text},
+            "delta": delta,
             "logprobs": self._logprobs(piece.tokens),
             "finish_reason": None,
         }
@@ -286,17 +307,41 @@ class ChatFormat(Format):
     def _choice_fields(self, piece: Piece) -> str:
         return f'"delta":{{"content":{dumps(piece.text)}}},"logprobs":null,"finish_reason":null'
 
+    def _finish_reason(self, done: Done, called: bool) -> str:
+        reason = finish_reason(done)
+        return "tool_calls" if called and reason == "stop" else reason
+
     def finish(self, done: Done, session_length: int | None) -> dict[str, Any]:
-        choice = {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(done)}
+        delta: dict[str, Any] = {}
+        called = False
+        if self.calls is not None:
+            held = self.calls.flush()  # an unclosed block: text after all
+            if held:
+                delta["content"] = held
+            called = self.calls.calls > 0
+        choice = {
+            "index": self.index,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": self._finish_reason(done, called),
+        }
         return self.chunk([choice], prismgate=self.extension(session_length))
 
     def response(self, pieces: Sequence[Piece], done: Done, session_length: int | None) -> dict[str, Any]:
         tokens = [t for p in pieces for t in p.tokens]
+        content: str | None = "".join(p.text for p in pieces)
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        calls: list[ToolCall] = []
+        if self.calls is not None and content is not None:
+            content, calls = parse_calls(content)
+            message["content"] = content or None
+            if calls:
+                message["tool_calls"] = [as_wire(c) for c in calls]
         choice = {
             "index": self.index,
-            "message": {"role": "assistant", "content": "".join(p.text for p in pieces), "refusal": None},
+            "message": message,
             "logprobs": self._logprobs(tokens),
-            "finish_reason": finish_reason(done),
+            "finish_reason": self._finish_reason(done, bool(calls)),
         }
         return self.envelope(
             self.object_name,

@@ -17,11 +17,13 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
+from prismgate.codecs.openai.errors import from_gateway
 from prismgate.codecs.openai.plan import Plan
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, Event, FinishReason, TokenEvent
 from prismgate.core.features import Features
 from prismgate.core.service import SessionService
+from prismgate.core.structured import GrammarRefused
 from prismgate.core.token_texts import TokenTexts
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a probability that underflows; JSON has no -inf
@@ -71,6 +73,9 @@ class Generation:
         self._stream = self.service.run_turn(self.plan.turn)
         try:
             self._first = await anext(self._stream)
+        except GrammarRefused as exc:
+            await self.close()
+            raise from_gateway(exc, param=self.plan.structured_param) from None
         except BaseException:
             await self.close()
             raise

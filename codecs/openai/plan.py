@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from prismgate.codecs.openai.errors import from_gateway
+from prismgate.codecs.openai.errors import bad_request, from_gateway
 from prismgate.codecs.openai.readouts import ReadoutAxes, as_readouts_param, readout_axes
 from prismgate.codecs.openai.request import ChatRequest, Common, CompletionRequest
 from prismgate.codecs.steering import read_steering
@@ -45,10 +45,25 @@ class Plan:
     top_logprobs: int = 0  # alternatives per token
     features: FeatureSpec | None = None  # as planned by the core: its layers filled in
     feature_manifest: FeatureManifest | None = None  # labels, by layer
+    structured_param: str | None = None  # the field that asked for a grammar (its compile errors name it)
+    tool_calls: bool = False  # the answer's <tool_call> blocks become tool_calls (codecs/openai/tools.py)
 
 
 async def plan_chat(service: SessionService, settings: Settings, req: ChatRequest) -> Plan:
-    return await _plan(service, settings, req.common, Messages(req.messages), echo=False)
+    common, tools = req.common, req.tools
+    uses_tools = any(m.tool_calls or m.tool_call_id is not None for m in req.messages)
+    if (tools is not None or uses_tools) and not service.info(common.model).tokenizer.renders_tools:
+        raise bad_request(
+            f"the chat template of model {common.model!r} does not support tools (tool calls or results)",
+            "tools" if tools is not None else "messages",
+        )
+    if tools is None:
+        return await _plan(service, settings, common, Messages(req.messages), echo=False)
+    if tools.constraint is not None:  # required, or a named function: the answer is calls, by grammar
+        common = replace(common, structured=tools.constraint, structured_param="tool_choice")
+    plan = await _plan(service, settings, common, Messages(req.messages, tools=tools.definitions), echo=False)
+    plan.tool_calls = True
+    return plan
 
 
 async def plan_completion(service: SessionService, settings: Settings, req: CompletionRequest) -> Plan:
@@ -73,6 +88,11 @@ async def _plan(
         except GatewayError as exc:
             raise as_readouts_param(exc) if exc.code is Code.INVALID_ARGUMENT else exc from None
         axes = readout_axes(manifest, common.readouts)
+    if common.structured is not None:
+        try:
+            service.budget.check_structured(common.structured)
+        except GatewayError as exc:
+            raise from_gateway(exc, param=common.structured_param) from None
     try:
         steering = read_steering(common.steering, service.budget)
         if steering:
@@ -104,6 +124,7 @@ async def _plan(
             logprob_top_k=common.top_logprobs or 0,
             steering=steering,
             features=common.features,
+            structured=common.structured,
         ),
         max_tokens=common.max_tokens,
         default_max_tokens=settings.openai.default_max_tokens,
@@ -134,6 +155,7 @@ async def _plan(
         top_logprobs=common.top_logprobs or 0,
         features=features,
         feature_manifest=service.info(planned.model).features if features is not None else None,
+        structured_param=common.structured_param if common.structured is not None else None,
     )
 
 

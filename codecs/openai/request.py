@@ -5,7 +5,7 @@ Policy on fields (documented in docs/openai.md):
 * fields this server implements (OpenAI's, vLLM's sampling extensions, prismgate's own)
   are type- and range-checked, and a bad one is a 400 whose ``param`` names it;
 * OpenAI and vLLM fields that would change the output but are not implemented here
-  (tools, JSON mode, beam search, ...) are a 400 saying so, never silently dropped: a
+  (tools, beam search, ...) are a 400 saying so, never silently dropped: a
   client must not get an answer to a question it did not ask (:mod:`.unimplemented`);
 * fields that do not change the output (``user``, ``metadata``, ``priority``, ...) are
   ignored, and so are fields nobody defined, as OpenAI does, so that newer clients keep
@@ -27,10 +27,13 @@ from prismgate.codecs.binary_numbers import BadEncoding, read_encoding
 from prismgate.codecs.openai.errors import bad_request
 from prismgate.codecs.openai.features import parse_features
 from prismgate.codecs.openai.fields import get_bool, get_float, get_int, get_object, get_str
+from prismgate.codecs.openai.structured import read_structured
+from prismgate.codecs.openai.tools import Tools, read_calls, read_tools
 from prismgate.codecs.openai.unimplemented import check_fields
 from prismgate.core.actions import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
-from prismgate.core.chat import ImagePart, Message, Part, TextPart
+from prismgate.core.chat import ImagePart, Message, Part, TextPart, ToolCall
 from prismgate.core.features import FeatureSpec
+from prismgate.core.structured import Structured
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # n
@@ -42,17 +45,17 @@ _COMMON_FIELDS = frozenset(
         "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed",
         "deterministic", "stop", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
         "logit_bias", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
-        "response_format", "logprobs", "logprobs_encoding_format", "logprobs_dtype", "readouts", "features",
-        "session_id", "steering",
+        "response_format", "structured_outputs", "logprobs", "logprobs_encoding_format", "logprobs_dtype",
+        "readouts", "features", "session_id", "steering",
     }
 )  # fmt: skip
 CHAT_FIELDS = _COMMON_FIELDS | {
-    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "modalities",
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "modalities",
 }  # fmt: skip
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 
 # role on the wire -> role given to the chat template
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _DATA_URL = re.compile(r"^data:(image/[A-Za-z0-9.+-]+);base64,(.*)$", re.DOTALL)
 
 
@@ -105,12 +108,15 @@ class Common:
     features: FeatureSpec | None  # SAE features per token (codecs/openai/features.py)
     session_id: str | None
     steering: Any  # the raw "steering" list: read in the plan, against the service's request budget
+    structured: Structured | None = None  # response_format / structured_outputs: the grammar the answer follows
+    structured_param: str = "response_format"  # the field it came from, for errors
 
 
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
     common: Common
     messages: tuple[Message, ...]
+    tools: Tools | None = None  # functions the model may call (tool_choice "none": None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +138,16 @@ def parse_chat(body: Any) -> ChatRequest:
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens", None, lo=0)
     common = _common(body, max_tokens, (top or 0) if logprobs else None)
-    return ChatRequest(common, _messages(body.get("messages")))
+    tools = read_tools(body)
+    if tools is not None and common.session_id is not None:
+        raise bad_request("'tools' cannot be combined with 'session_id' on this server", "tools")
+    if tools is not None and tools.constraint is not None and common.structured is not None:
+        raise bad_request(
+            f"'tool_choice' {tools.choice!r} constrains the answer to calls: it cannot be combined with "
+            f"'{common.structured_param}'",
+            "tool_choice",
+        )
+    return ChatRequest(common, _messages(body.get("messages")), tools)
 
 
 def parse_completion(body: Any) -> CompletionRequest:
@@ -197,6 +212,8 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, top_logprobs: int |
         features=parse_features(body.get("features")),
         session_id=get_str(body, "session_id"),
         steering=body.get("steering"),
+        structured=read_structured(body),
+        structured_param="structured_outputs" if body.get("structured_outputs") is not None else "response_format",
     )
 
 
@@ -246,15 +263,8 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
 
 
 def _reject_unsupported(body: Mapping[str, Any], *, chat: bool) -> None:
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad_request("only response_format {'type': 'text'} is supported by this server", "response_format")
     if not chat:
         return
-    if body.get("tools"):
-        raise bad_request("'tools' is not supported by this server", "tools")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise bad_request("'tool_choice' is not supported by this server (no tools)", "tool_choice")
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise bad_request("only the 'text' modality is supported by this server", "modalities")
@@ -333,14 +343,19 @@ def _message(value: Any, where: str) -> Message:
         raise bad_request(f"'{where}' must be an object with 'role' and 'content'", where)
     role = value.get("role")
     if role not in _ROLES:
-        raise bad_request(
-            f"'{where}.role' must be one of {', '.join(_ROLES)}, got {role!r}"
-            + (" (tool calls are not supported by this server)" if role in ("tool", "function") else ""),
-            f"{where}.role",
-        )
-    if value.get("tool_calls") or value.get("function_call"):
-        raise bad_request(f"'{where}' carries tool calls, which this server does not support", f"{where}.tool_calls")
-    return Message(_ROLES[role], _content(value.get("content"), role, f"{where}.content"))
+        raise bad_request(f"'{where}.role' must be one of {', '.join(_ROLES)}, got {role!r}", f"{where}.role")
+    if value.get("function_call"):
+        raise bad_request(f"'{where}.function_call' (the legacy form) is not supported: use 'tool_calls'", where)
+    calls: tuple[ToolCall, ...] = ()
+    if value.get("tool_calls"):
+        if role != "assistant":
+            raise bad_request(f"'{where}.tool_calls' is for assistant messages", f"{where}.tool_calls")
+        calls = read_calls(value["tool_calls"], f"{where}.tool_calls")
+    call_id = None
+    if role == "tool":
+        call_id = get_str(value, "tool_call_id", required=True, path=f"{where}.tool_call_id")
+    content = _content(value.get("content"), "assistant" if calls else role, f"{where}.content")
+    return Message(_ROLES[role], content, tool_calls=calls, tool_call_id=call_id)
 
 
 def _content(value: Any, role: str, where: str) -> list[Part]:

@@ -35,7 +35,6 @@ _REFUSED_BOTH: dict[str, tuple[Any, ...]] = {
     "logprob_token_ids": (),
     "allowed_token_ids": (),
     "bad_words": (),
-    "structured_outputs": (),
     "return_tokens_as_token_ids": (False,),
     "return_token_ids": (False,),
     "vllm_xargs": (),
@@ -90,7 +89,7 @@ _IGNORED_BOTH = frozenset(
         "prompt_cache_key",
     }
 )
-CHAT_IGNORED = _IGNORED_BOTH | {"parallel_tool_calls"}
+CHAT_IGNORED = _IGNORED_BOTH
 _EMPTY_ASKS = frozenset({"web_search_options"})  # an empty object turns the feature on
 COMPLETION_IGNORED = _IGNORED_BOTH
 

@@ -27,6 +27,7 @@ from prismgate.core.events import Done, Event
 from prismgate.core.health import Health
 from prismgate.engines.hf.adapters import ModelAdapter
 from prismgate.engines.hf.bridge import EventChannel
+from prismgate.engines.hf.grammar import Grammars
 from prismgate.engines.hf.job import Job
 from prismgate.engines.hf.kv_reuse import SessionCaches
 from prismgate.engines.hf.loading import LoadedModel, load
@@ -54,6 +55,8 @@ class TransformersEngine:
         max_cached_bytes: int = 0,
         max_batch: int = 16,
         max_batch_tokens: int = 16384,
+        grammar_cache_bytes: int = 64 << 20,
+        grammar_compile_timeout_s: float = 10.0,
         saes: tuple[tuple[Path, Path | None], ...] = (),
     ) -> None:
         self.model_path = Path(model_path)
@@ -69,6 +72,9 @@ class TransformersEngine:
         self.max_batch = max_batch  # decode steps of this many requests run as one forward pass
         self.max_batch_tokens = max_batch_tokens  # ... while batch size x longest context stays under this
         self._sessions = SessionCaches(max_cached_tokens, max_cached_bytes)
+        self._grammar_cache_bytes = grammar_cache_bytes
+        self._grammar_timeout_s = grammar_compile_timeout_s
+        self._grammars: Grammars | None = None  # set by start()
         self._adapter: ModelAdapter | None = None
         self._scheduler: Scheduler | None = None
         self._failure: str | None = None
@@ -91,6 +97,14 @@ class TransformersEngine:
         self._adapter = loaded.adapter
         self.info = loaded.info
         self.saes = loaded.saes
+        tokenizer = getattr(loaded.info.tokenizer, "hf", None)
+        self._grammars = Grammars(
+            tokenizer,
+            loaded.info.vocab_size,
+            loaded.info.eos_token_ids,
+            cache_bytes=self._grammar_cache_bytes,
+            timeout_s=self._grammar_timeout_s,
+        )
         stepper = Stepper(
             loaded.adapter,
             loaded.probe,
@@ -128,6 +142,8 @@ class TransformersEngine:
         if self._scheduler is not None:
             await self._scheduler.stop()
             self._scheduler = None
+        if self._grammars is not None:
+            self._grammars.close()
 
     def health(self) -> Health:
         if self._closing:
@@ -147,6 +163,8 @@ class TransformersEngine:
         if scheduler is None:
             raise GatewayError(Code.UNAVAILABLE, "the engine is not started")
         job = Job(request, EventChannel(asyncio.get_running_loop()))
+        if request.spec.structured is not None and self._grammars is not None:
+            job.constraint = await self._grammars.compile(request.spec.structured)
         scheduler.submit(job)
         try:
             while True:

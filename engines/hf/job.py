@@ -11,6 +11,7 @@ import torch
 from prismgate.core.engine import EngineRequest
 from prismgate.core.events import Event, FinishReason, TokenEvent
 from prismgate.engines.hf.bridge import EventChannel
+from prismgate.engines.hf.grammar import Constraint
 from prismgate.engines.hf.sampling import History
 from prismgate.engines.hf.steering import GateKey, RowPlan, Vector
 
@@ -33,6 +34,7 @@ class Job:
     finish: FinishReason | None = None  # decided; Done goes out once the last readout is in
     generator: torch.Generator | None = None
     history: History | None = None  # what penalties and min_tokens read, when the request uses them
+    constraint: Constraint | None = None  # the structured-output grammar's matcher, when the request has one
     steering: tuple[Vector, ...] = ()  # the request's steering, resolved on the device
     gates: dict[GateKey, list[float]] = field(default_factory=dict)  # its gate readouts, one per cached position
     invariant: bool = True  # every key and value in `cache` was computed by the batch-invariant kernels

@@ -1,7 +1,8 @@
 """Choosing the next token, and the logprobs reported beside it.
 
 The order is vLLM's: the raw logits get ``logit_bias`` and the ``min_tokens`` mask, then the
-repetition, frequency and presence penalties (:class:`History`); greedy decoding takes the
+repetition, frequency and presence penalties (:class:`History`), then a structured-output
+grammar's mask (:class:`~prismgate.engines.hf.grammar.Constraint`); greedy decoding takes the
 argmax of that; sampling divides by the temperature, applies ``min_p``, then top-k and top-p.
 Logprobs are always of the raw logits.
 """
@@ -13,6 +14,7 @@ from collections.abc import Collection, Sequence
 import torch
 
 from prismgate.core.actions import GenerateSpec
+from prismgate.engines.hf.grammar import Constraint
 
 
 class History:
@@ -61,15 +63,30 @@ class History:
         return out
 
 
-def sample(logits: torch.Tensor, spec: GenerateSpec, generator: torch.Generator, history: History | None = None) -> int:
-    """One token from a ``[vocab]`` float32 row of raw logits (shaped by ``history`` when given).
+def sample(
+    logits: torch.Tensor,
+    spec: GenerateSpec,
+    generator: torch.Generator,
+    history: History | None = None,
+    constraint: Constraint | None = None,
+) -> int:
+    """One token from a ``[vocab]`` float32 row of raw logits (shaped by ``history``, masked by ``constraint``).
+
+    Where the shaping leaves the grammar nothing (``min_tokens`` masks the stop token a complete
+    grammar needs), the grammar wins: its mask applies to the raw logits.
 
     Greedy decoding takes the argmax of the shaped logits' logprobs; unshaped, that is the first
     entry of :func:`logprobs_of`'s list: the largest logprob (two logits a rounding apart can
     share one), the lowest id among equals.
     """
+    raw = logits
     if history is not None:
         logits = history.shape(logits)
+    if constraint is not None:
+        masked = constraint.mask(logits)
+        if not bool(torch.isfinite(masked).any()) and history is not None:
+            masked = constraint.mask(raw)
+        logits = masked
     if spec.temperature == 0 or spec.top_k == 1:
         return int(torch.argmax(torch.log_softmax(logits, dim=-1)))  # argmax gives the first of equal maxima
     scores = logits / spec.temperature

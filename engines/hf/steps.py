@@ -266,9 +266,11 @@ class Stepper:
         row = job.next_logits.to(device="cpu", dtype=torch.float32)  # the sampler's generator lives on the CPU
         if spec.shapes_logits and job.history is None:
             job.history = History(spec, job.timeline[: job.prompt_len], row.shape[-1], self.eos_token_ids)
-        token = sample(row, spec, job.generator, job.history)
+        token = sample(row, spec, job.generator, job.history, job.constraint)
         if job.history is not None:
             job.history.add(token)
+        if job.constraint is not None:
+            job.constraint.accept(token)
         position = len(job.timeline)
         event = TokenEvent(id=token, position=position, is_prefill=False)
         if covered(spec.logprob_ranges, position):
@@ -280,7 +282,9 @@ class Stepper:
             job.held = event
         else:
             job.emit(event)
-        if spec.ends_on(token, job.generated, self.eos_token_ids):
+        if spec.ends_on(token, job.generated, self.eos_token_ids) or (
+            job.constraint is not None and job.constraint.done
+        ):
             job.finish = FinishReason.EOS
         elif job.generated >= spec.max_tokens:
             job.finish = FinishReason.LENGTH

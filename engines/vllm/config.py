@@ -93,6 +93,8 @@ def engine_args(options: Options, *, on_cpu: bool) -> dict[str, Any]:
         "max_logprobs": 20,
         "disable_log_stats": True,
         "seed": 0,
+        # structured outputs with llguidance, compact JSON: the transformers engine's grammars (engines/hf/grammar.py)
+        "structured_outputs_config": {"backend": "guidance", "disable_any_whitespace": True},
     }
     if block is not None:
         kwargs["block_size"] = block

@@ -11,6 +11,7 @@ from typing import Any
 
 from prismgate.core.engine import EngineRequest, VisionTokens
 from prismgate.core.errors import invalid
+from prismgate.core.structured import Kind, Structured
 from prismgate.engines.vllm.plan import Plan
 from prismgate.engines.vllm.vision import collapse, decode_image
 from prismgate.engines.vllm.worker import EXTRA_KEY
@@ -31,7 +32,8 @@ def _params(wants: dict[str, Any] | None, **kwargs: Any) -> Any:
 def sampling_params(request: EngineRequest, plan: Plan, wants: dict[str, Any] | None, skip_cache: bool) -> Any:
     """The client's sampling, with stops applied here instead when the request looks ahead.
 
-    Penalties, ``logit_bias``, ``min_p`` and ``min_tokens`` go to vLLM's own sampler as they are.
+    Penalties, ``logit_bias``, ``min_p``, ``min_tokens`` and a structured-output grammar go to
+    vLLM's own sampler as they are.
     ``min_tokens`` is vLLM's mask of the stop ids, so a request that looks ahead (the engine applies
     its stops) cannot have it: it is refused before anything runs.
     """
@@ -65,7 +67,25 @@ def sampling_params(request: EngineRequest, plan: Plan, wants: dict[str, Any] | 
         logprobs=spec.logprob_top_k if plan.decode_logprobs else None,
         skip_special_tokens=False,
         skip_reading_prefix_cache=skip_cache,
+        structured_outputs=structured_params(spec.structured),
     )
+
+
+def structured_params(structured: Structured | None) -> Any:
+    """The request's grammar as vLLM's own ``StructuredOutputsParams`` (vLLM compiles and applies it)."""
+    if structured is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if structured.kind is Kind.JSON_OBJECT:
+        return StructuredOutputsParams(json_object=True)
+    if structured.kind is Kind.JSON_SCHEMA:
+        return StructuredOutputsParams(json=structured.schema)
+    if structured.kind is Kind.CHOICE:
+        return StructuredOutputsParams(choice=list(structured.choices))
+    if structured.kind is Kind.REGEX:
+        return StructuredOutputsParams(regex=structured.source)
+    return StructuredOutputsParams(grammar=structured.source)
 
 
 def rescore_params(wants: dict[str, Any]) -> Any:

@@ -15,6 +15,7 @@ from prismgate.core.errors import invalid
 from prismgate.core.features import FeatureSpec
 from prismgate.core.positions import PositionRange as PositionRange
 from prismgate.core.steering import Steering
+from prismgate.core.structured import Structured
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias, either way
@@ -44,6 +45,10 @@ class GenerateSpec:
     that many tokens are out, and no stop string matches before then; ``presence_penalty`` and
     ``frequency_penalty`` count generated tokens, ``repetition_penalty`` every token seen
     (prompt and generated).
+
+    ``structured`` masks every token the grammar does not allow next, after the penalties and
+    before temperature and the filters, as vLLM applies its grammar bitmask; the turn ends
+    (finish reason EOS) once the grammar is complete. Logprobs stay those of the raw logits.
     """
 
     max_tokens: int = 16
@@ -70,6 +75,8 @@ class GenerateSpec:
     # the same ids, logprobs and readouts whatever else runs (docs/determinism.md); None: the server's default
     deterministic: bool | None = None
     features: FeatureSpec | None = None  # SAE features to report (prismgate.core.features), at its own ranges
+    # the grammar the generated text must follow (prismgate.core.structured); None: free text
+    structured: Structured | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:

@@ -36,6 +36,7 @@ from prismgate.core.chat import TextPart
 from prismgate.core.errors import exhausted, invalid
 from prismgate.core.limits import ContextOverflow
 from prismgate.core.prompts import Messages, PromptSource, Text
+from prismgate.core.structured import Kind, Structured
 
 UNSIZED_HIDDEN = 16384  # the budget's model facts before any model has loaded
 UNSIZED_CONTEXT = 131072
@@ -58,6 +59,10 @@ class RequestBudget:
     max_actions_in_flight: int = 1024  # per session (Evergreen: GENERATE and DROP not yet ended)
     max_json_depth: int = 64  # nesting of arrays and objects in any JSON a client sends
     max_steering_entries: int = 8  # each costs a vector add per steered token in every forward pass
+    # a structured-output constraint (JSON schema, regex, grammar, choices): its bytes and nesting,
+    # checked before an engine compiles it (compile time and memory grow with both)
+    max_grammar_bytes: int = 32768
+    max_grammar_depth: int = 16
     # facts of the served models, not settings (:meth:`sized`): the largest hidden size and
     # context among them; these defaults stand while no model has loaded
     hidden_size: int = field(default=UNSIZED_HIDDEN, metadata={"derived": True})
@@ -137,6 +142,24 @@ class RequestBudget:
             readout_ranges=len(spec.readout_ranges),
             steering_entries=len(spec.steering),
         )
+        if spec.structured is not None:
+            self.check_structured(spec.structured)
+
+    def check_structured(self, structured: Structured) -> None:
+        """A constraint too large, or a schema nested too deep, to compile: refused before any compiler reads it."""
+        size = structured.size
+        if size > self.max_grammar_bytes:
+            raise invalid(
+                f"the {structured.kind.value} constraint is {size} bytes; the limit is {self.max_grammar_bytes} "
+                "(max_grammar_bytes)"
+            )
+        if structured.kind is Kind.JSON_SCHEMA:
+            depth = json_depth(structured.source)
+            if depth > self.max_grammar_depth:
+                raise invalid(
+                    f"the JSON schema nests {depth} levels deep; the limit is {self.max_grammar_depth} "
+                    "(max_grammar_depth)"
+                )
 
     def check_lists(
         self,

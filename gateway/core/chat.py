@@ -13,9 +13,10 @@ session is :mod:`prismgate.core.prompts`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from prismgate.core.actions import ImageInput
 from prismgate.core.engine import ChatMessage, EngineInfo, VisionTokens
@@ -56,10 +57,21 @@ class ImagePart:
 Part = TextPart | ImagePart
 
 
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A function call an assistant turn made: ``arguments`` is the JSON text of an object."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 @dataclass(slots=True)
 class Message:
     role: str
     parts: list[Part] = field(default_factory=list)
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls, rendered by the template
+    tool_call_id: str | None = None  # a tool message: the call whose result it holds
 
     @property
     def text(self) -> str:
@@ -89,9 +101,17 @@ def render(
     model: str | None = None,
     add_generation_prompt: bool = True,
     chat_template: bool = True,
+    tools: Sequence[dict[str, Any]] = (),
 ) -> Prompt:
-    """Render ``messages`` to a prompt with the model's chat template (or plainly, one after another)."""
+    """Render ``messages`` to a prompt with the model's chat template (or plainly, one after another).
+
+    ``tools`` (function definitions) go to a template that declares tool use; any other is refused.
+    """
     info = models.info(model)
+    if (tools or any(m.tool_calls or m.tool_call_id is not None for m in messages)) and not (
+        chat_template and info.tokenizer.renders_tools
+    ):
+        raise invalid(f"the chat template of model {info.model_id!r} does not support tools (tool calls or results)")
     if not chat_template:
         tokens: list[int] = []
         images: list[ImageInput] = []
@@ -107,14 +127,14 @@ def render(
         role = normalize_role(message.role)
         plain = all(isinstance(p, TextPart) and p.tokens is None for p in message.parts)
         if plain and (specials or not tokenizer.holds_special(message.text)):
-            chat.append({"role": role, "content": message.text})
+            chat.append(_chat_message(role, message.text, message))
         else:
             placeholder = chr(_PLACEHOLDER_BASE + len(spliced))
             spliced.append((placeholder, message))
-            chat.append({"role": role, "content": placeholder})
+            chat.append(_chat_message(role, placeholder, message))
         if len(spliced) > 6000:
             raise invalid(f"too many messages with images or generated text ({i + 1})")
-    rendered = _render_chat(info, chat, add_generation_prompt)
+    rendered = _render_chat(info, chat, add_generation_prompt, tools)
     if not spliced:
         return Prompt(tuple(rendered))
     out: list[int] = []
@@ -124,7 +144,7 @@ def render(
         needle = tokenizer.encode(placeholder)
         at = _find(rendered, needle, cursor)
         if at < 0:
-            return _render_unspliced(models, messages, model, add_generation_prompt, specials)
+            return _render_unspliced(models, messages, model, add_generation_prompt, specials, tools)
         out += rendered[cursor:at]
         _append_parts(models, info, model, message.parts, out, images, specials)
         cursor = at + len(needle)
@@ -133,7 +153,12 @@ def render(
 
 
 def _render_unspliced(
-    models: ModelCatalog, messages: Sequence[Message], model: str | None, add_generation_prompt: bool, specials: bool
+    models: ModelCatalog,
+    messages: Sequence[Message],
+    model: str | None,
+    add_generation_prompt: bool,
+    specials: bool,
+    tools: Sequence[dict[str, Any]] = (),
 ) -> Prompt:
     """Fallback when the template mangles the placeholder: plain text, so no images (and no control tokens typed)."""
     if any(isinstance(p, ImagePart) for m in messages for p in m.parts):
@@ -144,13 +169,28 @@ def _render_unspliced(
             f"the chat template of model {models.info(model).model_id!r} cannot place text holding a control "
             "token's string as text; remove it, or send token ids"
         )
-    chat: list[ChatMessage] = [{"role": normalize_role(m.role), "content": m.text} for m in messages]
-    return Prompt(tuple(_render_chat(models.info(model), chat, add_generation_prompt)))
+    chat = [_chat_message(normalize_role(m.role), m.text, m) for m in messages]
+    return Prompt(tuple(_render_chat(models.info(model), chat, add_generation_prompt, tools)))
 
 
-def _render_chat(info: EngineInfo, chat: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+def _chat_message(role: str, content: str, message: Message) -> ChatMessage:
+    """What the template reads of one message: its calls' arguments as objects, as templates expect them."""
+    out: ChatMessage = {"role": role, "content": content}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _render_chat(
+    info: EngineInfo, chat: list[ChatMessage], add_generation_prompt: bool, tools: Sequence[dict[str, Any]] = ()
+) -> list[int]:
     try:
-        return info.tokenizer.render_chat(chat, add_generation_prompt=add_generation_prompt)
+        return info.tokenizer.render_chat(chat, add_generation_prompt=add_generation_prompt, tools=tools or None)
     except GatewayError:
         raise
     except Exception as exc:  # a template that raises (roles out of order, say) was given bad input

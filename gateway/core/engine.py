@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypedDict, runtime_checkable
+from typing import Any, NotRequired, Protocol, TypedDict, runtime_checkable
 
 from prismgate.core.actions import Fork, GenerateSpec
 from prismgate.core.events import Event
@@ -21,6 +21,8 @@ from prismgate.core.session import ImageSpan
 class ChatMessage(TypedDict):
     role: str
     content: str
+    tool_calls: NotRequired[list[dict[str, Any]]]  # an assistant's calls: {id, type, function: {name, arguments}}
+    tool_call_id: NotRequired[str]  # a tool message: the call it answers
 
 
 @runtime_checkable
@@ -40,7 +42,18 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]: ...
+    def render_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> list[int]: ...
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template declares tool use (renders ``tools``, tool calls and tool results)."""
+        ...
 
     def token_text(self, token_id: int) -> str: ...
 

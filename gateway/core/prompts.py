@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prismgate.core.actions import ImageInput
 from prismgate.core.chat import Message, ModelCatalog, Prompt, TextPart, render
@@ -32,6 +33,7 @@ class Messages:
 
     messages: Sequence[Message]
     chat_template: bool = True
+    tools: Sequence[dict[str, Any]] = ()  # function definitions for a template that declares tool use
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +61,7 @@ class Placement(enum.Enum):
 def build_prompt(models: ModelCatalog, model: str, source: PromptSource) -> Prompt:
     """The prompt's tokens from position 0 (blocking: tokenizes)."""
     if isinstance(source, Messages):
-        return render(models, source.messages, model=model, chat_template=source.chat_template)
+        return render(models, source.messages, model=model, chat_template=source.chat_template, tools=source.tools)
     if isinstance(source, Text):
         return Prompt(tuple(models.info(model).tokenizer.encode(source.text, special=models.specials_in_text)))
     return Prompt(source.ids)

@@ -177,6 +177,10 @@ class Budget(Group):
     )
     max_actions_in_flight: int = setting(1024, "Evergreen: most actions not yet ended on one session.")
     max_steering_entries: int = setting(8, "Most steering entries in one request.")
+    max_grammar_bytes: int = setting(
+        32768, "Largest structured-output constraint (JSON schema, regex, grammar or choices), in UTF-8 bytes."
+    )
+    max_grammar_depth: int = setting(16, "Deepest nesting of arrays and objects in a structured-output JSON schema.")
 
 
 @dataclass(frozen=True)
@@ -232,6 +236,16 @@ class TransformersOptions(Group):
     )
     max_batch: int = setting(
         16, "transformers engine: decode steps of up to this many requests run as one forward pass (1: no batching)."
+    )
+    grammar_cache_bytes: int = setting(
+        64 << 20,
+        "transformers engine: bytes of compiled structured-output grammars (llguidance's text) kept for reuse, "
+        "least recently used out first; 0: no cache, each request compiles its own.",
+    )
+    grammar_compile_timeout_s: float = setting(
+        10.0,
+        "transformers engine: longest wait for a structured-output grammar to compile; past it the request is "
+        "a 400 (the compile finishes in the background, one at a time, and is cached).",
     )
 
 

@@ -49,7 +49,7 @@ def test_aliases_and_folding() -> None:
         ({"stop": 3}, "stop"),
         ({"logit_bias": {"1": 500}}, "logit_bias.1"),
         ({"logit_bias": {"x": 5}}, "logit_bias"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"readouts": {"layers": [0], "extra": 1}}, "readouts"),
         ({"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
         ({"n": 2, "session_id": "s"}, "n"),
@@ -57,7 +57,8 @@ def test_aliases_and_folding() -> None:
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         ({"readouts": {"layers": ["0"]}}, "readouts.layers"),
         ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
             "messages[0].content[0].image_url.url",
