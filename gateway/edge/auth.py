@@ -32,8 +32,10 @@ TOKEN_SUBPROTOCOL = "bearer."
 
 def open_paths(settings: Settings) -> frozenset[str]:
     """Paths served without a token: probes, metrics, the playground's static files."""
-    paths = {"/healthz", "/readyz", "/metrics", "/playground", "/playground/", "/playground/app.js"}
-    paths.add("/playground/style.css")
+    from prismgate.playground import FILES  # the page's stylesheet and modules
+
+    paths = {"/healthz", "/readyz", "/metrics", "/playground", "/playground/"}
+    paths |= {f"/playground/{name}" for name in FILES}
     prefix = settings.graphpipe_path.rstrip("/")
     bases = {prefix} | ({""} if settings.graphpipe_root or not prefix else set())
     for base in bases:
