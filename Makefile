@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.prismgate-installed
 PYTEST_ARGS ?=
 TORCH := torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-# The test tiers, chosen by marker (pyproject.toml registers them, README "Development" says
+# The test tiers, chosen by marker (pyproject.toml registers them, README "Tests" and docs/testing.md say
 # what each holds): make test is the fast tier a contributor runs before every commit;
 # make test-exhaustive what it leaves out (the real default model, property tests' full
 # mixes, artifact rebuilds, fuzzing, load, soak, Chromium); make test-all both. The vLLM

@@ -32,8 +32,10 @@ TOKEN_SUBPROTOCOL = "bearer."
 
 def open_paths(graphpipe: GraphPipe) -> frozenset[str]:
     """Paths served without a token: probes, metrics, the playground's static files, GraphPipe's probes."""
-    paths = {"/healthz", "/readyz", "/metrics", "/playground", "/playground/", "/playground/app.js"}
-    paths.add("/playground/style.css")
+    from prismgate.playground import FILES  # the page's stylesheet and modules
+
+    paths = {"/healthz", "/readyz", "/metrics", "/playground", "/playground/"}
+    paths |= {f"/playground/{name}" for name in FILES}
     prefix = graphpipe.path.rstrip("/")
     bases = {prefix} | ({""} if graphpipe.root or not prefix else set())
     for base in bases:

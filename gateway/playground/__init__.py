@@ -1,7 +1,8 @@
 """The browser playground at ``/playground``: a chat page that talks Evergreen.
 
 Plain HTML, CSS and JavaScript served from this folder by the gateway itself (nothing is
-fetched from elsewhere at run time, no build step). The page opens the Evergreen
+fetched from elsewhere at run time, no build step): the script is ES modules (``app.js`` and
+what it imports), loaded by the browser as they are. The page opens the Evergreen
 WebSocket, sends JSON text frames and streams each answer token by token; prompt tokens come
 from ``POST /playground/score`` (:mod:`.scoring`). Every token is shaded by ``value - center``
 of a chosen concept at a chosen layer on a fixed scale per concept and layer (:mod:`.calibration`),
@@ -31,8 +32,12 @@ from prismgate.playground.scoring import BodyTooLarge, parse_messages, read_body
 from prismgate.settings import Settings
 
 STATIC = Path(__file__).parent
-FILES = {"app.js": "text/javascript", "style.css": "text/css"}
+# What /playground/{name} serves: the stylesheet and the page's ES modules (every .js file here,
+# app.js the entry), each with its own type: a browser runs a module script only when its
+# Content-Type is a JavaScript one, and nosniff holds it to that.
+FILES = {"style.css": "text/css", **{path.name: "text/javascript" for path in sorted(STATIC.glob("*.js"))}}
 NO_CACHE = {"cache-control": "no-cache"}
+ASSET_HEADERS = {**NO_CACHE, "x-content-type-options": "nosniff"}
 
 
 # Sliders of a pack that measured no steering (built before the builder measured it): the view
@@ -126,7 +131,7 @@ def routes(service: SessionService, settings: Settings) -> list[BaseRoute]:
         name = request.path_params["name"]
         if name not in FILES:
             return JSONResponse({"error": f"no playground file {name!r}"}, status_code=404)
-        return FileResponse(STATIC / name, media_type=FILES[name], headers=NO_CACHE)
+        return FileResponse(STATIC / name, media_type=FILES[name], headers=ASSET_HEADERS)
 
     def authorize(_request: Request) -> None:
         """The edge has authenticated the key (:mod:`prismgate.edge.auth`); and it must be allowed the playground."""
