@@ -73,7 +73,6 @@ def test_vllm_bench_serve_gets_every_answer_at_the_length_it_asked(
     assert result["completed"] == PROMPTS and result["failed"] == 0, result["errors"]
     assert result["output_lens"] == [OUTPUT_LEN] * PROMPTS
     assert result["total_output_tokens"] == PROMPTS * OUTPUT_LEN
-    assert result["total_input_tokens"] == PROMPTS * INPUT_LEN
     # past EOS (token 0, "!") at every step: the text is the tokens the usage counted
     assert result["generated_texts"] == ["!" * OUTPUT_LEN] * PROMPTS
     assert problems(result, PROMPTS, OUTPUT_LEN) == []
