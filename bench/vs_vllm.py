@@ -193,7 +193,7 @@ def vllm_serve(model: Path, args: argparse.Namespace, *, eager: bool, api_server
         BASE + (" --enforce-eager" if eager else "") + (f" --api-server-count {api_servers}" if api_servers > 1 else "")
     )
     stem = "vllm-serve" + ("-eager" if eager else "") + (f"-api{api_servers}" if api_servers > 1 else "")
-    log = ROOT / "build" / "bench" / f"{stem}.log"  # git-ignored
+    log = ROOT / "build" / "bench" / f"{args.results}-{stem}.log"  # git-ignored; one set per results name
     env = {**os.environ, **SERVER_ENV}
     with process(command, log, env) as proc:
         url = f"http://127.0.0.1:{port}"
@@ -223,7 +223,8 @@ def prismgate_serve(model: Path, pack: Path | None, args: argparse.Namespace, wo
             command += ["--sae", args.sae]
         if workers > 1:
             command += ["--workers", str(workers)]
-        log = ROOT / "build" / "bench" / ("prismgate-serve.log" if workers == 1 else f"prismgate-serve-w{workers}.log")
+        stem = "prismgate-serve" if workers == 1 else f"prismgate-serve-w{workers}"
+        log = ROOT / "build" / "bench" / f"{args.results}-{stem}.log"
         env = {**os.environ, **SERVER_ENV}
         with process(command, log, env) as proc:
             deadline = time.monotonic() + 900
@@ -543,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sae",
         default=None,
-        help="prismgate's SAEs (its --sae) for the features target (default: auto for the default model; none: no SAE)",
+        help="prismgate's SAEs (its --sae) for the features target (default: the default model's shipped one; none)",
     )
     parser.add_argument(
         "--vllm-bench",
@@ -572,12 +573,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from prismgate.compose import DEFAULT_PACK
     from prismgate.engines.models import default_model_path
+    from prismgate.engines.sae.auto import SHIPPED, sae_folders
 
     model = Path(args.model) if args.model else default_model_path()
     pack = Path(args.concept_pack) if args.concept_pack else (None if args.model else DEFAULT_PACK)
-    # the default model's shipped SAE for the features target, which only the main mode has
+    # the default model's shipped SAE for the features target, which only the main mode has ("auto"
+    # would look for one trained for the model's folder, which is given by path here)
     main_mode = not (args.model or args.processes > 1 or args.frontend_only or args.vllm_bench)
-    args.sae = None if args.sae == "none" else (args.sae or ("auto" if main_mode else None))
+    shipped = ",".join(str(folder) for folder in sae_folders(SHIPPED))
+    args.sae = None if args.sae == "none" else (args.sae or (shipped if main_mode else None))
     if args.vllm_bench:
         return _client_main(model, pack, args, vllm.__version__)
     prompt = list(AutoTokenizer.from_pretrained(str(model)).encode(PROMPT))
@@ -618,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _client_main(model: Path, pack: Path | None, args: argparse.Namespace, version: str) -> int:
     """``--vllm-bench``: ``vllm serve`` and prismgate up one after the other, then :func:`client_runs`."""
-    with vllm_serve(model, args, eager=False) as base, prismgate_serve(model, pack, args) as gateway:
+    with prismgate_serve(model, pack, args) as gateway, vllm_serve(model, args, eager=False) as base:
         load = [os.getloadavg()[0]]
         measured = client_runs(model, (base, gateway), args)
         load.append(os.getloadavg()[0])
@@ -646,12 +650,13 @@ def _client_main(model: Path, pack: Path | None, args: argparse.Namespace, versi
 
 @contextlib.contextmanager
 def _servers(model: Path, pack: Path | None, args: argparse.Namespace) -> Iterator[tuple[Any, ...]]:
-    """``vllm serve``, its eager twin (unless ``--frontend-only``) and prismgate, started one at a time:
-    three vLLM start-ups (each compiling) at once would starve each other."""
+    """prismgate, ``vllm serve`` and its eager twin (unless ``--frontend-only``), started one at a time:
+    three vLLM start-ups (each compiling) at once would starve each other. prismgate first: a
+    setting it refuses stops the run before the others' minutes of compiling."""
     with (
+        prismgate_serve(model, pack, args) as gateway,
         vllm_serve(model, args, eager=False) as base,
         contextlib.nullcontext(None) if args.frontend_only else vllm_serve(model, args, eager=True) as eager,
-        prismgate_serve(model, pack, args) as gateway,
     ):
         yield base, eager, gateway
 
