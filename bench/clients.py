@@ -27,6 +27,7 @@ class StreamResult:
     tokens: int = 0
     sent_bytes: int = 0
     received_bytes: int = 0
+    usage_tokens: int | None = None  # the answer's length as the server's own usage counted it; None: none sent
 
     @property
     def total_s(self) -> float:
@@ -101,14 +102,24 @@ class Salience:
         t0 = time.perf_counter()
         times: list[float] = []
         received = 0
+        done: Any = None  # the stream's GenerateDone
         try:
             async for event in stub.Generate(request):
                 received += event.ByteSize()
                 if event.HasField("token") and not event.token.is_prefill:
                     times.append(time.perf_counter() - t0)
+                elif event.HasField("done"):
+                    done = event.done
         finally:
             await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
-        return StreamResult(times[0] if times else float("nan"), times, len(times), request.ByteSize(), received)
+        return StreamResult(
+            times[0] if times else float("nan"),
+            times,
+            len(times),
+            request.ByteSize(),
+            received,
+            done.completion_tokens if done is not None else None,
+        )
 
     async def close(self) -> None:
         for channel in self.channels:
@@ -176,7 +187,7 @@ def evergreen(ws_url: str, decode: Callable[[Sequence[int]], str], readouts: dic
                     elif f["id"] == "u" and chunk.get("data"):
                         usage = json.loads(base64.b64decode(chunk["data"]))
         tokens = int(usage["completionTokens"])
-        return StreamResult(times[0] if times else float("nan"), times, tokens, len(message), received)
+        return StreamResult(times[0] if times else float("nan"), times, tokens, len(message), received, tokens)
 
     return run
 
@@ -217,7 +228,8 @@ def graphpipe(http_url: str) -> Client:
 def openai_sse(http_url: str, model: str, extra: dict[str, Any] | None = None) -> Client:
     """OpenAI ``/v1/completions`` with ``stream: true`` (Server-Sent Events), a token-id prompt.
 
-    ``extra``: more request fields (prismgate's ``"readouts": true``, say).
+    ``extra``: more request fields (prismgate's ``"readouts": true``, say). Tokens: the stream's
+    ``usage`` (``completion_tokens``, also in ``usage_tokens``), else the chunks that carried text.
     """
     import httpx
 
@@ -236,7 +248,7 @@ def openai_sse(http_url: str, model: str, extra: dict[str, Any] | None = None) -
         raw = json.dumps(body).encode()
         times: list[float] = []
         received = 0
-        tokens = 0
+        usage: int | None = None
         t0 = time.perf_counter()
         async with client.stream(
             "POST", http_url + "/v1/completions", content=raw, headers={"content-type": "application/json"}
@@ -254,8 +266,9 @@ def openai_sse(http_url: str, model: str, extra: dict[str, Any] | None = None) -
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
                     times.append(time.perf_counter() - t0)
                 if chunk.get("usage"):
-                    tokens = int(chunk["usage"]["completion_tokens"])
-        return StreamResult(times[0] if times else float("nan"), times, tokens or len(times), len(raw), received)
+                    usage = int(chunk["usage"]["completion_tokens"])
+        tokens = len(times) if usage is None else usage
+        return StreamResult(times[0] if times else float("nan"), times, tokens, len(raw), received, usage)
 
     run.client = client  # type: ignore[attr-defined]
     return run

