@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         help="Serve the model over every protocol (HTTP and gRPC).",
         usage="prismgate serve [--config TOML] [--FLAG VALUE ...]",
         description="Serve the model over every protocol (HTTP and gRPC). Every flag is also an environment "
-        "variable and a TOML key (README: Configuration); flags win over the environment, which wins over the file.",
+        "variable and a TOML key (docs/configuration.md); flags win over the environment, which wins over the file.",
     )
     add_arguments(serve)
     from prismgate.cli_generate import add_parser as add_generate

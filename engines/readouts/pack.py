@@ -26,7 +26,7 @@ from prismgate.core.errors import invalid
 FORMAT = "prismgate.concept-pack/1"
 LAYER_CONVENTION = "residual stream after decoder layer L"
 DEFAULT_PACKS = Path(__file__).parent / "packs"
-# The layer displays open on: the README reports the default pack's held-out accuracy there.
+# The layer displays open on: docs/readouts.md reports the default pack's held-out accuracy there.
 PREFERRED_VIEW_LAYER = 16
 
 
