@@ -71,6 +71,7 @@ class TransformersEngine:
         self._sessions = SessionCaches(max_cached_tokens, max_cached_bytes)
         self._adapter: ModelAdapter | None = None
         self._scheduler: Scheduler | None = None
+        self._jobs: dict[int, Job] = {}  # requests in flight, by id() of their EngineRequest (for hold)
         self._failure: str | None = None
         self._closing = False
         self.info: EngineInfo = None  # type: ignore[assignment]  # set by start()
@@ -148,6 +149,7 @@ class TransformersEngine:
             raise GatewayError(Code.UNAVAILABLE, "the engine is not started")
         job = Job(request, EventChannel(asyncio.get_running_loop()))
         scheduler.submit(job)
+        self._jobs[id(request)] = job
         try:
             while True:
                 event = await job.channel.receive()
@@ -155,7 +157,17 @@ class TransformersEngine:
                 if isinstance(event, Done):
                     return
         finally:
+            self._jobs.pop(id(request), None)
             scheduler.cancel(job)
+
+    def hold(self, request: EngineRequest, held: bool) -> bool:
+        """Preemption's mechanism (:class:`~prismgate.core.engine.Holdable`): hold ``request`` at its
+        next step boundary, its KV cache kept, or let it go on. Whether it is in flight here."""
+        job = self._jobs.get(id(request))
+        if job is None or self._scheduler is None:
+            return False
+        self._scheduler.hold(job, held)
+        return True
 
     def image_tokens(self, data: bytes, mime: str) -> int:
         assert self._adapter is not None
