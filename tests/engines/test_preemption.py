@@ -29,7 +29,7 @@ from tests.engines.test_determinism import fingerprint
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 A, B = Share("a"), Share("b")
-LONG = 160  # a's generations: long enough that b arrives while both still run
+LONG = 96  # a's generations: long enough that b arrives while both still run
 SHORT = 24  # b's: unpaused, a's two would have stepped this often beside it, round by round
 
 
