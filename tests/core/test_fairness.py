@@ -249,6 +249,29 @@ async def test_a_paused_request_that_leaves_holds_no_slot() -> None:
     assert adm.active == 0 and engine.held == {"a0": True}  # never let go: it is gone
 
 
+async def test_a_request_more_urgent_than_the_newcomer_is_never_preempted() -> None:
+    adm = Admission(max_active=1, max_queued=100)
+    engine = Holder()
+    gate = asyncio.Event()
+
+    async def job(name: str, share: Share, priority: int) -> None:
+        async with adm.slot(priority, share) as ticket:
+            ticket.hold = lambda held: engine.hold(name, held)
+            await gate.wait()
+
+    tasks = [asyncio.create_task(job("a0", A, 0))]
+    await asyncio.sleep(0.01)
+    tasks.append(asyncio.create_task(job("b0", B, 5)))  # a higher value: less urgent than a's
+    await asyncio.sleep(0.01)
+    assert engine.held == {} and adm.preemptions == 0 and adm.queued == 1
+    tasks.append(asyncio.create_task(job("c0", Share("c"), 0)))  # as urgent: a's is paused for it
+    await asyncio.sleep(0.01)
+    assert engine.held == {"a0": True} and adm.preemptions == 1
+    gate.set()
+    await asyncio.gather(*tasks)
+    assert adm.active == 0 and adm.queued == 0
+
+
 async def test_a_request_no_engine_can_pause_is_never_preempted() -> None:
     adm = Admission(max_active=1, max_queued=100)
     gate = asyncio.Event()

@@ -21,6 +21,7 @@ from prismgate.core.actions import GenerateSpec, PositionRange
 from prismgate.core.engine import EngineRequest
 from prismgate.core.events import Done, FinishReason, TokenEvent
 from prismgate.core.fairness import Share
+from prismgate.core.memory import request_bytes
 from prismgate.core.pool import EnginePool
 from prismgate.engines.hf import TransformersEngine
 from tests.engines.requests import chat
@@ -67,6 +68,8 @@ async def consume(
     """Run ``request`` through the pool as ``share``, logging each generated token and its end."""
     events: list[TokenEvent] = []
     async for event in pool.generate(None, request, share):
+        if name == "b" and not events:
+            log.append((name, f"memory {pool.memory.used}"))  # what the budget counts while a's one is paused
         if isinstance(event, Done):
             log.append((name, "done"))
             return events, event
@@ -101,12 +104,17 @@ async def test_a_newcomer_key_preempts_and_the_paused_request_keeps_its_bits(
             break
         await asyncio.sleep(0.01)
     assert sorted(what for _, what in log if what != "token") == ["first", "first"], log
-    b = await asyncio.wait_for(consume(pool, "b", request(engine, "Hi.", deterministic, SHORT), B, log), 300)
+    held = pool.memory.used  # a's two requests
+    newcomer = request(engine, "Hi.", deterministic, SHORT)
+    b = await asyncio.wait_for(consume(pool, "b", newcomer, B, log), 300)
     done = await asyncio.wait_for(asyncio.gather(*a), 300)
 
     assert log.index(("b", "first")) < min(log.index((f"a{i}", "done")) for i in range(2)), log
     assert pool.admission.preemptions == before + 1
     assert b[1].finish_reason is FinishReason.LENGTH and b[1].completion_tokens == SHORT
+    # the paused request's memory stays counted: b's first event came with all three reserved
+    with_b = held + request_bytes(newcomer.spec, len(newcomer.tokens), engine.info)
+    assert held > 0 and next(what for _, what in log if what.startswith("memory")) == f"memory {with_b}"
     # while b ran, one of a's requests was held by the engine: a token or two already under way, no more
     during = log[log.index(("b", "first")) : log.index(("b", "done"))]
     assert min(sum(1 for name, _ in during if name == f"a{i}") for i in range(2)) <= 3, during
