@@ -33,7 +33,7 @@ def batch_members(jobs: list[Job], *, max_batch: int, max_batch_tokens: int) -> 
     """
     if max_batch < 2:
         return []
-    ready = [job for job in jobs if not (job.cancelled or job.channel.paused or not job.decoding)]
+    ready = [job for job in jobs if not (job.cancelled or job.idle or not job.decoding)]
     for first in range(len(ready) - 1):
         members = _fill(ready[first:], max_batch, max_batch_tokens)
         if len(members) >= 2:

@@ -77,6 +77,7 @@ class TransformersEngine:
         self._grammars: Grammars | None = None  # set by start()
         self._adapter: ModelAdapter | None = None
         self._scheduler: Scheduler | None = None
+        self._jobs: dict[int, Job] = {}  # requests in flight, by id() of their EngineRequest (for hold)
         self._failure: str | None = None
         self._closing = False
         self.info: EngineInfo = None  # type: ignore[assignment]  # set by start()
@@ -166,6 +167,7 @@ class TransformersEngine:
         if request.spec.structured is not None and self._grammars is not None:
             job.constraint = await self._grammars.compile(request.spec.structured)
         scheduler.submit(job)
+        self._jobs[id(request)] = job
         try:
             while True:
                 event = await job.channel.receive()
@@ -173,7 +175,17 @@ class TransformersEngine:
                 if isinstance(event, Done):
                     return
         finally:
+            self._jobs.pop(id(request), None)
             scheduler.cancel(job)
+
+    def hold(self, request: EngineRequest, held: bool) -> bool:
+        """Preemption's mechanism (:class:`~prismgate.core.engine.Holdable`): hold ``request`` at its
+        next step boundary, its KV cache kept, or let it go on. Whether it is in flight here."""
+        job = self._jobs.get(id(request))
+        if job is None or self._scheduler is None:
+            return False
+        self._scheduler.hold(job, held)
+        return True
 
     def image_tokens(self, data: bytes, mime: str) -> int:
         assert self._adapter is not None

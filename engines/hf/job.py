@@ -39,10 +39,16 @@ class Job:
     gates: dict[GateKey, list[float]] = field(default_factory=dict)  # its gate readouts, one per cached position
     invariant: bool = True  # every key and value in `cache` was computed by the batch-invariant kernels
     ended: bool = False  # Done or an error went out: the scheduler drops the job
+    on_hold: bool = False  # preempted: skipped at every step boundary until let go, its cache kept
 
     @property
     def cancelled(self) -> bool:
         return self.channel.closed
+
+    @property
+    def idle(self) -> bool:
+        """Not to be stepped now: its consumer is behind, or the core holds it (preempted)."""
+        return self.on_hold or self.channel.paused
 
     @property
     def deterministic(self) -> bool:

@@ -8,7 +8,8 @@ while others wait (:mod:`~prismgate.engines.hf.pace`). Those whose next step
 is a plain decode step go together in one batched forward pass
 (:mod:`~prismgate.engines.hf.batched_decode`); the rest take their own step
 (:mod:`~prismgate.engines.hf.steps`). A request whose consumer is slow is skipped until it
-catches up (:mod:`~prismgate.engines.hf.bridge`); a cancelled one ends at its next turn. A
+catches up (:mod:`~prismgate.engines.hf.bridge`), and so is one the core holds (preempted:
+its KV cache stays, it goes on from the same step when let go); a cancelled one ends at its next turn. A
 failing step fails only the requests it was for: the worker keeps serving.
 """
 
@@ -88,6 +89,12 @@ class Scheduler:
                 job.channel.closed = True
                 self._cv.notify()
 
+    def hold(self, job: Job, held: bool) -> None:
+        """Hold ``job`` at its next step boundary (preempted: its cache stays), or let it go on."""
+        with self._cv:
+            job.on_hold = held
+            self._cv.notify()
+
     def release(self, session_key: str) -> None:
         with self._cv:
             self._released.append(session_key)
@@ -129,7 +136,7 @@ class Scheduler:
         while True:
             with self._cv:
                 while not (self._inbox or self._released or self._stopping) and not any(
-                    job.cancelled or not job.channel.paused for job in self._active
+                    job.cancelled or not job.idle for job in self._active
                 ):
                     if not self._active and self.trimmer.pending:
                         # idle: what the last requests' answers freed (built after they ended) goes back too
@@ -169,7 +176,7 @@ class Scheduler:
 
     def _paced(self) -> dict[int, int]:
         """This round's prefill chunks, by request order: who prefills, and how many tokens."""
-        waiting = [job for job in self._active if not (job.ended or job.cancelled or job.channel.paused)]
+        waiting = [job for job in self._active if not (job.ended or job.cancelled or job.idle)]
         prefills = [
             Prefill(job.order, job.next_prefill, job.prompt_len - job.next_prefill, job.prompt_outputs)
             for job in waiting
@@ -191,7 +198,7 @@ class Scheduler:
         if job.cancelled:
             self.stepper.end(job, FinishReason.CANCELLED)
             return False
-        if job.channel.paused:
+        if job.idle:
             return False
         return self._guarded([job], functools.partial(self.stepper.step, job, chunk))
 

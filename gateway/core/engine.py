@@ -162,3 +162,15 @@ class Engine(Protocol):
     def in_flight(self) -> int:
         """Requests the engine is still working on (cancelled ones count until they are gone)."""
         ...
+
+
+@runtime_checkable
+class Holdable(Protocol):
+    """An engine that can pause a request it is running: preemption's mechanism (the core decides whom).
+
+    ``hold(request, True)`` stops ``request`` (the object given to ``generate``) at its next step
+    boundary, its state (KV cache) kept; ``hold(request, False)`` lets it go on from there, producing
+    exactly what it would have produced unpaused. Returns whether the request is in flight here.
+    """
+
+    def hold(self, request: EngineRequest, held: bool) -> bool: ...

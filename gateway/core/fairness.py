@@ -6,8 +6,10 @@ ones; within a key, lowest priority value first, then first come. An idle key ba
 Generated tokens are charged as they stream, prompt tokens the engine ran beyond
 :data:`FREE_PROMPT_TOKENS` at :data:`PROMPT_TOKEN_COST` each (:func:`prompt_cost`), so a
 chat-sized prompt is free and long prompts are not. ``reserve`` slots are kept for keys with
-nothing running or queued, since nothing running is ever preempted. docs/keys.md, "A fair
-share", says why each rule and what it measured.
+nothing running or queued. Where the engine can pause a request, a key with nothing running
+takes a slot at once from the key holding the most slots per weight (preemption,
+:class:`~prismgate.core.pool.Admission`). docs/keys.md, "A fair share", says why each rule and
+what it measured.
 """
 
 from __future__ import annotations
@@ -61,12 +63,17 @@ class FairQueue:
         """Waiters still waiting."""
         return sum(1 for q in self._queues.values() for _, _, f in q if not f.done())
 
-    def push(self, share: Share, priority: int, future: asyncio.Future[None]) -> None:
+    def arrival(self) -> int:
+        """The next place in line (first come, first served within a priority)."""
+        return next(self._order)
+
+    def push(self, share: Share, priority: int, future: asyncio.Future[None], order: int | None = None) -> None:
+        """Queue ``future`` for a slot; ``order``: its place in line, when it already has one (a preempted request)."""
         queue = self._queues.get(share.key)
         if queue is None:  # the key starts waiting: it competes from now, with no banked credit
             queue = self._queues[share.key] = []
             self._served[share.key] = max(self._served.get(share.key, 0.0), self._virtual)
-        heapq.heappush(queue, (priority, next(self._order), future))
+        heapq.heappush(queue, (priority, self.arrival() if order is None else order, future))
 
     def may_start(self, share: Share, active: int, max_active: int) -> bool:
         """Whether a request of ``share`` may take a slot now, without queueing (``active`` slots held)."""
@@ -96,6 +103,10 @@ class FairQueue:
     def started(self, share: Share) -> None:
         """A request of ``share`` holds a slot."""
         self._running[share.key] = self._running.get(share.key, 0) + 1
+
+    def running(self, key: str) -> int:
+        """Slots held by ``key``."""
+        return self._running.get(key, 0)
 
     def finished(self, share: Share) -> None:
         """A request of ``share`` gave its slot back."""

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+import functools
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from prismgate.core import health
-from prismgate.core.engine import Engine, EngineRequest
+from prismgate.core.engine import Engine, EngineRequest, Holdable
 from prismgate.core.errors import Code, GatewayError, quote
 from prismgate.core.events import Done, Event, TokenEvent
 from prismgate.core.fairness import ANY, FairQueue, Share, prompt_cost
@@ -20,10 +22,33 @@ from prismgate.core.health import Health
 from prismgate.core.memory import MemoryBudget, request_bytes
 
 
+@dataclass(eq=False)
+class Ticket:
+    """One request's claim on a slot: whose it is, its place in line, and how to pause its work.
+
+    ``hold`` is set by whoever runs the request when its engine can pause it
+    (:class:`~prismgate.core.engine.Holdable`); without it the request is never preempted.
+    ``resumed`` is set while it is preempted: it resolves when a slot is back.
+    """
+
+    share: Share
+    priority: int
+    order: int
+    hold: Callable[[bool], bool] | None = None  # pause (True) or let go (False); whether it is in flight
+    resumed: asyncio.Future[None] | None = None
+
+
 class Admission:
     """At most ``max_active`` requests run; the rest wait: the next free slot goes to the key
     with the least tokens served per weight, and within a key to the lowest priority value
-    (:mod:`prismgate.core.fairness`; ``reserved`` of the slots are kept for keys with nothing running)."""
+    (:mod:`prismgate.core.fairness`; ``reserved`` of the slots are kept for keys with nothing running).
+
+    Preemption: when every slot is taken and a request comes from a key with nothing running or
+    paused, the running request of the key holding the most slots per weight (its least urgent,
+    then latest) is paused by its engine, its KV cache kept, and its slot passes to the newcomer.
+    The paused request queues again in its old place in line and goes on when a slot comes back;
+    its memory stays reserved throughout. The core decides whom; the engine only holds and lets go.
+    """
 
     def __init__(self, max_active: int, max_queued: int, reserved: int = 0) -> None:
         if max_active < 1:
@@ -34,14 +59,21 @@ class Admission:
         self.max_queued = max_queued
         self.active = 0
         self.fair = FairQueue(reserved)
+        self.preemptions = 0
+        self._holders: set[Ticket] = set()  # running or paused
+        self._paused: dict[str, int] = {}  # paused requests, by key
 
     @property
     def queued(self) -> int:
         return self.fair.waiting
 
     @contextlib.asynccontextmanager
-    async def slot(self, priority: int, share: Share = ANY) -> AsyncIterator[None]:
-        if not self.fair.may_start(share, self.active, self.max_active):
+    async def slot(self, priority: int, share: Share = ANY) -> AsyncIterator[Ticket]:
+        ticket = Ticket(share, priority, self.fair.arrival())
+        if self.fair.may_start(share, self.active, self.max_active):
+            self.active += 1
+            self.fair.started(share)
+        elif not self._preempt(ticket):
             if self.queued >= self.max_queued:
                 raise GatewayError(
                     Code.UNAVAILABLE,
@@ -49,20 +81,69 @@ class Admission:
                     f"{self.queued} waiting (limit {self.max_queued}); retry later",
                 )
             future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self.fair.push(share, priority, future)
+            self.fair.push(share, priority, future, ticket.order)
             try:
                 await future
             except BaseException:
                 if future.done() and not future.cancelled():
                     self._release(share)  # we were granted the slot but are leaving
                 raise
-        else:
-            self.active += 1
-            self.fair.started(share)
+        self._holders.add(ticket)
         try:
-            yield
+            yield ticket
         finally:
-            self._release(share)
+            self._holders.discard(ticket)
+            resumed = ticket.resumed
+            self._unpause(ticket)
+            if resumed is None or (resumed.done() and not resumed.cancelled()):
+                self._release(share)  # it holds a slot (a paused one that leaves holds none)
+            else:
+                resumed.cancel()
+
+    def _preempt(self, newcomer: Ticket) -> bool:
+        """Pause a running request for ``newcomer``, a request of a key with nothing running or
+        paused, and pass its slot on; whether one was paused."""
+        key = newcomer.share.key
+        if self.fair.running(key) or self._paused.get(key):
+            return False
+        running = [t for t in self._holders if t.hold is not None and t.resumed is None]
+        candidates = [t for t in running if t.priority >= newcomer.priority]  # never one more urgent
+        if not candidates:
+            return False
+        candidates.sort(
+            key=lambda t: (self.fair.running(t.share.key) / max(t.share.weight, 1e-6), t.priority, t.order),
+            reverse=True,
+        )
+        victim = next((t for t in candidates if t.hold is not None and t.hold(True)), None)
+        if victim is None:  # none is in flight in its engine any more
+            return False
+        self.preemptions += 1
+        self._paused[victim.share.key] = self._paused.get(victim.share.key, 0) + 1
+        victim.resumed = asyncio.get_running_loop().create_future()
+        victim.resumed.add_done_callback(lambda _: self._resume(victim))
+        self.fair.finished(victim.share)
+        self.fair.push(victim.share, victim.priority, victim.resumed, victim.order)
+        self.fair.started(newcomer.share)
+        return True
+
+    def _resume(self, ticket: Ticket) -> None:
+        """A paused request got a slot back: its engine lets it go on."""
+        resumed = ticket.resumed
+        if resumed is None or resumed.cancelled():
+            return
+        self._unpause(ticket)
+        if ticket.hold is not None:
+            ticket.hold(False)
+
+    def _unpause(self, ticket: Ticket) -> None:
+        if ticket.resumed is None:
+            return
+        ticket.resumed = None
+        left = self._paused.get(ticket.share.key, 0) - 1
+        if left > 0:
+            self._paused[ticket.share.key] = left
+        else:
+            self._paused.pop(ticket.share.key, None)
 
     def _release(self, share: Share) -> None:
         self.fair.finished(share)
@@ -225,8 +306,11 @@ class EnginePool:
         info = replicas.engines[0].info
         cost = request_bytes(request.spec, len(request.tokens), info) if info is not None else 0
         # bytes first: a request waiting for memory holds no slot a smaller one could use
-        async with self.memory.reserve(cost), self.admission.slot(request.spec.priority, share):
-            stream = replicas.pick(request).generate(request)  # picked once a slot is held: loads are current
+        async with self.memory.reserve(cost), self.admission.slot(request.spec.priority, share) as ticket:
+            engine = replicas.pick(request)  # picked once a slot is held: loads are current
+            stream = engine.generate(request)
+            if isinstance(engine, Holdable):  # preemptible: the engine can pause it, its memory stays reserved
+                ticket.hold = functools.partial(engine.hold, request)
             try:
                 async for event in stream:
                     if isinstance(event, TokenEvent) and not event.is_prefill:

@@ -175,3 +175,117 @@ def test_a_chat_sized_prompt_is_free_and_a_long_one_costs_an_eighth_per_token() 
     assert prompt_cost(0) == prompt_cost(35) == prompt_cost(FREE_PROMPT_TOKENS) == 0
     assert prompt_cost(FREE_PROMPT_TOKENS + 1) == 1  # rounded up
     assert prompt_cost(FREE_PROMPT_TOKENS + 8000) == 1000
+
+
+# -- preemption ------------------------------------------------------------------------------------
+
+
+class Holder:
+    """What an engine's hold does, seen from the core: whether each request is held now."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, bool] = {}
+
+    def hold(self, name: str, held: bool) -> bool:
+        self.held[name] = held
+        return True
+
+
+async def test_a_newcomer_key_takes_the_slot_of_the_key_holding_most_and_the_paused_one_goes_on_later() -> None:
+    adm = Admission(max_active=3, max_queued=100)
+    engine = Holder()
+    gates: dict[str, asyncio.Event] = {}
+    started: list[str] = []
+
+    async def job(name: str, share: Share) -> None:
+        gates[name] = asyncio.Event()
+        async with adm.slot(0, share) as ticket:
+            ticket.hold = lambda held: engine.hold(name, held)
+            started.append(name)
+            await gates[name].wait()
+
+    tasks = [asyncio.create_task(job(n, s)) for n, s in (("a0", A), ("a1", A), ("c0", Share("c")))]
+    await asyncio.sleep(0.01)
+    tasks.append(asyncio.create_task(job("a2", A)))  # a queues: a key already running preempts nobody
+    await asyncio.sleep(0.01)
+    assert started == ["a0", "a1", "c0"] and engine.held == {} and adm.queued == 1
+    tasks.append(asyncio.create_task(job("b0", B)))
+    await asyncio.sleep(0.01)
+    assert started[-1] == "b0" and adm.active == 3 and adm.preemptions == 1
+    assert engine.held == {"a1": True}  # a holds two slots, c one: a's latest is paused
+    tasks.append(asyncio.create_task(job("a3", A)))
+    tasks.append(asyncio.create_task(job("b1", B)))
+    await asyncio.sleep(0.01)
+    assert adm.preemptions == 1  # a has a request paused and b one running: neither is a newcomer
+    gates["b0"].set()
+    await asyncio.sleep(0.01)
+    assert engine.held == {"a1": False} and started[-1] == "b0"  # the paused one goes first, in its old place
+    for gate in gates.values():
+        gate.set()
+    await asyncio.gather(*tasks)
+    assert adm.active == 0 and adm.queued == 0 and adm.fair.running("a") == 0
+
+
+async def test_a_paused_request_that_leaves_holds_no_slot() -> None:
+    adm = Admission(max_active=1, max_queued=100)
+    engine = Holder()
+    gate = asyncio.Event()
+
+    async def job(name: str, share: Share) -> None:
+        async with adm.slot(0, share) as ticket:
+            ticket.hold = lambda held: engine.hold(name, held)
+            await gate.wait()
+
+    a = asyncio.create_task(job("a0", A))
+    await asyncio.sleep(0.01)
+    b = asyncio.create_task(job("b0", B))
+    await asyncio.sleep(0.01)
+    assert engine.held == {"a0": True} and adm.active == 1
+    a.cancel()  # a's client goes away while paused
+    await asyncio.sleep(0.01)
+    assert adm.active == 1 and adm.queued == 0
+    gate.set()
+    await b
+    assert adm.active == 0 and engine.held == {"a0": True}  # never let go: it is gone
+
+
+async def test_a_request_more_urgent_than_the_newcomer_is_never_preempted() -> None:
+    adm = Admission(max_active=1, max_queued=100)
+    engine = Holder()
+    gate = asyncio.Event()
+
+    async def job(name: str, share: Share, priority: int) -> None:
+        async with adm.slot(priority, share) as ticket:
+            ticket.hold = lambda held: engine.hold(name, held)
+            await gate.wait()
+
+    tasks = [asyncio.create_task(job("a0", A, 0))]
+    await asyncio.sleep(0.01)
+    tasks.append(asyncio.create_task(job("b0", B, 5)))  # a higher value: less urgent than a's
+    await asyncio.sleep(0.01)
+    assert engine.held == {} and adm.preemptions == 0 and adm.queued == 1
+    tasks.append(asyncio.create_task(job("c0", Share("c"), 0)))  # as urgent: a's is paused for it
+    await asyncio.sleep(0.01)
+    assert engine.held == {"a0": True} and adm.preemptions == 1
+    gate.set()
+    await asyncio.gather(*tasks)
+    assert adm.active == 0 and adm.queued == 0
+
+
+async def test_a_request_no_engine_can_pause_is_never_preempted() -> None:
+    adm = Admission(max_active=1, max_queued=100)
+    gate = asyncio.Event()
+    started: list[str] = []
+
+    async def job(name: str, share: Share) -> None:
+        async with adm.slot(0, share):
+            started.append(name)
+            await gate.wait()
+
+    tasks = [asyncio.create_task(job("a0", A))]
+    await asyncio.sleep(0.01)
+    tasks.append(asyncio.create_task(job("b0", B)))
+    await asyncio.sleep(0.01)
+    assert started == ["a0"] and adm.preemptions == 0
+    gate.set()
+    await asyncio.gather(*tasks)

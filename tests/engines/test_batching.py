@@ -174,9 +174,7 @@ def test_a_request_joins_a_batch_only_while_its_padding_is_small() -> None:
     from prismgate.engines.hf.batched_decode import batch_members, padding_allowance
 
     def job(tokens: int) -> Any:
-        return SimpleNamespace(
-            cancelled=False, channel=SimpleNamespace(paused=False), decoding=True, timeline=[0] * (tokens + 1)
-        )
+        return SimpleNamespace(cancelled=False, idle=False, decoding=True, timeline=[0] * (tokens + 1))
 
     long, shorts = job(3516), [job(n) for n in (40, 60, 200)]
     assert batch_members([long, *shorts], max_batch=8, max_batch_tokens=16384) == shorts

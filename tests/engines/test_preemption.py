@@ -1,0 +1,124 @@
+"""Preemption on the embedded engine: a newcomer key takes a running request's slot at once.
+
+With every slot held by key a, a request of key b gets its first token before any of a's
+requests ends; the a request paused for it goes on afterwards and ends with exactly the bits
+of a run that was never paused (greedy and deterministic), and its client sees no error.
+The order of events is asserted, never a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from prismgate.core.actions import GenerateSpec, PositionRange
+from prismgate.core.engine import EngineRequest
+from prismgate.core.events import Done, FinishReason, TokenEvent
+from prismgate.core.fairness import Share
+from prismgate.core.memory import request_bytes
+from prismgate.core.pool import EnginePool
+from prismgate.engines.hf import TransformersEngine
+from tests.engines.requests import chat
+from tests.engines.test_determinism import fingerprint
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+A, B = Share("a"), Share("b")
+LONG = 96  # a's generations: long enough that b arrives while both still run
+SHORT = 24  # b's: unpaused, a's two would have stepped this often beside it, round by round
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def pool(long_model_dir: Path, tiny_pack: Path) -> AsyncIterator[EnginePool]:
+    engine = TransformersEngine(
+        long_model_dir,
+        model_id="tiny-llama",
+        concept_pack=tiny_pack,
+        dtype="bfloat16",
+        threads=1,
+        max_batch=1,  # a greedy request's bits then depend on no neighbour: paused or not, they must match
+    )
+    pool = EnginePool([engine], max_active=2, reserved_slots=0)
+    await pool.start()
+    yield pool
+    await pool.close()
+
+
+def spec(deterministic: bool, max_tokens: int) -> GenerateSpec:
+    everything = (PositionRange(0, 10_000),)
+    return GenerateSpec(
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        deterministic=deterministic,
+        logprob_ranges=everything,
+        logprob_top_k=3,
+        readout_ranges=everything,
+    )
+
+
+async def consume(
+    pool: EnginePool, name: str, request: EngineRequest, share: Share, log: list[tuple[str, str]]
+) -> tuple[list[TokenEvent], Done]:
+    """Run ``request`` through the pool as ``share``, logging each generated token and its end."""
+    events: list[TokenEvent] = []
+    async for event in pool.generate(None, request, share):
+        if name == "b" and not events:
+            log.append((name, f"memory {pool.memory.used}"))  # what the budget counts while a's one is paused
+        if isinstance(event, Done):
+            log.append((name, "done"))
+            return events, event
+        if not event.is_prefill:
+            log.append((name, "token" if any(not e.is_prefill for e in events) else "first"))
+        events.append(event)
+    raise AssertionError("the stream ended without Done")
+
+
+def request(engine: Any, text: str, deterministic: bool, max_tokens: int) -> EngineRequest:
+    return EngineRequest(uuid.uuid4().hex, chat(engine, text), spec(deterministic, max_tokens))
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["greedy", "deterministic"])
+async def test_a_newcomer_key_preempts_and_the_paused_request_keeps_its_bits(
+    pool: EnginePool, deterministic: bool
+) -> None:
+    engine = pool.engine()
+    texts = ["Tell me a long story about rivers.", "List every colour you know."]
+    alone = [
+        await consume(pool, f"ref{i}", request(engine, t, deterministic, LONG), A, []) for i, t in enumerate(texts)
+    ]
+
+    log: list[tuple[str, str]] = []
+    before = pool.admission.preemptions
+    a = [
+        asyncio.create_task(consume(pool, f"a{i}", request(engine, t, deterministic, LONG), A, log))
+        for i, t in enumerate(texts)
+    ]
+    for _ in range(6000):  # both of a's requests hold a slot and are generating
+        if sum(1 for _, what in log if what == "first") == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert sorted(what for _, what in log if what != "token") == ["first", "first"], log
+    held = pool.memory.used  # a's two requests
+    newcomer = request(engine, "Hi.", deterministic, SHORT)
+    b = await asyncio.wait_for(consume(pool, "b", newcomer, B, log), 300)
+    done = await asyncio.wait_for(asyncio.gather(*a), 300)
+
+    assert log.index(("b", "first")) < min(log.index((f"a{i}", "done")) for i in range(2)), log
+    assert pool.admission.preemptions == before + 1
+    assert b[1].finish_reason is FinishReason.LENGTH and b[1].completion_tokens == SHORT
+    # the paused request's memory stays counted: b's first event came with all three reserved
+    with_b = held + request_bytes(newcomer.spec, len(newcomer.tokens), engine.info)
+    assert held > 0 and next(what for _, what in log if what.startswith("memory")) == f"memory {with_b}"
+    # while b ran, one of a's requests was held by the engine: a token or two already under way, no more
+    during = log[log.index(("b", "first")) : log.index(("b", "done"))]
+    assert min(sum(1 for name, _ in during if name == f"a{i}") for i in range(2)) <= 3, during
+    for (events, end), (ref_events, _) in zip(done, alone, strict=True):
+        assert end.finish_reason is FinishReason.LENGTH and end.completion_tokens == LONG  # a's clients saw no error
+        assert fingerprint(events) == fingerprint(ref_events)  # paused or not: the same ids, logprobs, readouts
+    assert pool.admission.active == 0 and pool.admission.queued == 0
