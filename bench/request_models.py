@@ -1,17 +1,13 @@
 """Per-request CPU to turn an OpenAI request body into the codec's validated request, three ways.
 
-``hand-written``: what the server does (``json_input.loads`` then ``parse_chat`` /
-``parse_completion``). ``msgspec``: a prototype of msgspec Structs for the type and shape layer
-(``msgspec.json.decode(body, type=...)``), the same range checks and cross-field rules in Python
-after it, the same codec objects out, and the unimplemented/unknown-field policy fed from a
-second, lazy decode of the top-level names (``dict[str, msgspec.Raw]``: a Struct drops unknown
-names). ``pydantic``: ``TypeAdapter.validate_json`` over the same shape as TypedDicts (decode
-and type layer only, no codec objects: a floor for it), when pydantic is installed. The floors
-(the budget's count and depth scan, which both ways keep; ``json.loads``; the Struct decode
-alone) show where the time goes.
-
-Each round times every variant on every shape, in alternating order; ratios are per round,
-to ``hand-written``, then medians and spread (lowest-highest) over rounds.
+``hand-written``: the server's ``json_input.loads`` then ``parse_chat`` / ``parse_completion``.
+``msgspec``: a prototype, msgspec Structs for types and shapes, then the same range checks and
+rules in Python, the same codec objects out, the field policy fed by a second, lazy decode of
+the top-level names (a Struct drops unknown ones); forms the shapes never reach (images, named
+``tool_choice``) are left out of it, which favours it slightly. ``pydantic``: a floor only,
+``TypeAdapter.validate_json`` over the same shapes as TypedDicts (when pydantic is installed).
+The other floors show where the time goes. Rounds alternate the order; ratios to
+``hand-written`` are per round, then medians and spread over rounds.
 """
 
 from __future__ import annotations
