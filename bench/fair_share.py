@@ -99,9 +99,9 @@ class Trace:
         push, pop, started = fair.push, fair.pop, fair.started
         popping = [False]
 
-        def traced_push(share: Any, priority: int, future: Any) -> None:
+        def traced_push(share: Any, priority: int, future: Any, order: int | None = None) -> None:
             self.events.append((time.perf_counter(), "push", share.key))
-            push(share, priority, future)
+            push(share, priority, future, order)
 
         def traced_pop(newcomers_only: bool = False) -> Any:
             popping[0] = True
