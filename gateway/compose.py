@@ -55,8 +55,6 @@ def sae_specs(settings: Settings, folder: Path, served_default: bool) -> tuple[t
         return ()
     items = [x.strip() for x in settings.instruments.sae.split(",") if x.strip()]
     labels = [x.strip() for x in (settings.instruments.sae_labels or "").split(",")]
-    if settings.instruments.sae_labels and len(labels) > len(items):
-        raise invalid(f"sae_labels names {len(labels)} files for {len(items)} SAEs in sae")
     folders: list[Path] = []
     for item in items:
         if item.lower() == "auto":

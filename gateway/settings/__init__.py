@@ -208,6 +208,11 @@ class Settings:
             raise ConfigError("vllm_readout_address", f"must be tcp://HOST:PORT, got {address!r}")
         if self.instruments.sae_labels and not self.instruments.sae:
             raise ConfigError("sae_labels", "names labels for the SAEs in sae: give sae too")
+        if self.instruments.sae and self.instruments.sae_labels:
+            saes = [x for x in self.instruments.sae.split(",") if x.strip()]
+            labels = self.instruments.sae_labels.split(",")
+            if len(labels) > len(saes):
+                raise ConfigError("sae_labels", f"names {len(labels)} files for {len(saes)} SAEs in sae")
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ConfigError("models", f"[[models]] names must be unique, got {', '.join(names)}")

@@ -37,9 +37,12 @@ def test_settings_mistakes_are_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="give sae too"):
         Settings.load({"sae_labels": "x.json"}, env={})
     assert Settings.load({"sae": "x", "engine": "vllm"}, env={}).instruments.sae == "x"  # both engines read SAEs
-    settings = Settings.load({"sae": "a", "sae_labels": "x.json,y.json"}, env={})
-    with pytest.raises(GatewayError, match="names 2 files for 1 SAEs"):
-        sae_specs(settings, tmp_path, served_default=False)
+    with pytest.raises(ConfigError, match=r"^sae_labels \(flag --sae-labels\): names 2 files for 1 SAEs in sae$"):
+        Settings.load({"sae": "a", "sae_labels": "x.json,y.json"}, env={})
+    config = tmp_path / "prismgate.toml"
+    config.write_text('[[models]]\nname = "m"\nsae = "a"\nsae_labels = "x.json,y.json"\n')
+    with pytest.raises(ConfigError, match=r"^sae_labels \(config file .*, \[\[models\]\] #1\): names 2 files"):
+        Settings.load(env={}, config_file=str(config))
 
 
 def test_auto_for_another_model_says_how_to_train_one(tmp_path: Path, tiny_model_dir: Path) -> None:
