@@ -200,7 +200,7 @@ def test_sigterm_lets_streams_finish_and_exits_0(tmp_path: Path, tiny_model_dir:
         assert any(logs.index(line) > shutting for line in finished), "no stream was still running at SIGTERM"
         assert all(line["finish_reason"] != "cancelled" for line in finished)
         assert logs[-1]["message"] == "stopped" and logs[-1]["cut_off"] == 0
-        assert not served.server.port_file.exists()
+        assert not served.port_file.exists()
 
 
 def test_sigterm_cuts_off_streams_past_the_grace_period(tmp_path: Path, tiny_model_dir: Path) -> None:
