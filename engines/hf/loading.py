@@ -91,7 +91,7 @@ def load(
         deterministic_off=deterministic_off,
         features=feature_manifest(encoders),
         kv_bytes_per_token=kv_bytes_per_token(config, model.dtype),
-        dtype=str(model.dtype).removeprefix("torch."),
+        dtype=choice.name if choice else "",
         dtype_reason=choice.reason if choice else "",
     )
     log.info("loaded %s on %s in %s (%s)", model_id, device, info.dtype, info.dtype_reason)
