@@ -37,8 +37,11 @@ def default_model_target() -> Path:
 
 
 def default_model_converted() -> bool:
-    target = default_model_target()
-    return (target / "config.json").exists() and (target / "model.safetensors").exists()
+    return _complete(default_model_target())
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "config.json").exists() and (folder / "model.safetensors").exists()
 
 
 def default_model_path() -> Path:
@@ -87,9 +90,15 @@ def _save_atomically(target: Path, model: Any, tokenizer: Any) -> None:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         _apply_umask(staging)
+        if _complete(target):
+            return  # another process converted it meanwhile (two replicas, two test tiers): theirs stays
         if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
+            shutil.rmtree(target)  # a folder some older writer left half-written
+        try:
+            staging.rename(target)
+        except OSError:
+            if not _complete(target):  # not a concurrent writer's finished folder: a real failure
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

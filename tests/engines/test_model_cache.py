@@ -67,3 +67,18 @@ def test_a_cache_converted_by_one_user_loads_as_another(tmp_path: Path) -> None:
         assert f"loaded llama as uid {OTHER_USER}" in result.stdout
         leftovers = [p.name for p in models.default_model_target().parent.iterdir() if p.name.startswith(".convert-")]
         assert leftovers == [], "the staging folder was left behind"
+
+
+def test_a_conversion_that_finishes_second_keeps_the_first_ones_folder(tmp_path: Path) -> None:
+    """Two processes converting at once (replicas, test tiers side by side): the one that finishes
+    second leaves the folder the first put in place, which others may already be reading."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = build_tiny_llama(tmp_path / "tiny")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(source), AutoTokenizer.from_pretrained(source)
+    target = tmp_path / "cache" / "models" / "converted"
+    models._save_atomically(target, model, tokenizer)
+    first = (target / "model.safetensors").stat().st_ino
+    models._save_atomically(target, model, tokenizer)
+    assert (target / "model.safetensors").stat().st_ino == first, "the first conversion's folder was replaced"
+    assert [p.name for p in target.parent.iterdir()] == ["converted"], "a staging folder was left behind"
