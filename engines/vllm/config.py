@@ -44,6 +44,7 @@ CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's own CPU knob (GiB): when set, it
 GIB = 1 << 30
 CPU_KV_CAP_BYTES = 4 * GIB  # the CPU default never takes more than this for the KV cache
 CPU_KV_MIN_BYTES = 64 << 20
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's own default; the settings' default is checked equal (tests/test_settings.py)
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class Options:
     model_id: str
     dtype: str = "auto"
     max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
     kv_cache_gb: float | None = None
     enforce_eager: bool = False
     concept_pack: Path | None = None

@@ -70,7 +70,7 @@ class VLLMEngine:
         concept_pack: str | Path | None = None,
         dtype: str = "auto",
         max_model_len: int | None = None,
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float = config.GPU_MEMORY_UTILIZATION,
         kv_cache_gb: float | None = None,
         enforce_eager: bool = False,
         block_size: int | None = None,
