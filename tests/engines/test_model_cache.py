@@ -49,8 +49,9 @@ def test_a_cache_converted_by_one_user_loads_as_another(tmp_path: Path) -> None:
         os.chmod(shared, 0o755)
         os.environ["PRISMGATE_CACHE_DIR"] = shared
         try:
+            target = models.default_model_target()  # under the shared cache, while the variable names it
             models._save_atomically(
-                models.default_model_target(),
+                target,
                 AutoModelForCausalLM.from_pretrained(source),
                 AutoTokenizer.from_pretrained(source),
             )
@@ -65,7 +66,7 @@ def test_a_cache_converted_by_one_user_loads_as_another(tmp_path: Path) -> None:
         )
         assert result.returncode == 0, result.stderr[-3000:]
         assert f"loaded llama as uid {OTHER_USER}" in result.stdout
-        leftovers = [p.name for p in models.default_model_target().parent.iterdir() if p.name.startswith(".convert-")]
+        leftovers = [p.name for p in target.parent.iterdir() if p.name.startswith(".convert-")]
         assert leftovers == [], "the staging folder was left behind"
 
 
