@@ -111,7 +111,8 @@ async def subject(request: pytest.FixtureRequest, tiny_model_dir: Path, tiny_pac
             DEFAULT_MODEL_ID,
             DEFAULT_PACKS / "smollm2-135m-instruct.safetensors",
         )
-    engine = TransformersEngine(model, model_id=model_id, concept_pack=pack, threads=1, dtype=s.dtype)
+    # on the CPU also where there is a GPU: there the transformers engine refuses deterministic requests
+    engine = TransformersEngine(model, model_id=model_id, concept_pack=pack, threads=1, dtype=s.dtype, device="cpu")
     await engine.start()
     assert engine.info.deterministic, engine.info.deterministic_off
     yield engine, s

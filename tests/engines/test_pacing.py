@@ -38,6 +38,7 @@ async def engine(long_model_dir: Path, tiny_pack: Path) -> AsyncIterator[Any]:
         threads=1,
         prefill_chunk=512,
         max_batch=1,  # every decode step is a pass of its own, in the log
+        device="cpu",  # also where there is a GPU: there the transformers engine refuses deterministic requests
     )
     await eng.start()
     assert eng.info.deterministic, eng.info.deterministic_off
