@@ -155,15 +155,16 @@ def greedy(max_tokens: int, *, logprobs_from: int | None = None, **kw: Any) -> G
 def hf_greedy(
     model: Any, processor: Any, tokens: list[int], images: list[ImageSpan], steps: int
 ) -> list[tuple[int, float]]:
-    """Greedy decoding with transformers' own Qwen2-VL path, recomputing the whole sequence each step."""
+    """Greedy decoding with transformers' own Qwen2-VL path, recomputing the whole sequence each step
+    (on the model's device: the engine's own model, on a GPU where there is one)."""
     from PIL import Image
 
-    pixels = processor(images=[Image.open(io.BytesIO(s.data)) for s in images], return_tensors="pt")
+    pixels = processor(images=[Image.open(io.BytesIO(s.data)) for s in images], return_tensors="pt").to(model.device)
     out: list[tuple[int, float]] = []
     seq = list(tokens)
     with torch.inference_mode():
         for _ in range(steps):
-            ids = torch.tensor([seq])
+            ids = torch.tensor([seq], device=model.device)
             kinds = torch.zeros_like(ids, dtype=torch.int32)
             for s in images:
                 kinds[0, s.start + 1 : s.end - 1] = 1
@@ -474,8 +475,8 @@ def test_readouts_for_an_image_session(
     from PIL import Image
 
     processor = vl(engine).images.processor
-    pixels = processor(images=[Image.open(io.BytesIO(data))], return_tensors="pt")
-    ids = torch.tensor([prompt.tokens])
+    pixels = processor(images=[Image.open(io.BytesIO(data))], return_tensors="pt").to(reference.device)
+    ids = torch.tensor([prompt.tokens], device=reference.device)
     with torch.inference_mode():
         out = reference(
             input_ids=ids,
@@ -485,7 +486,7 @@ def test_readouts_for_an_image_session(
             output_hidden_states=True,
         )
     directions = ConceptPack.load(pack_path).directions
-    want = out.hidden_states[1][0].float().numpy() @ directions[0].T
+    want = out.hidden_states[1][0].float().cpu().numpy() @ directions[0].T
     np.testing.assert_allclose(got[:, 0, :], want, atol=1e-4)
     # the readouts of the next turn's reused prefix equal those computed the first time
     length = len(loop.run_until_complete(service.session(session.id)))
