@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,20 @@ async def test_a_refused_or_slow_compile_is_an_invalid_argument(tokenizer: Any) 
         await slow.compile(json_schema({"type": "object", "properties": {"b": {"type": "integer"}}}))
     g.close()
     slow.close()
+
+
+@pytest.mark.asyncio
+async def test_a_compile_that_ends_late_while_the_loop_is_busy_is_still_refused(tokenizer: Any) -> None:
+    """The compile ends in its thread while the loop is blocked past the limit: when the loop wakes,
+    the compile's result is ready before the timer, and it must not slip through (a busy machine)."""
+    import time
+
+    g = grammars(tokenizer, timeout_s=0.2)
+    await g.compile(Structured(Kind.REGEX, "[a-z]+"))  # builds the tokenizer: the next compile is quick
+    asyncio.get_running_loop().call_soon(time.sleep, 0.5)  # the loop stalls right after the compile starts
+    with pytest.raises(GrammarRefused, match="grammar_compile_timeout_s"):
+        await g.compile(Structured(Kind.REGEX, "[0-9]+"))
+    g.close()
 
 
 @pytest.mark.asyncio
