@@ -136,6 +136,18 @@ def _serving_engine(
     )
 
 
+def build_pool(settings: Settings, engines: list[Engine]) -> EnginePool:
+    """The pool of ``engines`` under the admission settings (slots, queue, reserve, preemption, memory)."""
+    return EnginePool(
+        engines,
+        max_active=settings.admission.max_active,
+        max_queued=settings.admission.max_queued,
+        reserved_slots=settings.admission.reserved_slots,
+        preemption=settings.admission.preemption,
+        memory_budget_bytes=settings.admission.memory_budget_bytes,
+    )
+
+
 def build_service(settings: Settings, engine: Engine | None = None) -> SessionService:
     """A service whose pool is not started yet: call ``await service.pool.start()``.
 
@@ -145,15 +157,8 @@ def build_service(settings: Settings, engine: Engine | None = None) -> SessionSe
         engines = [engine]
     else:
         engines = [build_engine(served) for served in settings.served() for _ in range(served.transformers.replicas)]
-    pool = EnginePool(
-        engines,
-        max_active=settings.admission.max_active,
-        max_queued=settings.admission.max_queued,
-        reserved_slots=settings.admission.reserved_slots,
-        memory_budget_bytes=settings.admission.memory_budget_bytes,
-    )
     return SessionService(
-        pool,
+        build_pool(settings, engines),
         build_store(settings),
         build_budget(settings),
         build_quota(settings),

@@ -29,7 +29,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.gc_collector import GCCollector
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
@@ -260,6 +260,11 @@ class _ServiceCollector(Collector):
         )
         yield GaugeMetricFamily(
             "prismgate_engine_max_active", "Engine slots (settings.max_active).", value=admission.max_active
+        )
+        yield CounterMetricFamily(
+            "prismgate_engine_preemptions",
+            "Running generations paused to give their slot to a key with nothing running (settings.preemption).",
+            value=admission.preemptions,
         )
         ready = GaugeMetricFamily("prismgate_model_ready", "1 when the model can take requests.", labels=["model"])
         for model, health in self._service.models.health().items():

@@ -50,7 +50,7 @@ class Admission:
     its memory stays reserved throughout. The core decides whom; the engine only holds and lets go.
     """
 
-    def __init__(self, max_active: int, max_queued: int, reserved: int = 0) -> None:
+    def __init__(self, max_active: int, max_queued: int, reserved: int = 0, preemption: bool = True) -> None:
         if max_active < 1:
             raise ValueError("max_active must be >= 1")
         if not 0 <= reserved < max_active:
@@ -59,7 +59,8 @@ class Admission:
         self.max_queued = max_queued
         self.active = 0
         self.fair = FairQueue(reserved)
-        self.preemptions = 0
+        self.preemption = preemption
+        self.preemptions = 0  # requests paused so far
         self._holders: set[Ticket] = set()  # running or paused
         self._paused: dict[str, int] = {}  # paused requests, by key
 
@@ -104,7 +105,7 @@ class Admission:
         """Pause a running request for ``newcomer``, a request of a key with nothing running or
         paused, and pass its slot on; whether one was paused."""
         key = newcomer.share.key
-        if self.fair.running(key) or self._paused.get(key):
+        if not self.preemption or self.fair.running(key) or self._paused.get(key):
             return False
         running = [t for t in self._holders if t.hold is not None and t.resumed is None]
         candidates = [t for t in running if t.priority >= newcomer.priority]  # never one more urgent
@@ -232,6 +233,7 @@ class EnginePool:
         max_active: int = 64,
         max_queued: int = 1024,
         reserved_slots: int = 0,
+        preemption: bool = True,
         memory_budget_bytes: int = 0,
     ) -> None:
         if not engines:
@@ -242,7 +244,7 @@ class EnginePool:
         self._models = {model: Replicas(copies) for model, copies in grouped.items()}
         self._all = list(engines)
         self.default_model = engines[0].model_id
-        self.admission = Admission(max_active, max_queued, reserved_slots)
+        self.admission = Admission(max_active, max_queued, reserved_slots, preemption)
         self.memory = MemoryBudget(memory_budget_bytes, max_waiting=max_queued)  # 0: sized to the machine
         self._stopping = False
 

@@ -146,6 +146,13 @@ class Admission(Group):
         "Of max_active, slots kept for keys with no generation running, so that a key starts at once while "
         "another fills the pool (docs/keys.md); they stay idle while one key has the pool to itself.",
     )
+    preemption: bool = setting(
+        True,
+        "When every slot is taken and a key with nothing running asks, pause the running generation of the key "
+        "holding the most slots per weight (its KV cache kept, its memory still reserved) and give its slot to "
+        "the newcomer; the paused one goes on, with the same tokens, when a slot is back (docs/keys.md). "
+        "false: a newcomer waits for a slot to end.",
+    )
     memory_budget_bytes: NonNegative = setting(
         0,
         "Memory all running generations together may hold: the keys and values of their prompt and max_tokens "

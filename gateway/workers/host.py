@@ -34,11 +34,10 @@ from typing import Any
 
 import msgspec
 
-from prismgate.compose import build_engine, build_quota, build_store
+from prismgate.compose import build_engine, build_pool, build_quota, build_store
 from prismgate.core.engine import Engine, EngineInfo
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import TokenEvent
-from prismgate.core.pool import EnginePool
 from prismgate.core.principal import Principal
 from prismgate.core.quota import Quota
 from prismgate.core.session import Session
@@ -101,13 +100,7 @@ class EngineHost:
         self.settings = settings
         self.path = path
         built = (engines or served_engines)(settings)
-        self.pool = EnginePool(
-            built,
-            max_active=settings.admission.max_active,
-            max_queued=settings.admission.max_queued,
-            reserved_slots=settings.admission.reserved_slots,
-            memory_budget_bytes=settings.admission.memory_budget_bytes,
-        )
+        self.pool = build_pool(settings, built)
         self.store: SessionStore | None = None
         self.quota: Quota | None = None
         if settings.sessions.store == "memory":
@@ -187,6 +180,7 @@ class EngineHost:
             active=admission.active,
             queued=admission.queued,
             max_active=admission.max_active,
+            preemptions=admission.preemptions,
             sessions=len(self.store) if self.store is not None else 0,
             session_tokens=self.store.total_tokens if self.store is not None else 0,
             frontends=sum(peer.ready for peer in self.peers),

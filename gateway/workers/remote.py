@@ -338,6 +338,15 @@ class _HostAdmission(Admission):
     def max_active(self, value: int) -> None:
         pass
 
+    @property
+    def preemptions(self) -> int:
+        status = self._now()
+        return status.preemptions if status is not None else 0
+
+    @preemptions.setter
+    def preemptions(self, value: int) -> None:
+        pass
+
 
 class RemotePool(EnginePool):
     """The pool a front-end's service sees: every generation goes to the host's pool, with its share.

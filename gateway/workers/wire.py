@@ -78,6 +78,7 @@ class Status(msgspec.Struct, frozen=True):
     active: int = 0
     queued: int = 0
     max_active: int = 0
+    preemptions: int = 0
     sessions: int = 0
     session_tokens: int = 0
     frontends: int = 0

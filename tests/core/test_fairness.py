@@ -289,3 +289,25 @@ async def test_a_request_no_engine_can_pause_is_never_preempted() -> None:
     assert started == ["a0"] and adm.preemptions == 0
     gate.set()
     await asyncio.gather(*tasks)
+
+
+async def test_with_preemption_off_a_newcomer_waits_for_a_slot_to_end() -> None:
+    adm = Admission(max_active=1, max_queued=100, preemption=False)
+    engine = Holder()
+    gate = asyncio.Event()
+    started: list[str] = []
+
+    async def job(name: str, share: Share) -> None:
+        async with adm.slot(0, share) as ticket:
+            ticket.hold = lambda held: engine.hold(name, held)
+            started.append(name)
+            await gate.wait()
+
+    tasks = [asyncio.create_task(job("a0", A))]
+    await asyncio.sleep(0.01)
+    tasks.append(asyncio.create_task(job("b0", B)))  # with preemption on, a0 would be paused here
+    await asyncio.sleep(0.01)
+    assert started == ["a0"] and engine.held == {} and adm.preemptions == 0 and adm.queued == 1
+    gate.set()
+    await asyncio.gather(*tasks)
+    assert started == ["a0", "b0"]

@@ -148,6 +148,16 @@ def test_readiness_waits_for_every_front_end() -> None:
     assert pool.health().state is health.HealthState.FAILED
 
 
+def test_a_front_end_mirrors_the_hosts_admission_counts() -> None:
+    link = HostLink("/nonexistent", workers=2)
+    link.models = [TINY_MODEL_ID]
+    pool = RemotePool(link)
+    assert (pool.admission.active, pool.admission.queued, pool.admission.preemptions) == (0, 0, 0)
+    link.status = Status(health={}, in_flight={}, active=4, queued=2, max_active=8, preemptions=3)
+    assert (pool.admission.active, pool.admission.queued, pool.admission.max_active) == (4, 2, 8)
+    assert pool.admission.preemptions == 3  # what /metrics exports as prismgate_engine_preemptions_total
+
+
 def test_a_port_another_program_holds_fails_the_start(tmp_path: Path, tiny_model_dir: Path) -> None:
     for flag in ("--grpc-port", "--http-port"):
         with socket.socket() as taken:
