@@ -7,7 +7,7 @@ Generated tokens are charged as they stream, prompt tokens the engine ran beyond
 :data:`FREE_PROMPT_TOKENS` at :data:`PROMPT_TOKEN_COST` each (:func:`prompt_cost`), so a
 chat-sized prompt is free and long prompts are not. ``reserve`` slots are kept for keys with
 nothing running or queued. Where the engine can pause a request, a key with nothing running
-takes a slot at once from the key holding the most slots per weight (preemption,
+(or far below its share) takes a slot at once from the key holding the most slots per weight (preemption,
 :class:`~prismgate.core.pool.Admission`). docs/keys.md, "A fair share", says why each rule and
 what it measured.
 """

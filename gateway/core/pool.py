@@ -22,6 +22,10 @@ from prismgate.core.health import Health
 from prismgate.core.memory import MemoryBudget, request_bytes
 
 
+def _weight(share: Share) -> float:
+    return max(share.weight, 1e-6)
+
+
 @dataclass(eq=False)
 class Ticket:
     """One request's claim on a slot: whose it is, its place in line, and how to pause its work.
@@ -43,9 +47,10 @@ class Admission:
     with the least tokens served per weight, and within a key to the lowest priority value
     (:mod:`prismgate.core.fairness`; ``reserved`` of the slots are kept for keys with nothing running).
 
-    Preemption: when every slot is taken and a request comes from a key with nothing running or
-    paused, the running request of the key holding the most slots per weight (its least urgent,
-    then latest) is paused by its engine, its KV cache kept, and its slot passes to the newcomer.
+    Preemption: when every slot is taken and a request comes from a key with nothing paused and
+    nothing running (or far below its share: :meth:`_preempt`), the running request of the key
+    holding the most slots per weight (its least urgent, then latest) is paused by its engine,
+    its KV cache kept, and its slot passes to the newcomer.
     The paused request queues again in its old place in line and goes on when a slot comes back;
     its memory stays reserved throughout. The core decides whom; the engine only holds and lets go.
     """
@@ -102,17 +107,27 @@ class Admission:
                 resumed.cancel()
 
     def _preempt(self, newcomer: Ticket) -> bool:
-        """Pause a running request for ``newcomer``, a request of a key with nothing running or
-        paused, and pass its slot on; whether one was paused."""
+        """Pause a running request for ``newcomer`` and pass its slot on; whether one was paused.
+
+        ``newcomer``'s key must have nothing paused, and either nothing running or so few slots
+        that it still holds no more per weight than the paused request's key after the swap (far
+        below its share): so two keys never take a slot back and forth.
+        """
         key = newcomer.share.key
-        if not self.preemption or self.fair.running(key) or self._paused.get(key):
+        if not self.preemption or self._paused.get(key):
             return False
-        running = [t for t in self._holders if t.hold is not None and t.resumed is None]
-        candidates = [t for t in running if t.priority >= newcomer.priority]  # never one more urgent
+        after = (self.fair.running(key) + 1) / _weight(newcomer.share)
+
+        def may_pause(t: Ticket) -> bool:
+            if t.hold is None or t.resumed is not None or t.priority < newcomer.priority:  # never one more urgent
+                return False
+            return not self.fair.running(key) or (self.fair.running(t.share.key) - 1) / _weight(t.share) >= after
+
+        candidates = [t for t in self._holders if may_pause(t)]
         if not candidates:
             return False
         candidates.sort(
-            key=lambda t: (self.fair.running(t.share.key) / max(t.share.weight, 1e-6), t.priority, t.order),
+            key=lambda t: (self.fair.running(t.share.key) / _weight(t.share), t.priority, t.order),
             reverse=True,
         )
         victim = next((t for t in candidates if t.hold is not None and t.hold(True)), None)

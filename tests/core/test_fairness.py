@@ -311,3 +311,55 @@ async def test_with_preemption_off_a_newcomer_waits_for_a_slot_to_end() -> None:
     gate.set()
     await asyncio.gather(*tasks)
     assert started == ["a0", "b0"]
+
+
+async def test_a_key_far_below_its_share_preempts_until_the_shares_are_level_and_never_back() -> None:
+    adm = Admission(max_active=4, max_queued=100)
+    engine = Holder()
+    gate = asyncio.Event()
+    started: list[str] = []
+
+    async def job(name: str, share: Share) -> None:
+        async with adm.slot(0, share) as ticket:
+            ticket.hold = lambda held: engine.hold(name, held)
+            started.append(name)
+            await gate.wait()
+
+    tasks = [asyncio.create_task(job(n, A)) for n in ("a0", "a1", "a2")]
+    await asyncio.sleep(0.01)
+    tasks.append(asyncio.create_task(job("b0", B)))  # the last free slot
+    await asyncio.sleep(0.01)
+    tasks.append(asyncio.create_task(job("b1", B)))  # b holds 1, a 3: after the swap 2 and 2
+    await asyncio.sleep(0.01)
+    assert started[-1] == "b1" and adm.preemptions == 1 and engine.held == {"a2": True}
+    tasks.append(asyncio.create_task(job("b2", B)))  # 3 against 1 after a swap: b would be over its share
+    tasks.append(asyncio.create_task(job("a3", A)))  # a has a request paused: it takes nothing back
+    await asyncio.sleep(0.01)
+    assert adm.preemptions == 1 and adm.queued == 3 and started[-1] == "b1"
+    gate.set()
+    await asyncio.gather(*tasks)
+    assert adm.active == 0 and adm.queued == 0
+
+
+async def test_far_below_a_share_counts_slots_per_weight() -> None:
+    adm = Admission(max_active=4, max_queued=100)
+    engine = Holder()
+    gate = asyncio.Event()
+    heavy = Share("heavy", weight=3.0)
+
+    async def job(name: str, share: Share) -> None:
+        async with adm.slot(0, share) as ticket:
+            ticket.hold = lambda held: engine.hold(name, held)
+            await gate.wait()
+
+    tasks = [asyncio.create_task(job(n, A)) for n in ("a0", "a1")]
+    tasks += [asyncio.create_task(job(n, heavy)) for n in ("h0", "h1")]
+    await asyncio.sleep(0.01)
+    tasks.append(asyncio.create_task(job("a2", A)))  # a holds 2 per weight, heavy 2/3: a is over its share
+    await asyncio.sleep(0.01)
+    assert adm.preemptions == 0 and adm.queued == 1
+    tasks.append(asyncio.create_task(job("h2", heavy)))  # heavy after the swap: 3/3 = 1 <= (2 - 1)/1 for a
+    await asyncio.sleep(0.01)
+    assert adm.preemptions == 1 and engine.held == {"a1": True}
+    gate.set()
+    await asyncio.gather(*tasks)
