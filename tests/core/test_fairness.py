@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any
 
 import pytest
 
@@ -291,17 +293,24 @@ async def test_a_request_no_engine_can_pause_is_never_preempted() -> None:
     await asyncio.gather(*tasks)
 
 
+async def pausable(
+    adm: Admission, engine: Holder, name: str, share: Share, gate: asyncio.Event, started: list[str]
+) -> None:
+    """A request whose engine can pause it: holds its slot until ``gate`` is set."""
+    async with adm.slot(0, share) as ticket:
+        ticket.hold = lambda held: engine.hold(name, held)
+        started.append(name)
+        await gate.wait()
+
+
 async def test_with_preemption_off_a_newcomer_waits_for_a_slot_to_end() -> None:
     adm = Admission(max_active=1, max_queued=100, preemption=False)
     engine = Holder()
     gate = asyncio.Event()
     started: list[str] = []
 
-    async def job(name: str, share: Share) -> None:
-        async with adm.slot(0, share) as ticket:
-            ticket.hold = lambda held: engine.hold(name, held)
-            started.append(name)
-            await gate.wait()
+    def job(name: str, share: Share) -> Coroutine[Any, Any, None]:
+        return pausable(adm, engine, name, share, gate, started)
 
     tasks = [asyncio.create_task(job("a0", A))]
     await asyncio.sleep(0.01)
@@ -319,11 +328,8 @@ async def test_a_key_far_below_its_share_preempts_until_the_shares_are_level_and
     gate = asyncio.Event()
     started: list[str] = []
 
-    async def job(name: str, share: Share) -> None:
-        async with adm.slot(0, share) as ticket:
-            ticket.hold = lambda held: engine.hold(name, held)
-            started.append(name)
-            await gate.wait()
+    def job(name: str, share: Share) -> Coroutine[Any, Any, None]:
+        return pausable(adm, engine, name, share, gate, started)
 
     tasks = [asyncio.create_task(job(n, A)) for n in ("a0", "a1", "a2")]
     await asyncio.sleep(0.01)
@@ -345,12 +351,11 @@ async def test_far_below_a_share_counts_slots_per_weight() -> None:
     adm = Admission(max_active=4, max_queued=100)
     engine = Holder()
     gate = asyncio.Event()
+    started: list[str] = []
     heavy = Share("heavy", weight=3.0)
 
-    async def job(name: str, share: Share) -> None:
-        async with adm.slot(0, share) as ticket:
-            ticket.hold = lambda held: engine.hold(name, held)
-            await gate.wait()
+    def job(name: str, share: Share) -> Coroutine[Any, Any, None]:
+        return pausable(adm, engine, name, share, gate, started)
 
     tasks = [asyncio.create_task(job(n, A)) for n in ("a0", "a1")]
     tasks += [asyncio.create_task(job(n, heavy)) for n in ("h0", "h1")]
