@@ -7,7 +7,6 @@ from pathlib import Path
 
 from prismgate.core.budget import RequestBudget
 from prismgate.core.engine import Engine
-from prismgate.core.errors import invalid
 from prismgate.core.pool import EnginePool
 from prismgate.core.quota import LocalQuota, Quota
 from prismgate.core.service import SessionService
@@ -63,11 +62,6 @@ def sae_specs(settings: Settings, folder: Path, served_default: bool) -> tuple[t
             folders += auto_saes(settings.instruments.sae_cache, folder, served_default, settings.engine.dtype)
         else:
             folders.append(Path(item).expanduser())
-    if settings.instruments.sae_labels and len(folders) != len(items):
-        raise invalid(
-            "sae_labels cannot be matched to sae = 'auto' (it may load several layers): "
-            "put labels.json files in the SAE folders"
-        )
     return tuple(
         (f, Path(labels[i]).expanduser() if i < len(labels) and labels[i] else None) for i, f in enumerate(folders)
     )

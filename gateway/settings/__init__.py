@@ -213,6 +213,12 @@ class Settings:
             labels = self.instruments.sae_labels.split(",")
             if len(labels) > len(saes):
                 raise ConfigError("sae_labels", f"names {len(labels)} files for {len(saes)} SAEs in sae")
+            if any(x.strip().lower() == "auto" for x in saes):
+                raise ConfigError(
+                    "sae_labels",
+                    "cannot be matched to sae = 'auto' (it may load several layers): put labels.json files in the "
+                    "SAE folders",
+                )
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ConfigError("models", f"[[models]] names must be unique, got {', '.join(names)}")

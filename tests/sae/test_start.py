@@ -39,6 +39,8 @@ def test_settings_mistakes_are_named(tmp_path: Path) -> None:
     assert Settings.load({"sae": "x", "engine": "vllm"}, env={}).instruments.sae == "x"  # both engines read SAEs
     with pytest.raises(ConfigError, match=r"^sae_labels \(flag --sae-labels\): names 2 files for 1 SAEs in sae$"):
         Settings.load({"sae": "a", "sae_labels": "x.json,y.json"}, env={})
+    with pytest.raises(ConfigError, match=r"^sae_labels \(flag --sae-labels\): cannot be matched to sae = 'auto'"):
+        Settings.load({"sae": "auto", "sae_labels": "x.json"}, env={})
     config = tmp_path / "prismgate.toml"
     config.write_text('[[models]]\nname = "m"\nsae = "a"\nsae_labels = "x.json,y.json"\n')
     with pytest.raises(ConfigError, match=r"^sae_labels \(config file .*, \[\[models\]\] #1\): names 2 files"):
