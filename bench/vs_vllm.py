@@ -573,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from prismgate.compose import DEFAULT_PACK
     from prismgate.engines.models import default_model_path
-    from prismgate.engines.sae.auto import SHIPPED, sae_folders
+    from prismgate.instruments.sae.auto import SHIPPED, sae_folders
 
     model = Path(args.model) if args.model else default_model_path()
     pack = Path(args.concept_pack) if args.concept_pack else (None if args.model else DEFAULT_PACK)
