@@ -1,32 +1,10 @@
 """Connection limits below ASGI: how long a request head may take, how big it may be, how many per client.
 
-A request that never finishes its headers never reaches an ASGI app, so these limits
-live in uvicorn's HTTP protocol (a subclass of its httptools protocol, handed to
-``uvicorn.Config(http=...)``), with nginx's defaults in mind:
-
-* ``http_header_timeout_s`` (nginx ``client_header_timeout``, 60 s): from the connection
-  opening, or a keep-alive request's first byte, to the end of its headers; past it the
-  client gets ``408`` and the connection closes;
-* ``http_max_header_bytes`` (nginx ``large_client_header_buffers``, 4 x 8 KiB): the request
-  line and headers together; past it ``431``;
-* ``http_send_timeout_s`` (nginx ``send_timeout``, 60 s): how long the connection's writes may
-  stay blocked by a client that takes nothing; past it the connection is closed (the handler
-  then sees a disconnect), so a client that stopped reading cannot hold a socket for ever;
-* ``max_connections_per_client``: open connections from one address; past it ``503`` and
-  the new connection closes. (nginx has no default here; one address must not be able
-  to take every file descriptor.) Once a connection becomes a WebSocket the protocol
-  hands it over to :class:`WebSocketCap`, which counts it for as long as it is open.
-
-Refused connections get a lingering close, as from nginx: the answer, then FIN, and the
-socket closes once the client closes or after ``LINGER_S``, so that the client can read
-why before the connection goes.
-
-Each refusal is counted in ``prismgate_request_errors_total`` under the protocol label
-``http`` (the path is unknown at that point).
-
-The hooks are uvicorn internals: pyproject.toml bounds uvicorn to the releases that
-tests/reliability/test_connection_hooks.py passed on, and that test fails if a hook is
-renamed or no longer called.
+A request that never finishes its headers never reaches an ASGI app, so these limits live in
+uvicorn's HTTP protocol (a subclass of its httptools protocol, handed to
+``uvicorn.Config(http=...)``), with nginx's defaults in mind. What each limit does, the lingering
+close of a refused connection, and how the uvicorn hooks are kept honest: docs/architecture.md,
+"Connection limits below ASGI".
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """``prismgate serve --workers N``: one engine host and N front-end processes, started and stopped in order.
 
-The supervisor (the process the user started) does no serving itself:
-
-1. it binds the HTTP port once (the same exclusive bind as one process: a port another
-   program holds fails the start with the same one-line error), and holds the gRPC port
-   with a socket that allows SO_REUSEPORT only to sockets of this user that ask for it, so
-   a port already taken fails clearly here and another program cannot slip in later;
-2. it starts the engine host (:mod:`prismgate.workers.host`) on a Unix socket in a fresh
-   0700 directory, then N front-ends (:func:`frontend_main`), each a whole gateway
-   (codecs, edge, observer, drain) that inherits the HTTP listener (the kernel hands each
-   new connection to one of them) and binds gRPC with SO_REUSEPORT;
-3. it writes the port file (its own pid) once every front-end serves both ports; ``/readyz`` on
-   any front-end turns ready only when the host's models are loaded and all N front-ends
-   are connected to it;
-4. on SIGTERM or SIGINT it passes SIGTERM to every front-end, each drains as one process
-   does (docs/operations.md: Shutdown), and once all have exited it stops the host; a second
-   signal is passed on too (cut what still runs). Exit status 0 when every process stopped
-   cleanly. SIGHUP is passed to every front-end (each reads the keys file again).
-
-A front-end or the host that dies on its own is not restarted: the supervisor stops the
-rest (the same drain) and exits 1, so that the process manager that started it (systemd,
-Kubernetes) restarts the whole server with a fresh engine rather than running short.
-
-Metrics: the front-ends write prometheus_client's multiprocess files into a directory the
-supervisor makes (``PROMETHEUS_MULTIPROC_DIR``); ``/metrics`` on any of them reads them
-all (:mod:`prismgate.metrics`).
+The supervisor (the process the user started) serves nothing itself: it binds the ports once,
+starts the engine host and the front-ends (which inherit the HTTP listener and join the gRPC
+port), writes the port file once all serve, passes signals on, and stops everything (exit 1)
+when a process dies on its own rather than restarting it. The whole design, port binding,
+readiness, shutdown and metrics: docs/architecture.md, "Several front-end processes".
 """
 
 from __future__ import annotations
