@@ -1,27 +1,11 @@
 """Named API keys: a TOML file of key hashes, reloaded while the server runs.
 
-The file (setting ``keys_file``) holds one table per key, never the key itself::
-
-    [keys.alice]
-    sha256 = "9f86d0..."          # hex SHA-256 of the key
-    models = ["SmolLM2-135M-Instruct"]   # optional; absent: every served model
-    steer = true                  # optional permissions, each true unless set false
-    readouts = true
-    logprobs = true
-    playground = true
-    admin = false                 # may list and close every key's sessions
-    max_concurrent = 4            # optional limits; 0 or absent: none
-    tokens_per_minute = 20000
-    weight = 1.0                  # its share of a saturated pool
-
-Keys are high-entropy random strings (``prismgate keys add`` makes them), so a plain
-SHA-256 is enough to store them: nothing short of the key itself hashes to its entry.
-A presented key is hashed and compared with every entry in constant time.
-
-The file is read again on SIGHUP and whenever its modification time changes (checked at
-most once a second, on the next request): a key added or removed takes effect without a
-restart. A file that no longer parses keeps the keys already loaded and logs why.
-``auth_token`` stays as the one-key shortcut: the key named ``default`` with the admin scope.
+The file (setting ``keys_file``) holds one table per key (its SHA-256, models, permissions,
+limits and weight), never the key itself. A presented key is hashed and compared with every
+entry in constant time. The file is read again on SIGHUP and when its modification time
+changes; one that no longer parses keeps the keys already loaded. ``auth_token`` stays as the
+one-key shortcut: the key named ``default`` with the admin scope. The file's format, and why a
+plain SHA-256: docs/keys.md.
 """
 
 from __future__ import annotations

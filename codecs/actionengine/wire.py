@@ -1,28 +1,11 @@
 """ActionEngine's wire: one ``WireMessage`` per binary WebSocket frame, in cppack's positional msgpack layout.
 
-cppack (the C++ serializer of google-deepmind/actionengine) writes a struct as a msgpack
-``bin`` holding its fields' values one after another; a list is a msgpack array of such
-``bin``s. So a frame is a ``bin`` whose bytes are::
-
-    WireMessage   = [NodeFragment...] [ActionMessage...] (headers)
-    NodeFragment  = variant:uint8 (0 chunk, 1 node ref)  bin(Chunk | NodeRef)  continued:bool  id:str  seq:int32|nil
-    Chunk         = data:bin  ref:str  bin(ChunkMetadata) | nil
-    ChunkMetadata = mimetype:str  timestamp:int64 (unix us) | nil  count:int64  (key:str value:str) * count
-    NodeRef       = id:str  offset:uint32  length:uint32 | nil
-    ActionMessage = id:str  name:str  [bin(Port)...] [bin(Port)...] (headers)
-    Port          = name:str  id:str
-
-``(headers)`` is the release on PyPI (0.4.0): a count and that many key/value pairs after the
-last field; the repository's head writes nothing there. Both are read; :class:`Form` records
-which one a client used so the answer is written the same way (a 0.4.0 reader fails on a
-message without the count).
-
-Reading is bounded: the msgpack library decodes each value with its ``max_*_len`` limits set
-from :class:`Limits`, every struct is peeked at before it is unpacked (a container where the
-layout has a value is refused, so nesting never goes deeper than the layout), and every
-count is checked before the items it announces are read. Writing follows cppack's own
-choices where its reader needs them: integers in msgpack's signed forms (cppack reads an
-``int64`` from ``0xcc`` as the byte 0xcc itself).
+cppack (the C++ serializer of google-deepmind/actionengine) writes a struct as a msgpack ``bin``
+holding its fields' values one after another; a list is a msgpack array of such ``bin``s. Both
+forms of the trailing headers are read (the PyPI release's count and pairs, the repository
+head's nothing), and :class:`Form` records which one a client used so the answer is written the
+same way. Reading is bounded by :class:`Limits` before every value and count. The layout, the
+limits and cppack's own choices that the writer follows: docs/actionengine.md.
 """
 
 from __future__ import annotations
