@@ -1,23 +1,12 @@
 """What vLLM is started with, and what the engine then reports about the model.
 
-The engine arguments are fixed by what the rest of the engine relies on, not left to vLLM's
-defaults: prefix caching, priority scheduling, raw logprobs (before temperature and filters,
-as the contract asks) and prismgate's worker classes, which put the concept pack's readouts
-into the model before vLLM compiles it. Compilation is vLLM's own default (torch.compile,
-CUDA graphs on GPUs); ``enforce_eager`` is an opt-in. vLLM's context is one position longer
-than the one served, for the look-ahead step (see :mod:`prismgate.engines.vllm.engine`).
-
-Parallelism is vLLM's own: ``tensor_parallel_size`` and ``pipeline_parallel_size`` shard one
-copy of the model over devices, ``data_parallel_size`` runs that many copies (engine cores)
-under the one ``AsyncLLM``, and ``distributed_executor_backend`` (``"ray"`` for several nodes)
-is passed through unchanged.
-
-Memory: ``kv_cache_gb`` fixes the KV cache on any device; otherwise on GPUs vLLM sizes it
-from ``gpu_memory_utilization``, and on CPU (where vLLM would refuse to start unless that
-fraction of the whole machine is free, or ``VLLM_CPU_KVCACHE_SPACE`` is set by hand) the
-same fraction applies to the memory free at start-up, see :func:`cpu_kv_cache_bytes`.
-
-vLLM itself is imported only inside the functions that need it, never at import time.
+The engine arguments are fixed by what the rest of the engine relies on (prefix caching,
+priority scheduling, raw logprobs, prismgate's worker classes), not left to vLLM's defaults.
+Parallelism and compilation are vLLM's own, passed through; the KV cache is ``kv_cache_gb``, or
+else a share of the device's memory (on CPU, of the memory free at start-up:
+:func:`cpu_kv_cache_bytes`). What each setting does on GPU and CPU: docs/vllm.md, "Parallelism"
+and "Compilation, memory". vLLM itself is imported only inside the functions that need it, never
+at import time.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """The per-request budget: every count and size a request can carry, checked before the work.
 
-A request is hostile input until it has passed these checks: a few bytes on the wire can
-ask for a million position ranges or a prompt whose tokenizing alone takes seconds. The
-limits live in one :class:`RequestBudget`, with defaults that need no settings; the
-gateway builds one from its settings and hands it to
-:class:`~prismgate.core.service.SessionService`, which checks it for every protocol.
-
-Counts over a limit are INVALID_ARGUMENT (the request must change); a prompt too large
-for the model's context is RESOURCE_EXHAUSTED, like a prompt that tokenizes too long.
-Each refusal names the limit.
-
-JSON a client sends (OpenAI bodies, Evergreen JSON frames, the GraphPipe ``config``) is
-measured for nesting depth before it is parsed: Python's parser recurses once per level,
-so 100k brackets end in RecursionError, and a depth no real request needs is a cheap
-signal of a hostile one. The same scan counts the document's values: a list of ten million
-numbers is refused before a parser turns it into ten million objects (seconds with the
-loop held, a gigabyte). That bound, and the bound on one steering ``direction``, come from
-the served models (:meth:`RequestBudget.sized`): a direction is the model's hidden size,
-and no request needs more values than its context, a prompt tree and its steering hold.
-The scans (:func:`json_values`, :func:`json_depth`) count commas and brackets at C speed.
+A request is hostile input until it has passed these checks: a few bytes on the wire can ask
+for a million position ranges or a prompt whose tokenizing alone takes seconds. The limits live
+in one :class:`RequestBudget`, which :class:`~prismgate.core.service.SessionService` checks for
+every protocol, and client JSON is scanned for its depth and values (:func:`json_depth`,
+:func:`json_values`) before it is parsed. Which refusal each limit gives, why JSON is measured
+before parsing, and the limits sized from the served models (:meth:`RequestBudget.sized`):
+docs/architecture.md, "The request budget".
 """
 
 from __future__ import annotations

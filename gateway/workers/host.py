@@ -1,23 +1,12 @@
 """The engine host: the one process that runs the engines for every front-end process.
 
-It builds the served models' engines exactly as a single-process server does
-(:func:`prismgate.compose.build_engine`: transformers, or vLLM with its ``AsyncLLM`` here),
-and the one :class:`~prismgate.core.pool.EnginePool` over them, so admission
-(``max_active``, ``max_queued``), each key's fair share, the memory budget and the
-replicas' session affinity are decided in one place, for all front-ends together. With
-``session_store = "memory"`` it also holds the sessions (an
-:class:`~prismgate.core.stores.InProcessStore`) and the per-key quota counts
-(:class:`~prismgate.core.quota.LocalQuota`), so a session opened through one front-end
-continues on any other and a key's limits count every process's requests. With a Redis
-store the front-ends use Redis directly, as separate replicas do.
-
-It serves them over a Unix socket, in the typed messages of :mod:`prismgate.workers.wire`
-(docs/architecture.md has the table). A front-end joins (:class:`~prismgate.workers.wire.Join`)
-and becomes a peer: it gets the hello, every status change, and its generations, session
-holds and quota leases are undone when it disconnects. A connection that sends a
-:class:`~prismgate.workers.wire.Call` first is a side call (image sizing from a worker
-thread): it is answered and is no peer. A frame over the limit or off its schema drops
-the connection that sent it, with the reason logged; the others never notice.
+It builds the served models' engines as a single-process server does, and the one
+:class:`~prismgate.core.pool.EnginePool` over them, so admission, each key's fair share, the
+memory budget and session affinity are decided once for all front-ends; with
+``session_store = "memory"`` it also holds the sessions and the per-key quota counts. It serves
+them over a Unix socket in the typed messages of :mod:`prismgate.workers.wire`: a front-end that
+joins is a peer, whose work is undone when it disconnects; a connection that calls first is a
+side call. The design and the messages: docs/architecture.md, "Several front-end processes".
 """
 
 from __future__ import annotations
