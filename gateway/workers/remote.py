@@ -305,47 +305,32 @@ class RemoteEngine:
         return status.in_flight.get(self.model_id, 0) if status is not None else 0
 
 
+class _Mirrored:
+    """An admission count read from the host's last status (0 before the first); writes, which the
+    base class makes as it counts, are ignored: the host counts."""
+
+    def __init__(self, field: str) -> None:
+        self.field = field
+
+    def __get__(self, admission: Any, owner: Any = None) -> int:
+        status: Status | None = admission._link.status
+        return int(getattr(status, self.field)) if status is not None else 0
+
+    def __set__(self, admission: Any, value: int) -> None:
+        pass
+
+
 class _HostAdmission(Admission):
     """The host's admission counts, for /metrics (admission itself happens in the host)."""
 
+    active = _Mirrored("active")
+    queued = _Mirrored("queued")
+    max_active = _Mirrored("max_active")
+    preemptions = _Mirrored("preemptions")
+
     def __init__(self, link: HostLink) -> None:
-        super().__init__(max_active=1, max_queued=0)
         self._link = link
-
-    def _now(self) -> Status | None:
-        return self._link.status
-
-    @property
-    def active(self) -> int:
-        status = self._now()
-        return status.active if status is not None else 0
-
-    @active.setter
-    def active(self, value: int) -> None:
-        pass
-
-    @property
-    def queued(self) -> int:
-        status = self._now()
-        return status.queued if status is not None else 0
-
-    @property
-    def max_active(self) -> int:
-        status = self._now()
-        return status.max_active if status is not None else 0
-
-    @max_active.setter
-    def max_active(self, value: int) -> None:
-        pass
-
-    @property
-    def preemptions(self) -> int:
-        status = self._now()
-        return status.preemptions if status is not None else 0
-
-    @preemptions.setter
-    def preemptions(self, value: int) -> None:
-        pass
+        super().__init__(max_active=1, max_queued=0)
 
 
 class RemotePool(EnginePool):
