@@ -263,7 +263,8 @@ class _ServiceCollector(Collector):
         )
         yield CounterMetricFamily(
             "prismgate_engine_preemptions",
-            "Running generations paused to give their slot to a key with nothing running (settings.preemption).",
+            "Running generations paused to give their slot to a key with nothing running or far below its share "
+            "(settings.preemption).",
             value=admission.preemptions,
         )
         ready = GaugeMetricFamily("prismgate_model_ready", "1 when the model can take requests.", labels=["model"])

@@ -148,7 +148,8 @@ class Admission(Group):
     )
     preemption: bool = setting(
         True,
-        "When every slot is taken and a key with nothing running asks, pause the running generation of the key "
+        "When every slot is taken and a key with nothing running (or far below its share) asks, pause the running "
+        "generation of the key "
         "holding the most slots per weight (its KV cache kept, its memory still reserved) and give its slot to "
         "the newcomer; the paused one goes on, with the same tokens, when a slot is back (docs/keys.md). "
         "false: a newcomer waits for a slot to end.",
