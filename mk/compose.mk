@@ -95,6 +95,7 @@ compose-standins: compose-base compose-plugins
 	done
 
 compose-images: $(COMPOSE_LOCAL_IMAGES) compose-plugins
+	@mkdir -p build/compose
 	@if [ -n "$(TORCH_WHEEL)" ]; then echo "torch: $(TORCH_WHEEL) (copied into wheels/)"; cp -u $(TORCH_WHEEL) wheels/; \
 	else echo "torch: $(if $(TORCH_FIND_LINKS),$(TORCH_FIND_LINKS),$(TORCH_INDEX_URL))"; fi
 	$(DOCKER) build --progress=plain -t prismgate:cpu --build-arg PYTHON_IMAGE=$(COMPOSE_PYTHON_IMAGE) \
