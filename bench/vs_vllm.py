@@ -115,6 +115,7 @@ command.validate(args)
 command.cmd(args)
 """
 MODEL_NAME = "smollm2"
+PRISMGATE_TARGETS = ("vllm", "transformers", "transformers-eager")  # --vllm-bench --targets
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 BASE = "vllm serve"
 
@@ -202,15 +203,28 @@ def vllm_serve(model: Path, args: argparse.Namespace, *, eager: bool, api_server
 
 
 @contextlib.contextmanager
-def prismgate_serve(model: Path, pack: Path | None, args: argparse.Namespace, workers: int = 1) -> Iterator[Server]:
+def prismgate_serve(
+    model: Path, pack: Path | None, args: argparse.Namespace, workers: int = 1, target: str = "vllm"
+) -> Iterator[Server]:
     """``prismgate serve --engine vllm`` with its defaults (vLLM's compilation), the model's concept pack;
-    ``workers`` > 1: that many front-end processes (``--workers``)."""
+    ``workers`` > 1: that many front-end processes (``--workers``). ``target`` (:data:`PRISMGATE_TARGETS`):
+    "transformers" serves the embedded engine with its defaults instead, "transformers-eager" the same
+    with ``--no-packed-weights``."""
+    engine = ["--engine", "vllm"] if target == "vllm" else ["--engine", "transformers"]
+    if target == "vllm":
+        engine += [
+            "--vllm-kv-cache-gb",
+            str(args.kv_cache_gb),
+            "--gpu-memory-utilization",
+            str(args.gpu_memory_utilization),
+        ]
+    elif target == "transformers-eager":
+        engine.append("--no-packed-weights")
     with tempfile.TemporaryDirectory(prefix="prismgate-bench-") as tmp:
         port_file = Path(tmp) / "ports.json"
         command = [
-            sys.executable, "-m", "prismgate", "serve", "--engine", "vllm", "--model", str(model),
+            sys.executable, "-m", "prismgate", "serve", *engine, "--model", str(model),
             "--model-name", MODEL_NAME, "--dtype", args.dtype, "--max-model-len", str(args.max_len),
-            "--vllm-kv-cache-gb", str(args.kv_cache_gb), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
             "--http-port", "0", "--grpc-port", "0",
             "--port-file", str(port_file), "--log-level", "warning", "--max-active", "256",
             # every stream comes from this one address, and vllm serve caps nothing per address: the
@@ -223,7 +237,9 @@ def prismgate_serve(model: Path, pack: Path | None, args: argparse.Namespace, wo
             command += ["--sae", args.sae]
         if workers > 1:
             command += ["--workers", str(workers)]
-        stem = "prismgate-serve" if workers == 1 else f"prismgate-serve-w{workers}"
+        stem = ("prismgate-serve" if workers == 1 else f"prismgate-serve-w{workers}") + (
+            "" if target == "vllm" else f"-{target}"
+        )
         log = ROOT / "build" / "bench" / f"{args.results}-{stem}.log"
         env = {**os.environ, **SERVER_ENV}
         with process(command, log, env) as proc:
@@ -235,7 +251,9 @@ def prismgate_serve(model: Path, pack: Path | None, args: argparse.Namespace, wo
             ports = json.loads(port_file.read_text())
             url = f"http://127.0.0.1:{ports['http_port']}"
             wait_healthy(proc, url + "/readyz", log)
-            name = "prismgate" if workers == 1 else f"prismgate --workers {workers}"
+            name = ("prismgate" if workers == 1 else f"prismgate --workers {workers}") + (
+                "" if target == "vllm" else f" ({target})"
+            )
             yield Server(name, proc.pid, url, f"127.0.0.1:{ports['grpc_port']}", features=bool(args.sae))
 
 
@@ -464,7 +482,7 @@ CLIENT_METRICS = (
 )
 
 
-def client_runs(model: Path, servers: tuple[Server, Server], args: argparse.Namespace) -> dict[str, Any]:
+def client_runs(model: Path, servers: tuple[Server, ...], args: argparse.Namespace) -> dict[str, Any]:
     """``--vllm-bench``: vLLM's client against each server, rounds alternating, per concurrency."""
     cells: list[dict[str, Any]] = []
     failed: list[dict[str, Any]] = []
@@ -496,23 +514,27 @@ def client_runs(model: Path, servers: tuple[Server, Server], args: argparse.Name
     return {"cells": cells, "failed_rounds": failed}
 
 
-def side_by_side(cell: dict[str, Any], servers: tuple[Server, Server]) -> str:
-    """One concurrency's runs: each metric's median over rounds (lowest-highest) per server, and the ratio."""
-    base, other = (cell["runs"][s.name] for s in servers)
+def side_by_side(cell: dict[str, Any], servers: tuple[Server, ...]) -> str:
+    """One concurrency's runs: each metric's median over rounds (lowest-highest) per server, and each
+    other server's ratio to the first (``vllm serve``)."""
+    base = cell["runs"][servers[0].name]
     rows = []
     for key, label in CLIENT_METRICS:
-        mine = [r[key] if r else float("nan") for r in other]
         theirs = [r[key] if r else float("nan") for r in base]
         row: dict[str, Any] = {"metric": label}
-        for name, values in ((servers[0].name, theirs), (servers[1].name, mine)):
+        for server in servers:
+            values = [r[key] if r else float("nan") for r in cell["runs"][server.name]]
             ok = [v for v in values if v == v]
-            row[name] = f"{median(ok):.2f} ({min(ok):.2f}-{max(ok):.2f})" if ok else "failed"
-        low_high = spread(mine, theirs)
-        ratio = paired(mine, theirs)
-        row["ratio"] = f"x{ratio:.3f} ({low_high[0]:.3f}-{low_high[1]:.3f})" if low_high else "n/a"
+            row[server.name] = f"{median(ok):.2f} ({min(ok):.2f}-{max(ok):.2f})" if ok else "failed"
+            if server is servers[0]:
+                continue
+            low_high = spread(values, theirs)
+            ratio = paired(values, theirs)
+            row[f"ratio {server.name}"] = f"x{ratio:.3f} ({low_high[0]:.3f}-{low_high[1]:.3f})" if low_high else "n/a"
         rows.append(row)
     head = f"vLLM's client, {cell['prompts']} prompts, max concurrency {cell['streams']}, {len(base)} rounds:"
-    return head + "\n" + table(rows, ["metric", servers[0].name, servers[1].name, "ratio"])
+    columns = ["metric", *(s.name for s in servers), *(f"ratio {s.name}" for s in servers[1:])]
+    return head + "\n" + table(rows, columns)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -554,6 +576,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=None, help="--vllm-bench: requests per run (4 per stream)")
     parser.add_argument("--input-len", type=int, default=128, help="--vllm-bench: prompt tokens of each request")
     parser.add_argument(
+        "--targets",
+        default="vllm",
+        help="--vllm-bench: prismgate servers beside vllm serve, comma-separated: vllm (--engine vllm), "
+        "transformers (the embedded engine), transformers-eager (the same, --no-packed-weights)",
+    )
+    parser.add_argument(
         "--frontend-only",
         action="store_true",
         help="only `vllm serve` and prismgate's OpenAI SSE targets (no eager server, no Salience): the CPU comparison",
@@ -563,6 +591,9 @@ def main(argv: list[str] | None = None) -> int:
     args.reps = args.reps or (2 if args.quick else 9)
     args.concurrency = [int(c) for c in (args.concurrency or ("64,256" if args.processes > 1 else "1,4,8")).split(",")]
     args.dtype = args.dtype or ("bfloat16" if _has_gpu() else "float32")
+    args.targets = args.targets.split(",")
+    if unknown := set(args.targets) - set(PRISMGATE_TARGETS):
+        parser.error(f"--targets: unknown {sorted(unknown)}; known: {', '.join(PRISMGATE_TARGETS)}")
 
     try:
         import vllm
@@ -622,9 +653,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _client_main(model: Path, pack: Path | None, args: argparse.Namespace, version: str) -> int:
     """``--vllm-bench``: ``vllm serve`` and prismgate up one after the other, then :func:`client_runs`."""
-    with prismgate_serve(model, pack, args) as gateway, vllm_serve(model, args, eager=False) as base:
+    with contextlib.ExitStack() as stack:
+        gateways = [stack.enter_context(prismgate_serve(model, pack, args, target=t)) for t in args.targets]
+        base = stack.enter_context(vllm_serve(model, args, eager=False))
         load = [os.getloadavg()[0]]
-        measured = client_runs(model, (base, gateway), args)
+        measured = client_runs(model, (base, *gateways), args)
         load.append(os.getloadavg()[0])
     for f in measured["failed_rounds"]:
         print(f"FAILED at {f['streams']} streams, {f['server']}: {'; '.join(f['why'])}", flush=True)
@@ -637,6 +670,7 @@ def _client_main(model: Path, pack: Path | None, args: argparse.Namespace, versi
             "model": str(model),
             "device": "cpu" if not _has_gpu() else "gpu",
             "settings": settings,
+            "targets": args.targets,
             "input_len": args.input_len,
             "max_tokens": args.max_tokens,
             "reps": args.reps,

@@ -76,6 +76,8 @@ def create_app(
         answer: dict[str, object] = {"ready": True, "model": info.model_id, "engine": info.engine_name}
         if info.dtype:
             answer["dtype"] = {"name": info.dtype, "reason": info.dtype_reason}
+        if info.packed_reason:
+            answer["packed_weights"] = {"layers": info.packed_layers, "reason": info.packed_reason}
         return JSONResponse({**answer, "models": models})
 
     async def favicon(_request: Request) -> Response:

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from prismgate.engines.hf import packing
 from prismgate.engines.invariant_rows import BLOCK_ROWS, SWITCH, on_rows
 
 ATTENTION = "prismgate_invariant"  # the name this module registers with transformers' attention interface
@@ -32,8 +33,7 @@ def _padding_forward(layer: torch.nn.Linear) -> Any:
     read, and a module without hooks keeps PyTorch's fast call path.
     """
 
-    def linear(x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+    linear = packing.product(layer)  # packed or not, the same bits (packing checks that)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         return on_rows(x, linear)

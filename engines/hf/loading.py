@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from prismgate.core.engine import EngineInfo, ReadoutManifest
-from prismgate.engines.hf import invariance_check, invariant
+from prismgate.engines.hf import invariance_check, invariant, packing
 from prismgate.engines.hf.adapters import ModelAdapter, load_adapter
 from prismgate.engines.hf.cpu_dtype import cpu_flags
 from prismgate.engines.hf.steering import Steerer
@@ -45,6 +45,7 @@ def load(
     dtype: str,
     max_model_len: int | None,
     saes: Sequence[tuple[Path, Path | None]] = (),
+    packed_weights: bool = True,
 ) -> LoadedModel:
     """Load on ``device`` ("auto": CUDA when there is one). Slow: call it off the event loop."""
     if device == "auto":
@@ -52,6 +53,7 @@ def load(
     adapter = load_adapter(model_path, device=device, dtype=dtype, flags=cpu_flags())
     choice = adapter.dtype_choice
     model = adapter.model
+    packed = packing.pack(model, enabled=packed_weights)  # before the invariant kernels, which wrap the products
     probe: ReadoutProbe | None = None
     manifest: ReadoutManifest | None = None
     pack: ConceptPack | None = None
@@ -93,8 +95,10 @@ def load(
         kv_bytes_per_token=kv_bytes_per_token(config, model.dtype),
         dtype=choice.name if choice else "",
         dtype_reason=choice.reason if choice else "",
+        packed_layers=packed.layers,
+        packed_reason=packed.reason,
     )
-    log.info("loaded %s on %s in %s (%s)", model_id, device, info.dtype, info.dtype_reason)
+    log.info("loaded %s on %s in %s (%s); weights %s", model_id, device, info.dtype, info.dtype_reason, packed.reason)
     return LoadedModel(adapter, probe, steerer, info, encoders, features)
 
 

@@ -111,6 +111,8 @@ class EngineInfo:
     kv_bytes_per_token: int = 0
     dtype: str = ""  # the weights' dtype as served ("bfloat16", "float32", ...), and why that one
     dtype_reason: str = ""
+    packed_layers: int = 0  # linear layers whose weights the engine packed for its CPU kernels, and why (not)
+    packed_reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -245,6 +245,12 @@ class TransformersOptions(Group):
     max_batch: int = setting(
         16, "transformers engine: decode steps of up to this many requests run as one forward pass (1: no batching)."
     )
+    packed_weights: bool = setting(
+        True,
+        "transformers engine: on CPU, pack bfloat16 linear layers' weights once at start for oneDNN instead of on "
+        "every product (faster: docs/benchmarks.md, 'Prepacked weights'), where the start-up check finds the same "
+        "bits as unpacked; /readyz says whether and why. Holds a second copy of those weights. false: never.",
+    )
     grammar_cache_bytes: int = setting(
         64 << 20,
         "transformers engine: bytes of compiled structured-output grammars (llguidance's text) kept for reuse, "

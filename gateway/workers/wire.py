@@ -106,6 +106,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
     kv_bytes_per_token: int = 0
     dtype: str = ""
     dtype_reason: str = ""
+    packed_layers: int = 0
+    packed_reason: str = ""
 
 
 class WireError(msgspec.Struct, frozen=True):

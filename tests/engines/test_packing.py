@@ -1,0 +1,173 @@
+"""Packed bfloat16 weights (engines/hf/packing.py) change no bit of what a client reads.
+
+The same requests (greedy and sampled, steered and gated, deterministic and not, alone and
+decoding as a batch, with logprobs and readouts on every position) run on an engine with its
+weights packed and on one without; every token, logprob and readout must be equal to the bit.
+Where this CPU's oneDNN gives other bits packed, the engine must not have packed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from prismgate.core.actions import PositionRange
+from prismgate.core.steering import Comparison, Gate, SteeringEntry
+from prismgate.engines.hf import TransformersEngine, packing
+from prismgate.engines.hf.loading import load
+from prismgate.engines.models import DEFAULT_MODEL_ID, default_model_path
+from prismgate.engines.readouts.pack import DEFAULT_PACKS
+from tests.engines.requests import chat, run
+from tests.engines.test_determinism import fingerprint
+
+PROMPTS = ["Hi", "Write a haiku about autumn leaves.", "def add(a, b):\n    return a + b", "Quelle heure est-il ?"]
+
+
+def _bf16_copy(model_dir: Path, target: Path) -> Path:
+    shutil.copytree(model_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    return target
+
+
+def _specs(n: int, layer: int, gate_layer: int, concepts: tuple[str, str]) -> list[dict[str, Any]]:
+    every = {
+        "max_tokens": 8,
+        "ignore_eos": True,
+        "logprob_top_k": 5,
+        "logprob_ranges": (PositionRange(1, n + 8),),
+        "readout_ranges": (PositionRange(0, n + 8),),
+    }
+    gate = Gate(concept=concepts[1], layer=gate_layer, comparison=Comparison.BELOW, threshold=0)
+    return [
+        every,
+        {**every, "deterministic": True},
+        {**every, "steering": (SteeringEntry(layer=layer, scale=6.0, concept=concepts[0]),)},
+        {**every, "steering": (SteeringEntry(layer=layer, scale=8.0, concept=concepts[0], gate=gate),)},
+        {**every, "temperature": 0.9, "top_p": 0.95, "seed": 1234},
+    ]
+
+
+async def _answers(engine: TransformersEngine, layers: tuple[int, int], concepts: tuple[str, str]) -> list[Any]:
+    """Each spec on each prompt, one at a time, then all prompts at once (a batched decode)."""
+    answers = []
+    for text in PROMPTS:
+        prompt = chat(engine, text)
+        for spec in _specs(len(prompt), *layers, concepts):
+            events, _ = await run(engine, prompt, **spec)
+            answers.append(fingerprint(events))
+    prompts = [chat(engine, text) for text in PROMPTS]
+    together = await asyncio.gather(*(run(engine, p, **_specs(len(p), *layers, concepts)[0]) for p in prompts))
+    answers += [fingerprint(events) for events, _ in together]
+    return answers
+
+
+async def _compare(model: Path, model_id: str, pack: Path, layers: tuple[int, int], concepts: tuple[str, str]) -> None:
+    """``layers``: the steered layer and the gate's; ``concepts``: the steered concept and the gate's."""
+    results = {}
+    for packed in (True, False):
+        engine = TransformersEngine(
+            model,
+            model_id=model_id,
+            concept_pack=pack,
+            threads=1,
+            dtype="bfloat16",
+            device="cpu",
+            packed_weights=packed,
+        )
+        await engine.start()
+        try:
+            results[packed] = (
+                engine.info.packed_layers,
+                engine.info.packed_reason,
+                await _answers(engine, layers, concepts),
+            )
+        finally:
+            await engine.close()
+    layers, reason, answers = results[True]
+    assert results[False][:2] == (0, "not packed: packed_weights = false")
+    if layers == 0:
+        assert reason.startswith("not packed: packed products of a"), reason  # the check refused: nothing changed
+        pytest.skip(f"this CPU's oneDNN gives other bits packed: {reason}")
+    assert answers == results[False][2]
+
+
+@pytest.mark.asyncio
+async def test_packed_weights_give_the_bits_of_unpacked_ones(
+    tiny_model_dir: Path, tiny_pack: Path, tmp_path: Path
+) -> None:
+    model = _bf16_copy(tiny_model_dir, tmp_path / "tiny-bf16")
+    await _compare(model, "tiny-llama", tiny_pack, (1, 0), ("concept0", "concept1"))
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+@pytest.mark.timeout(1200)
+async def test_packed_weights_give_the_bits_of_unpacked_ones_on_smollm2() -> None:
+    pack = DEFAULT_PACKS / "smollm2-135m-instruct.safetensors"
+    await _compare(default_model_path(), DEFAULT_MODEL_ID, pack, (16, 12), ("code", "question"))
+
+
+def _loaded(model: Path) -> Any:
+    return load(model, model_id="m", concept_pack=None, device="cpu", dtype="auto", max_model_len=None)
+
+
+def test_float32_and_the_switch_leave_the_layers_eager(tiny_model_dir: Path) -> None:
+    loaded = load(tiny_model_dir, model_id="m", concept_pack=None, device="cpu", dtype="float32", max_model_len=None)
+    assert (loaded.info.packed_layers, loaded.info.packed_reason) == (
+        0,
+        "not packed: the weights are float32; only bfloat16 products are oneDNN's",
+    )
+    linear = next(m for m in loaded.adapter.model.modules() if type(m) is torch.nn.Linear)
+    x = torch.randn(3, linear.in_features)
+    assert torch.equal(packing.product(linear)(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+    assert packing.pack(torch.nn.Sequential(torch.nn.Linear(4, 4)), enabled=False).reason == (
+        "not packed: packed_weights = false"
+    )
+
+
+def test_a_packed_product_with_other_bits_packs_nothing(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _bf16_copy(tiny_model_dir, tmp_path / "tiny-bf16")
+    honest = packing._packed_product
+
+    def off_by_a_bit(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+        product = honest(layer)
+        return lambda x: product(x) * (1 + 2**-7) if x.shape[0] == 17 else product(x)  # one row count differs
+
+    monkeypatch.setattr(packing, "_packed_product", off_by_a_bit)
+    loaded = _loaded(model)
+    assert loaded.info.packed_layers == 0
+    assert "at 17 rows differ from the eager ones on this CPU" in loaded.info.packed_reason
+    layers = [m for m in loaded.adapter.model.modules() if type(m) is torch.nn.Linear]
+    assert not any(hasattr(layer, packing._PRODUCT) for layer in layers)
+
+
+def test_a_packed_layer_holds_one_copy_and_refuses_other_input(tiny_model_dir: Path, tmp_path: Path) -> None:
+    loaded = _loaded(_bf16_copy(tiny_model_dir, tmp_path / "tiny-bf16"))
+    if loaded.info.packed_layers == 0:
+        pytest.skip(loaded.info.packed_reason)
+    model = loaded.adapter.model
+    linear = model.model.layers[0].self_attn.q_proj
+    assert linear.weight.is_meta and linear.weight.shape == (linear.out_features, linear.in_features)
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.is_meta is not tied  # a tied head keeps the embedding's weight
+    assert next(model.parameters()).device.type == "cpu"
+    with pytest.raises(TypeError, match=r"takes bfloat16 input without gradients; got torch\.float32"):
+        linear(torch.randn(2, linear.in_features))
+
+
+def test_readyz_says_whether_the_weights_are_packed(live_server: Any) -> None:
+    ready = httpx.get(f"{live_server.http_url}/readyz", timeout=30).json()
+    packed = ready["packed_weights"]
+    assert packed["reason"].startswith(("packed: ", "not packed: ")), packed
+    assert (packed["layers"] > 0) == packed["reason"].startswith("packed: ")
