@@ -1,0 +1,81 @@
+"""Decode attention on CPU (engines/hf/decode_attention.py) is as accurate as SDPA, and is used only where it may be."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prismgate.engines.hf import decode_attention as da
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """float64 attention, GQA by repeating keys: ``[batch, 1, heads, d]``."""
+    group = q.shape[1] // k.shape[1]
+    k64, v64 = (t.double().repeat_interleave(group, 1) for t in (k, v))
+    scores = (q.double() @ k64.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~seen, float("-inf"))
+    return (torch.softmax(scores, -1) @ v64).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4)])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive", "per head"])
+def test_it_is_as_accurate_as_sdpa(dtype: torch.dtype, heads: int, kv_heads: int, mask_kind: str) -> None:
+    torch.manual_seed(0)
+    batch, keys, dim = 3, 70, 64
+    q = (torch.randn(batch, heads, 1, dim) * 3).to(dtype)
+    k, v = (torch.randn(batch, kv_heads, keys, dim).to(dtype) for _ in range(2))
+    seen = torch.ones(batch, 1, 1, keys, dtype=torch.bool)
+    seen[1, ..., :20] = False  # a left-padded row
+    seen[2, ..., :5] = False
+    mask: torch.Tensor | None = {
+        "none": None,
+        "bool": seen,
+        "additive": torch.zeros(batch, 1, 1, keys).masked_fill(~seen, torch.finfo(torch.float32).min),
+        "per head": seen.expand(batch, heads, 1, keys),
+    }[mask_kind]
+    if mask is None:
+        seen = torch.ones_like(seen)
+    want = _reference(q, k, v, seen)
+    ours = da.decode_attention(q, k, v, mask, None)
+    group = heads // kv_heads
+    sdpa = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=seen
+    ).transpose(1, 2)
+    assert ours.shape == (batch, 1, heads, dim) and ours.dtype == dtype and ours.is_contiguous()
+    our_error = (ours.double() - want).abs().max().item()
+    sdpa_error = (sdpa.double() - want).abs().max().item()
+    assert our_error <= max(sdpa_error, 1e-6) * 1.01, (our_error, sdpa_error)
+
+
+def test_it_takes_only_single_queries_on_cpu_with_a_plain_softmax() -> None:
+    one, two = torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 2, 8)
+    assert da.takes(one, {"scaling": 0.1, "dropout": 0.0})
+    assert not da.takes(two, {})  # a prefill chunk: SDPA
+    assert not da.takes(one, {"softcap": 50.0})
+    assert not da.takes(one, {"s_aux": torch.zeros(2)})
+    assert da.takes(one, {"softcap": None, "s_aux": None})
+
+
+def test_the_engines_decode_steps_come_here(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from prismgate.engines.hf.loading import load
+
+    adapter = load(
+        tiny_model_dir, model_id="m", concept_pack=None, device="cpu", dtype="auto", max_model_len=None
+    ).adapter
+    calls: list[tuple[int, ...]] = []
+    real = da.decode_attention
+
+    def spy(query: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(tuple(query.shape))
+        return real(query, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(da, "decode_attention", spy)
+    layers = adapter.model.config.num_hidden_layers
+    with torch.inference_mode():
+        cache = adapter.new_cache()
+        adapter.forward([5, 6, 7, 8], cache, 0, [], [], [3])
+        assert calls == []  # a prompt: SDPA
+        adapter.forward([9], cache, 4, [], [], [0])
+    assert len(calls) == layers and calls[0][2] == 1
