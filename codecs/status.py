@@ -1,20 +1,12 @@
 """One table from core error codes to every wire's status.
 
-The core speaks gRPC's vocabulary (:class:`~prismgate.core.errors.Code`); each wire
-needs its own number for the same failure. Keeping the numbers in one table means a
-client sees the same kind of failure the same way whichever protocol it speaks:
-
-* HTTP (OpenAI, GraphPipe when it answers with HTTP statuses, the gateway's own
-  routes): Google's canonical mapping of gRPC codes to HTTP (as grpc-gateway and the
-  Google API error model use it), with 499 for a client that went away;
-* Evergreen over WebSocket: the session is aborted with close code ``4000 + HTTP
-  status`` (application close codes live in 4000-4999);
-* gRPC: the code itself.
-
-FAILED_PRECONDITION is 400 everywhere (the request does not fit the session's state
-and repeating it unchanged will not help), ABORTED is 409 (a concurrency conflict a
-retry may clear), RESOURCE_EXHAUSTED is 429 (a payload over a size limit can be
-refined to 413 by the codec that read the body).
+The core speaks gRPC's vocabulary (:class:`~prismgate.core.errors.Code`); keeping every wire's
+number for it in one table means a client sees a failure the same way whichever protocol it
+speaks: HTTP takes Google's canonical mapping of gRPC codes (as grpc-gateway uses it, with 499
+for a client that went away), Evergreen over WebSocket closes with ``4000 + HTTP status``, and
+gRPC keeps the code. FAILED_PRECONDITION is 400 everywhere (repeating the request unchanged
+will not help), ABORTED 409 (a retry may clear it), RESOURCE_EXHAUSTED 429 (refined to 413 by a
+codec that read an oversized body).
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """The Starlette application: health, metrics, every HTTP codec's routes, and the edge in front of them.
 
-Every request passes the edge middleware in this order before a route sees it:
-
-1. :class:`~prismgate.edge.refusals.RefusalMiddleware`: the one error path (refusals in
-   the wire's form, each failed request counted once);
-2. :class:`~prismgate.edge.origins.OriginPolicy`: ``Host`` on loopback, ``Origin``, CORS
-   preflights on ``/v1`` (before auth: browsers send no token on a preflight);
-3. :class:`~prismgate.edge.landing.LandingPage`: ``GET /`` from a browser (open, like
-   the playground; GraphPipe clients on ``/`` pass through);
-4. :class:`~prismgate.edge.auth.BearerAuth`: the shared token;
-5. :class:`~prismgate.edge.connections.WebSocketCap`: open WebSockets per client address;
-6. :class:`~prismgate.edge.timeouts.BodyTimeout`: the request-body read timeout.
-
-A route that raises a :class:`~prismgate.core.errors.GatewayError` is answered by the
-same error path. Limits that apply before a request exists (head timeout and size,
-connections per client) live in the HTTP protocol, :mod:`prismgate.edge.connections`.
+Every request passes the edge middleware in this order: :class:`~prismgate.edge.refusals.RefusalMiddleware`
+(the one error path: refusals in the wire's form, each counted once),
+:class:`~prismgate.edge.origins.OriginPolicy` (before auth: browsers send no token on a
+preflight), :class:`~prismgate.edge.landing.LandingPage`, :class:`~prismgate.edge.auth.BearerAuth`,
+:class:`~prismgate.edge.connections.WebSocketCap` and :class:`~prismgate.edge.timeouts.BodyTimeout`.
+A route that raises a :class:`~prismgate.core.errors.GatewayError` is answered by the same error
+path. Limits that apply before a request exists (head timeout and size, connections per client)
+live in the HTTP protocol, :mod:`prismgate.edge.connections`.
 """
 
 from __future__ import annotations

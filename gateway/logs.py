@@ -1,20 +1,12 @@
 """Logging set-up: plain lines for people, or one JSON object per line for machines.
 
-Structured fields travel on the record (``log.info("...", extra={"session_id": ...})``):
-the JSON formatter emits them as keys, the plain formatter appends them as
-``key=value``. Fields bound with :func:`log_context` (a codec's request id, say) are
-added to every record logged inside that context, in any module.
-
-Prompt and output text never reach the logs unless the setting ``log_prompts`` is on:
-code that has text to log checks :func:`prompts_allowed` first.
-
-With JSON logs the stream must hold nothing else, or a log shipper drops or mangles lines, so
-the libraries' own outputs are routed or silenced (:func:`_json_only`): progress bars are off,
-``warnings`` become records, and transformers' and vLLM's loggers propagate to ours instead of
-printing text through handlers of their own.
-
-Either way the libraries' noise a user cannot act on stays off the console
-(:func:`prismgate.quiet.quiet_libraries`).
+Structured fields travel on the record (``extra={"session_id": ...}``): the JSON formatter emits
+them as keys, the plain one appends ``key=value``; fields bound with :func:`log_context` join
+every record logged inside that context. Prompt and output text are logged only when
+``log_prompts`` is on (:func:`prompts_allowed`). With JSON logs the stream must hold nothing
+else, or a log shipper drops lines, so :func:`_json_only` turns progress bars off, makes
+``warnings`` records, and has transformers' and vLLM's loggers propagate to ours; either way the
+libraries' noise a user cannot act on stays off the console (:func:`prismgate.quiet.quiet_libraries`).
 """
 
 from __future__ import annotations

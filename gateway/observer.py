@@ -1,22 +1,12 @@
 """What the gateway counts and logs: every generation as it passes the core, every refused request.
 
-The core service hands each generation stream to :meth:`GenerationObserver.watch`
-(``SessionService.monitor``), whatever protocol sent it, so counting happens in one
-place and no codec has to remember to. The observer never changes an event; it
-times them, counts them, logs one line when the generation ends, and enters the
-generation in the shutdown :class:`~prismgate.drain.Drain` while it runs.
-
-Every series but ``prismgate_active_sessions`` carries the served model. The core names it
-(:meth:`GenerationObserver.running`) once a generation's session is loaded, before its
-first event; the request is counted then. A generation refused before that (an unknown
-session or model, a busy session) is counted with the model ``""``, as are requests refused
-before any generation (auth, parse, validation), which reach
-``prismgate_request_errors_total`` through :meth:`GenerationObserver.refused`. Only
-configured model names become label values. Each key (:mod:`prismgate.keys`) has its own
-request, token and refusal counters (``prismgate_key_*``), labelled only with configured key
-names, and its name in each generation's log line. An HTTP
-request is counted at most once: the edge middleware opens a :func:`request_tally`
-and counts a failed response only when nothing inside the request counted it already.
+The core service hands each generation stream to :meth:`GenerationObserver.watch`, whatever
+protocol sent it, so counting happens in one place and no codec has to remember to. The
+observer never changes an event: it times and counts them, logs one line when the generation
+ends, and enters it in the shutdown :class:`~prismgate.drain.Drain` while it runs. Requests
+refused before any generation reach it through :meth:`GenerationObserver.refused`; an HTTP
+request is counted at most once (:func:`request_tally`). Which labels a series carries, and
+why a client's model name never becomes one: docs/operations.md, "Metrics".
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """One process, one event loop: uvicorn for HTTP and grpc.aio for gRPC, one engine pool.
 
-The model loads in the background so that ``/healthz`` answers at once and
-``/readyz`` turns ready when the engine is.
-
-Shutdown (SIGTERM or SIGINT; a second signal skips the wait), in order:
-
-1. stop accepting: ``/readyz`` and gRPC health report NOT_SERVING, the HTTP listener
-   closes, the gRPC server refuses new calls, and new generations on connections
-   already open fail UNAVAILABLE ("shutting down; retry on another replica");
-2. let in-flight generations finish, on every protocol, until ``shutdown_grace_s``;
-3. then close HTTP connections (WebSockets get close code 1012, "service restart"),
-   and cancel whatever is still running once the grace period is over (the engine
-   drops those requests; gRPC callers see CANCELLED);
-4. release every session, close the engine, return: exit status 0.
+The model loads in the background so that ``/healthz`` answers at once and ``/readyz`` turns
+ready when the engine is. Shutdown (SIGTERM or SIGINT; a second signal skips the wait): stop
+accepting (``/readyz`` and gRPC health NOT_SERVING, listeners closed, new generations
+UNAVAILABLE), let in-flight generations finish until ``shutdown_grace_s``, then close
+connections (WebSockets with 1012) and cancel what still runs, release every session, close
+the engine and exit 0 (docs/operations.md, "Shutdown").
 """
 
 from __future__ import annotations

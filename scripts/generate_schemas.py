@@ -1,16 +1,9 @@
 """Regenerate the committed protobuf code from every ``schemas/**/*.proto``.
 
-Why a script and not a build step: the generated modules are committed (the package
-installs without grpcio-tools), so something must keep them in step with the
-``.proto`` files. This is that one thing; ``tests/test_schemas_current.py`` runs it
-into a temporary folder and fails when the committed files differ.
-
-For each ``schemas/<dir>/<name>.proto`` it writes, next to the proto,
-``<name>_pb2.py``, ``<name>_pb2.pyi`` and ``<name>_pb2_grpc.py`` with
-``grpc_tools.protoc`` (include root: ``schemas/``). protoc writes imports between
-generated modules as top-level imports (``import salience_pb2``), which only work
-with ``schemas/`` on ``sys.path``; they are rewritten to ``prismgate.schemas.…`` so the
-modules work under the package name ``setup.py`` maps the folder to.
+The generated modules are committed (the package installs without grpcio-tools), so this
+script keeps them in step with the ``.proto`` files, and ``tests/test_schemas_current.py``
+fails when they differ. It runs ``grpc_tools.protoc`` (include root ``schemas/``) and rewrites
+protoc's top-level imports between generated modules to ``prismgate.schemas.…``.
 
 Usage::
 

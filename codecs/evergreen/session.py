@@ -1,20 +1,13 @@
 """One Evergreen session, independent of its transport (WebSocket or gRPC stream).
 
 The transport feeds decoded ``SessionMessage``s to :meth:`EvergreenSession.feed`, drains
-:attr:`EvergreenSession.outbox`, and ends the session when :attr:`failed` resolves (the
-abort convention, see :mod:`prismgate.codecs.evergreen.errors`). Each connection holds one
-core session, whose token timeline is the running conversation (the core plans each
-turn against it, see :mod:`prismgate.core.prompts`).
-
-This module dispatches the actions and tracks them; reading an action is
-:mod:`.actions`, running a GENERATE :mod:`.generate`:
-
-* ``GENERATE``: waits until its input tree is complete, renders it, streams the outputs;
-  GENERATEs run one at a time in the order their inputs become ready;
-* ``DROP`` (extension): forgets the named nodes (and descendants nothing else holds) once
-  every earlier action has read its inputs;
-* ``CANCEL`` (extension): stops the action that writes the named output; its outputs are
-  closed with what they have and the session goes on.
+:attr:`EvergreenSession.outbox`, and ends the session when :attr:`failed` resolves
+(:mod:`prismgate.codecs.evergreen.errors`). Each connection holds one core session, whose token
+timeline is the running conversation. This module dispatches and tracks the actions (reading
+one is :mod:`.actions`, running a GENERATE :mod:`.generate`): a ``GENERATE`` waits for its input
+tree, and GENERATEs run one at a time in the order their inputs become ready; ``DROP``
+(extension) forgets nodes once every earlier action has read its inputs; ``CANCEL`` (extension)
+stops the action writing the named output, closing its outputs with what they have.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Bounds-check a GraphPipe ``Request`` buffer before anything reads it.
 
-The flatbuffers Python runtime trusts every offset it follows: a hostile buffer makes it
-raise a bare ``struct.error`` / ``IndexError``, return garbage, or (through aliased offsets)
-expand a small body into gigabytes of decoded strings. This module walks the request
-exactly as the generated readers will (the same vtable and offset arithmetic) and
-rejects, with a message that says where, anything that points outside the buffer.
-
-What is checked, following the C++ ``flatbuffers::Verifier``:
-
-* the root offset, every table's vtable (inside the buffer, even size >= 4) and the
-  table's declared size; every present field lies inside its table;
-* every offset field (string, vector, sub-table, union) points inside the buffer, and a
-  vector's length times its element size fits; strings end with their NUL terminator;
-* the union type is known before its table is followed.
-
-Beyond the C++ verifier, the bytes that strings and vectors would decode to are counted
-against a budget proportional to the buffer size, so offsets that alias one large string
-many times are rejected instead of amplified. The work done is linear in the buffer size.
+The flatbuffers Python runtime trusts every offset it follows: a hostile buffer makes it raise
+a bare ``struct.error``, return garbage, or (through aliased offsets) expand a small body into
+gigabytes of strings. This module walks the request exactly as the generated readers will, with
+the checks of the C++ ``flatbuffers::Verifier`` and a budget on the bytes strings and vectors
+decode to, and rejects, saying where, anything out of bounds; its work is linear in the
+buffer's size. What it checks: docs/graphpipe.md, "Errors".
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """The merged KV cache of requests that decode together, kept from one batched step to the next.
 
-A batched decode step runs several requests' caches as one ``[batch, heads, width, dim]``
-cache, each left-padded to the longest (``width``). Merging the members' caches anew and
-copying each part back out on every step would copy all the batch's keys and values twice per
-generated token (a decode cost growing with the context, and heap churn under long prompts), so
-the merged cache outlives the step: while the same requests decode together, a step only appends
-one column (the model's own cache update), and the members' caches are rebuilt from it only when
-one joins or leaves (:meth:`BatchCache.step` regroups) or steps on its own (:meth:`BatchCache.leave`).
-
-The merged tensors are laid out exactly as a fresh merge lays them out (the same left padding
-of zeros, the same width, rows in the order of the step's members), so every row's logits are
-the same bits; tests/engines/test_batch_cache.py compares the two.
-While a request's keys and values are in the merged cache, its own cache holds none (an
-empty tensor per layer): a step that would run it on its own finds a cache that disagrees
-with its timeline and fails loudly rather than running on stale keys.
+A batched decode step runs the members' caches as one ``[batch, heads, width, dim]`` cache, each
+left-padded to the longest. Merging anew and copying back every step would copy all their keys
+and values twice per token, so the merge outlives the step: a step appends one column, and the
+members' caches are rebuilt only when one joins or leaves (:meth:`BatchCache.step`) or steps on
+its own (:meth:`BatchCache.leave`). The merge is laid out exactly as a fresh one, so every row's
+logits are the same bits (tests/engines/test_batch_cache.py). While a request is in the merge its
+own cache is empty: a step that ran it alone would fail loudly rather than use stale keys.
 """
 
 from __future__ import annotations

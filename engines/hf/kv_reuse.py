@@ -1,21 +1,12 @@
 """KV reuse between turns: each session's cache is kept, and a new turn runs only what changed.
 
-A session's KV cache (and the token ids it holds) is kept after its turn, least recently
-used first out once the total passes ``max_tokens`` tokens or ``max_bytes`` bytes (the bytes
-its tensors' storage holds: a token's keys and values are tens of kilobytes, so a token count
-alone would let idle sessions hold gigabytes). The next turn of that session keeps the
-longest prefix its tokens share with the cache and runs the rest through the model, except
-positions the client asked logprobs or readouts for: the cache keeps keys and values, not
-logits or hidden states, so those are recomputed rather than missing or stale. A cached
-position is kept only when it was computed under the steering this turn applies there
-(:func:`prismgate.core.steering.agreed_prefix`): the cache remembers its steered spans. A
-turn with gated steering needs the gate readout of the position before its first one to run,
-so the cache keeps the gate readouts of its positions too, and serves a turn only as far as
-it holds every readout the turn's gates read. A deterministic turn keeps only a cache that the
-batch-invariant kernels computed throughout (:mod:`prismgate.engines.hf.invariant`).
-
-The caches are touched by the worker thread only; other threads ask for a release through
-the scheduler.
+A session's KV cache (and the token ids it holds) is kept after its turn, least recently used
+out first past ``max_tokens`` tokens or ``max_bytes`` bytes of storage. The next turn keeps the
+longest prefix its tokens share with the cache, computed under the same steering, with the gate
+readouts its gates read, and by the batch-invariant kernels if the turn is deterministic; it
+runs the rest, and recomputes the cached positions it wants logprobs or readouts of (the cache
+holds keys and values, not logits). docs/engines.md, "KV reuse", says why each rule is there.
+The caches are touched by the worker thread only; other threads ask the scheduler to release.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """An SAE on the engine's device: encode a residual stream into feature activations, decode back.
 
-The arithmetic is SAELens's for each architecture (the tests check it against ``sae-lens`` on
-the same weights), in float32 whatever the model's dtype:
-
-* ``pre = (x - b_dec * apply_b_dec_to_input) @ W_enc + b_enc``;
-* standard: ``relu(pre)``; topk: the ``k`` largest of ``pre``, each through ``relu``, the rest 0;
-  jumprelu: ``relu(pre)`` where ``pre > threshold``, else 0;
-* ``decode(acts) = acts @ W_dec + b_dec``.
-
-The products go through :func:`~prismgate.engines.invariant_rows.matmul_rows`, so a token's
-features do not depend on what else is in the batch (the readouts' rule).
-
-:func:`decoder_direction` is what a steering entry naming a feature with a ``scale`` adds per unit
-of scale, on every engine (docs/steering.md).
+SAELens's arithmetic for each architecture (the tests check it against ``sae-lens`` on the same
+weights), in float32 whatever the model's dtype: ``pre = (x - b_dec * apply_b_dec_to_input) @
+W_enc + b_enc``, then ``relu(pre)`` (standard), the ``k`` largest through ``relu`` (topk), or
+``relu(pre)`` above ``threshold`` (jumprelu); ``decode(acts) = acts @ W_dec + b_dec``. Products go
+through :func:`~prismgate.engines.invariant_rows.matmul_rows`, so a token's features do not depend
+on its batch. :func:`decoder_direction` is what a steering entry naming a feature adds per unit
+of ``scale``, on every engine (docs/steering.md).
 """
 
 from __future__ import annotations

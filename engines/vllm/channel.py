@@ -1,20 +1,9 @@
 """The side channel that carries readouts, SAE features and prompt logprobs from vLLM's worker to the gateway.
 
-One ZMQ PUSH socket in each worker that sends (see :mod:`.worker`), one PULL socket bound by the gateway on an
-``ipc://`` path inside a private temporary folder. One multipart message per engine step:
-
-* frame 0: JSON header ``{"step": n, "layers": [pack indices] | null, "reqs": [{"key", "n",
-  "ro": [n, layers, concepts] | null, "lp": [[target_position, logprob, [top ids], [top logprobs]],
-  ...], "fe": [n, sae layers, k] | null, "fw": [n, sae layers, watched] | null}, ...]}``; ``layers``
-  names the pack's layers the readouts hold when the sender computes only some of them (a
-  pipeline stage), null when it computes all;
-* then, per request in header order, five frames: its absolute positions (``int64[n]``); when
-  ``ro`` is set its readouts (``float32[n, layers, concepts]``); when ``fe`` is set its SAE
-  features, top ids (``int32``) and activations (``float32``), both ``[n, sae layers, k]``; when
-  ``fw`` is set its watched features' activations (``float32[n, sae layers, watched]``). A frame
-  whose part is not set is empty.
-
-Plain JSON and raw little-endian arrays, no pickle: the receiving end trusts nothing but
+One ZMQ PUSH socket in each worker that sends (see :mod:`.worker`), one PULL socket bound by the
+gateway on an ``ipc://`` path inside a private temporary folder, one multipart message per
+engine step: a JSON header, then five frames per request of raw little-endian arrays
+(docs/vllm.md, "The side channel's frames"). No pickle: the receiving end trusts nothing but
 the shape it was told.
 """
 

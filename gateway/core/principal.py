@@ -1,19 +1,12 @@
 """Who is asking: the key a request authenticated with, and what that key may do.
 
-The edge authenticates (a bearer header, gRPC metadata, a WebSocket subprotocol) and
-yields a :class:`Principal`; the codec that read the wire runs its core calls inside
-:func:`acting_as`, and the core decides with it: which models a key may use, whether it
-may steer or read readouts and logprobs, which sessions are its own (another key's
-session does not exist for it), its limits and its share of a saturated pool.
-
-Why a context variable rather than one more argument on every service method: a
-principal belongs to the whole request, as its request id does in the logs, and
-every wire already runs a request's calls in one task (or tasks it spawns, which copy
-the context). :meth:`SessionService.generate` and friends read it once, when called,
-and carry it explicitly from there on.
-
-Without keys (no ``keys_file`` and no ``auth_token``) every caller is :data:`ANYONE`:
-one user who may do everything, as before keys existed.
+The edge authenticates (a bearer header, gRPC metadata, a WebSocket subprotocol) and yields a
+:class:`Principal`; the codec runs its core calls inside :func:`acting_as`, and the core decides
+with it: the models a key may use, whether it may steer or read readouts and logprobs, which
+sessions are its own, its limits and its share of a saturated pool. A context variable rather
+than one more argument on every method: a principal belongs to the whole request, like its
+request id in the logs, and :meth:`SessionService.generate` and friends read it once and carry
+it from there. Without keys every caller is :data:`ANYONE`, who may do everything.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Which web pages may talk to the server: ``Origin`` checks, CORS on ``/v1``, and the DNS-rebinding defence.
 
-A browser lets any page it shows send requests to a server on the user's own machine:
-a POST with a text body, a WebSocket, without asking the server first. Without a token,
-such a page could drive the model (and, through Evergreen file refs, read files). So:
-
-* a request that carries an ``Origin`` (browsers add it to every WebSocket, POST and
-  cross-origin request) is refused with 403 (WebSocket close 4403) unless the origin is
-  allowed: ``allowed_origins``, by default the server's own origin and pages served from
-  localhost. Requests without ``Origin`` (curl, SDKs, other servers) are not affected,
-  and neither are the open probe paths;
-* ``/v1`` answers CORS: preflights (``OPTIONS``) from allowed origins get 204 with the
-  methods and headers the OpenAI clients send, and answers carry
-  ``Access-Control-Allow-Origin``;
-* when the server listens on a loopback address, a ``Host`` header that is a DNS name must
-  be ``localhost`` or end in ``.localhost``: a page whose DNS name was rebound to 127.0.0.1
-  still sends its own name and gets 421. IP literals and single-label names (which no
-  public DNS name can be) pass.
+A browser lets any page it shows send requests to a server on the user's own machine (a POST
+with a text body, a WebSocket) without asking it first; without a token such a page could drive
+the model. So a request with a disallowed ``Origin`` is refused (403, WebSocket close 4403),
+``/v1`` answers CORS preflights from allowed origins, and on a loopback address a ``Host`` that
+is a DNS name other than ``localhost`` gets 421. The rules in full: docs/architecture.md,
+"Browsers and origins".
 """
 
 from __future__ import annotations

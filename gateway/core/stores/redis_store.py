@@ -1,18 +1,12 @@
 """Sessions in Redis: shared by every gateway replica and kept across restarts.
 
-A session is three keys under the store's prefix: ``s:<id>`` (a hash: model, the name of
-the key that owns it, tokens as little-endian int32, the image spans, the steering record and the standing steering as
-JSON), ``s:<id>:img`` (a hash: image bytes by SHA-256) and, while a generation runs,
-``s:<id>:lock`` (a random token with an expiry). Idle expiry is Redis's own key expiry,
-refreshed by every use. Two more keys serve the store-wide limits and metrics:
-``sessions`` (a sorted set of ids by expiry time) and ``lengths`` (a hash of token counts by id).
-
-Every change that must hold across replicas runs as one Lua script, so Redis applies it
-atomically: creation checks the session cap; a generation's lock is ``SET NX PX`` and its
-save writes the timeline only if the lock is still this generation's (a replica whose
-lock expired cannot overwrite a newer turn: it gets ABORTED, never a wrong timeline).
-The engines' KV caches stay per process and are only caches: a replica that meets a
-session it has not seen prefills it again.
+A session is three keys under the store's prefix: ``s:<id>`` (a hash: model, owning key, tokens
+as little-endian int32, image spans, steering record and standing steering as JSON),
+``s:<id>:img`` (image bytes by SHA-256) and, while a generation runs, ``s:<id>:lock`` (a random
+token with an expiry); idle expiry is Redis's own, refreshed by every use. ``sessions`` (ids by
+expiry) and ``lengths`` (token counts) serve the store-wide limits and metrics. Every change
+that must hold across replicas is one Lua script (docs/scaling.md): a save whose lock expired
+gets ABORTED, never a wrong timeline. KV caches stay per process: a replica prefills again.
 """
 
 from __future__ import annotations
