@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 
+from bench.common import default_model
 from prismgate.engines.hf.batch_cache import BatchCache
-from prismgate.engines.hf.loading import load
-from prismgate.engines.models import DEFAULT_MODEL_ID, default_model_path
 from tests.engines.batch_reference import per_step_merge
 
 
@@ -55,14 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps = 1, 8
-    adapter = load(
-        default_model_path(),
-        model_id=DEFAULT_MODEL_ID,
-        concept_pack=None,
-        device="cpu",
-        dtype="auto",
-        max_model_len=None,
-    ).adapter
+    adapter = default_model().adapter
     with torch.inference_mode():
         prefilled = adapter.new_cache()
         ids = [5 + i % 200 for i in range(args.context)]

@@ -177,3 +177,20 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     for r in rows:
         out.append("| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |")
     return "\n".join(out)
+
+
+def default_model(dtype: str = "auto", **options: Any) -> Any:
+    """The embedded default model (SmolLM2) loaded on the CPU as the transformers engine loads it,
+    without a concept pack; ``options`` are more keyword arguments of ``loading.load``."""
+    from prismgate.engines.hf.loading import load
+    from prismgate.engines.models import DEFAULT_MODEL_ID, default_model_path
+
+    return load(
+        default_model_path(),
+        model_id=DEFAULT_MODEL_ID,
+        concept_pack=None,
+        device="cpu",
+        dtype=dtype,
+        max_model_len=None,
+        **options,
+    )

@@ -27,20 +27,9 @@ def _measure(rounds: int, steps: int, prompt: int) -> dict[str, dict[str, list[f
     """{dtype: {"decode": tok/s per round, "prefill": tok/s per round}} in this process."""
     import torch
 
-    from prismgate.engines.hf.loading import load
-    from prismgate.engines.models import DEFAULT_MODEL_ID, default_model_path
+    from bench.common import default_model
 
-    adapters = {
-        dtype: load(
-            default_model_path(),
-            model_id=DEFAULT_MODEL_ID,
-            concept_pack=None,
-            device="cpu",
-            dtype=dtype,
-            max_model_len=None,
-        ).adapter
-        for dtype in ("bfloat16", "float32")
-    }
+    adapters = {dtype: default_model(dtype).adapter for dtype in ("bfloat16", "float32")}
     rates: dict[str, dict[str, list[float]]] = {d: {"decode": [], "prefill": []} for d in adapters}
     ids = [5 + i % 200 for i in range(prompt)]
     with torch.inference_mode():

@@ -19,20 +19,11 @@ import statistics
 import time
 from typing import Any
 
+from bench.common import default_model
+
 
 def _load(packed: bool) -> Any:
-    from prismgate.engines.hf.loading import load
-    from prismgate.engines.models import DEFAULT_MODEL_ID, default_model_path
-
-    loaded = load(
-        default_model_path(),
-        model_id=DEFAULT_MODEL_ID,
-        concept_pack=None,
-        device="cpu",
-        dtype="bfloat16",
-        max_model_len=None,
-        packed_weights=packed,
-    )
+    loaded = default_model("bfloat16", packed_weights=packed)
     print(f"packed={packed}: {loaded.info.packed_layers} layers, {loaded.info.packed_reason}", flush=True)
     return loaded.adapter
 
