@@ -14,11 +14,18 @@ from typing import Any
 
 import torch
 
+MIN_KEYS_ALONE = 256  # a single row over fewer keys keeps SDPA
 
-def takes(query: torch.Tensor, kw: dict[str, Any]) -> bool:
+
+def takes(query: torch.Tensor, key: torch.Tensor, kw: dict[str, Any]) -> bool:
     """Whether :func:`decode_attention` serves this call: one query per row, on CPU, plain softmax
-    (no soft cap, no attention sinks: those stay with the model's own attention)."""
-    return query.shape[2] == 1 and query.device.type == "cpu" and not kw.get("softcap") and kw.get("s_aux") is None
+    (no soft cap, no attention sinks: those stay with the model's own attention), and either a
+    batch of rows or at least :data:`MIN_KEYS_ALONE` keys. One row over a short context keeps
+    SDPA: its fixed cost there is a few percent of a step, and a short answer alone keeps the
+    bits it always had (the docs' examples print them)."""
+    if query.shape[2] != 1 or query.device.type != "cpu" or kw.get("softcap") or kw.get("s_aux") is not None:
+        return False
+    return query.shape[0] > 1 or key.shape[2] >= MIN_KEYS_ALONE
 
 
 def decode_attention(

@@ -141,10 +141,11 @@ def _dispatch(
     module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kw: Any
 ) -> tuple[torch.Tensor, Any]:
     """The attention transformers calls: the canonical order while the switch is on; else, at one
-    query per row on CPU, :mod:`~prismgate.engines.hf.decode_attention`, and SDPA otherwise."""
+    query per row on CPU, in a batch or over a long context, :mod:`~prismgate.engines.hf.decode_attention`,
+    and SDPA otherwise."""
     if SWITCH.active:
         return invariant_attention(module, query, key, value, attention_mask, **kw)
-    if decode_attention.takes(query, kw):
+    if decode_attention.takes(query, key, kw):
         return decode_attention.decode_attention(query, key, value, attention_mask, kw.get("scaling")), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -49,16 +49,20 @@ def test_it_is_as_accurate_as_sdpa(dtype: torch.dtype, heads: int, kv_heads: int
     assert our_error <= max(sdpa_error, 1e-6) * 1.01, (our_error, sdpa_error)
 
 
-def test_it_takes_only_single_queries_on_cpu_with_a_plain_softmax() -> None:
-    one, two = torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 2, 8)
-    assert da.takes(one, {"scaling": 0.1, "dropout": 0.0})
-    assert not da.takes(two, {})  # a prefill chunk: SDPA
-    assert not da.takes(one, {"softcap": 50.0})
-    assert not da.takes(one, {"s_aux": torch.zeros(2)})
-    assert da.takes(one, {"softcap": None, "s_aux": None})
+def test_it_takes_decode_steps_in_batches_or_over_long_contexts_on_cpu_with_a_plain_softmax() -> None:
+    short, long = torch.zeros(1, 2, 40, 8), torch.zeros(1, 2, da.MIN_KEYS_ALONE, 8)
+    one, batch, two = torch.zeros(1, 2, 1, 8), torch.zeros(3, 2, 1, 8), torch.zeros(1, 2, 2, 8)
+    assert da.takes(one, long, {"scaling": 0.1, "dropout": 0.0})
+    assert da.takes(batch, short.expand(3, -1, -1, -1), {})
+    assert not da.takes(one, short, {})  # one row over a short context: SDPA
+    assert not da.takes(two, long, {})  # a prefill chunk: SDPA
+    assert not da.takes(one, long, {"softcap": 50.0})
+    assert not da.takes(one, long, {"s_aux": torch.zeros(2)})
+    assert da.takes(one, long, {"softcap": None, "s_aux": None})
 
 
 def test_the_engines_decode_steps_come_here(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from prismgate.engines.hf.batch_cache import BatchCache
     from prismgate.engines.hf.loading import load
 
     adapter = load(
@@ -74,8 +78,13 @@ def test_the_engines_decode_steps_come_here(tiny_model_dir, monkeypatch: pytest.
     monkeypatch.setattr(da, "decode_attention", spy)
     layers = adapter.model.config.num_hidden_layers
     with torch.inference_mode():
-        cache = adapter.new_cache()
-        adapter.forward([5, 6, 7, 8], cache, 0, [], [], [3])
-        assert calls == []  # a prompt: SDPA
-        adapter.forward([9], cache, 4, [], [], [0])
-    assert len(calls) == layers and calls[0][2] == 1
+        caches = []
+        for row in range(2):
+            cache = adapter.new_cache()
+            adapter.forward([5 + row, 6, 7, 8], cache, 0, [], [], [3])
+            caches.append(cache)
+        assert calls == []  # prompts: SDPA
+        adapter.forward([9], caches[0], 4, [], [], [0])
+        assert calls == []  # one row over 5 keys: SDPA
+        BatchCache(adapter).step([10, 10], caches, [5, 4])
+    assert len(calls) == layers and calls[0][:3] == (2, calls[0][1], 1)

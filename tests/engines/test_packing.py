@@ -57,7 +57,7 @@ def _specs(n: int, layer: int, gate_layer: int, concepts: tuple[str, str]) -> li
 
 
 async def _answers(engine: TransformersEngine, layers: tuple[int, int], concepts: tuple[str, str]) -> list[Any]:
-    """Each spec on each prompt, one at a time, then all prompts at once (a batched decode)."""
+    """Each spec on each prompt, one at a time, then all prompts at once (batched decode steps)."""
     answers = []
     for text in PROMPTS:
         prompt = chat(engine, text)
@@ -65,7 +65,8 @@ async def _answers(engine: TransformersEngine, layers: tuple[int, int], concepts
             events, _ = await run(engine, prompt, **spec)
             answers.append(fingerprint(events))
     prompts = [chat(engine, text) for text in PROMPTS]
-    together = await asyncio.gather(*(run(engine, p, **_specs(len(p), *layers, concepts)[0]) for p in prompts))
+    # deterministic: batch-invariant, so the bits cannot depend on which step each one joined
+    together = await asyncio.gather(*(run(engine, p, **_specs(len(p), *layers, concepts)[1]) for p in prompts))
     answers += [fingerprint(events) for events, _ in together]
     return answers
 
@@ -82,6 +83,7 @@ async def _compare(model: Path, model_id: str, pack: Path, layers: tuple[int, in
             dtype="bfloat16",
             device="cpu",
             packed_weights=packed,
+            step_target_ms=0,  # chunk sizes from the work alone, not from measured time: the same batches in both runs
         )
         await engine.start()
         try:
