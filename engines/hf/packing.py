@@ -49,8 +49,11 @@ def pack(model: Any, *, enabled: bool = True) -> Packing:
     refusal = _refusal(layers, enabled)
     if refusal is not None:
         return Packing(0, refusal)
-    products = {id(layer): _packed_product(layer) for layer in layers}
-    mismatch = _first_mismatch(layers, products)
+    try:  # oneDNN refuses where the CPU has no bf16 path (AVX2 alone): "... needs the cpu support ..."
+        products = {id(layer): _packed_product(layer) for layer in layers}
+        mismatch = _first_mismatch(layers, products)
+    except RuntimeError as exc:
+        return Packing(0, f"not packed: oneDNN cannot pack here: {str(exc).splitlines()[0]}")
     if mismatch is not None:
         return Packing(0, f"not packed: {mismatch}")
     shared = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -97,7 +100,8 @@ async def _compare(model: Path, model_id: str, pack: Path, layers: tuple[int, in
     layers, reason, answers = results[True]
     assert results[False][:2] == (0, "not packed: packed_weights = false")
     if layers == 0:
-        assert reason.startswith("not packed: packed products of a"), reason  # the check refused: nothing changed
+        # the check or oneDNN refused (another CPU): nothing changed
+        assert reason.startswith(("not packed: packed products of a", "not packed: oneDNN cannot pack here")), reason
         pytest.skip(f"this CPU's oneDNN gives other bits packed: {reason}")
     assert answers == results[False][2]
 
@@ -140,6 +144,9 @@ def test_a_packed_product_with_other_bits_packs_nothing(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = _bf16_copy(tiny_model_dir, tmp_path / "tiny-bf16")
+    here = _loaded(model).info
+    if here.packed_layers == 0:
+        pytest.skip(here.packed_reason)  # nothing to plant a difference in on this CPU
     honest = packing._packed_product
 
     def off_by_a_bit(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -152,6 +159,22 @@ def test_a_packed_product_with_other_bits_packs_nothing(
     assert "at 17 rows differ from the eager ones on this CPU" in loaded.info.packed_reason
     layers = [m for m in loaded.adapter.model.modules() if type(m) is torch.nn.Linear]
     assert not any(hasattr(layer, packing._PRODUCT) for layer in layers)
+
+
+def test_a_cpu_without_onednns_bf16_path_serves_unpacked(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """oneDNN held to AVX2 (as on a CPU without AVX-512) refuses to pack bf16: the model loads unpacked."""
+    model = _bf16_copy(tiny_model_dir, tmp_path / "tiny-bf16")
+    code = (
+        "from pathlib import Path\nfrom prismgate.engines.hf.loading import load\n"
+        f"info = load(Path({str(model)!r}), model_id='m', concept_pack=None, device='cpu', dtype='bfloat16',"
+        " max_model_len=None).info\n"
+        "print(info.packed_layers, info.packed_reason)"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("0 not packed: "), last
 
 
 def test_a_packed_layer_holds_one_copy_and_refuses_other_input(tiny_model_dir: Path, tmp_path: Path) -> None:
