@@ -2,7 +2,7 @@
 
 On CPU a bfloat16 linear layer runs as a oneDNN matrix product that reorders its weight into
 oneDNN's blocked layout on every call; at one decode row the reorder costs about as much as the
-product (docs/benchmarks.md, "Prepacked weights"). Packed at load, the product runs the same
+product (docs/benchmarks.md, "The transformers engine's CPU kernels"). Packed at load, the product runs the same
 kernel with the same order of additions, so every bit stays what it was: :func:`pack` checks
 that on this CPU for each layer shape before it keeps anything, and otherwise leaves the model as
 it was and says why (float32's eager products are MKL's, not oneDNN's: never packed).

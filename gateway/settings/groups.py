@@ -248,8 +248,9 @@ class TransformersOptions(Group):
     packed_weights: bool = setting(
         True,
         "transformers engine: on CPU, pack bfloat16 linear layers' weights once at start for oneDNN instead of on "
-        "every product (faster: docs/benchmarks.md, 'Prepacked weights'), where the start-up check finds the same "
-        "bits as unpacked; /readyz says whether and why. Holds a second copy of those weights. false: never.",
+        "every product (faster: docs/benchmarks.md, 'The transformers engine's CPU kernels'), where the start-up "
+        "check finds the same bits as unpacked; /readyz says whether and why. The packed copy replaces each weight "
+        "no other module shares (a tied LM head keeps the embedding's). false: never.",
     )
     grammar_cache_bytes: int = setting(
         64 << 20,
