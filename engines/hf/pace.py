@@ -5,7 +5,9 @@ for every chunk of the round. While others wait (decoding streams, queued reques
 prefilling), the round's prefill is sized to last about ``target_s``: the requests with prompt
 left take turns (the one that stepped least recently first), each taking a chunk that fits what
 is left of the round's time, until the time is spent; at least one chunk runs each round, of at
-least ``floor`` tokens. Alone, a request prefills ``ceiling`` tokens a step.
+least ``floor`` tokens. Alone, a request's chunks grow to last up to :data:`ALONE` targets (at
+most ``ceiling`` tokens), not more: a step under way cannot be cut short, and a newcomer waits
+for it.
 
 The time a chunk takes is measured, not guessed: seconds per prompt token, a moving average per
 context size (attention makes deeper positions dearer) and per kind (a prompt whose positions
@@ -18,6 +20,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+# Alone, a step may last this many targets. Chunks of a few hundred positions already run at nearly
+# the rate of the largest (docs/benchmarks.md), so a long prompt alone loses little, and a newcomer
+# that arrives during the step waits for at most this, then one round of a target.
+ALONE = 2.5
 
 
 @dataclass(frozen=True)
@@ -36,7 +43,7 @@ class Pace:
         *,
         ceiling: int,
         target_s: float,
-        floor: int = 64,
+        floor: int = 32,
         align: int = 32,
         weight: float = 0.5,
         clock: Callable[[], float] = time.perf_counter,
@@ -53,8 +60,10 @@ class Pace:
 
     @staticmethod
     def bucket(context: int) -> int:
-        """Contexts of about the same cost per token: below 256, then one per doubling."""
-        return (context // 256).bit_length()
+        """Contexts of about the same cost per token: one per 256 positions. Attention makes a
+        token's cost grow with the context before it, so a chunk costed at the rate of a bucket
+        too shallow overruns its time, and a newcomer waits for that."""
+        return context // 256
 
     def rate(self, context: int, outputs: bool) -> float | None:
         """Seconds per prompt token at ``context``: its bucket's, else the nearest measured one's (below first)."""
@@ -81,12 +90,12 @@ class Pace:
         between requests that last stepped in the same round."""
         self._round += 1
         self._served = {p.key: self._served[p.key] for p in prefills if p.key in self._served}
-        if self.target_s <= 0 or not (others_wait or len(prefills) > 1):
+        if self.target_s <= 0:
             for p in prefills:
                 self._served[p.key] = self._round
             return {p.key: self.ceiling for p in prefills}
         chosen: dict[int, int] = {}
-        budget = self.target_s
+        budget = self.target_s if others_wait or len(prefills) > 1 else self.target_s * ALONE
         for p in sorted(prefills, key=lambda p: self._served.get(p.key, -1)):
             rate = self.rate(p.context, p.outputs)
             if rate is None:  # unmeasured: the smallest chunk, which measures it, and nothing else this round

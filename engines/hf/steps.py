@@ -35,7 +35,7 @@ from prismgate.engines.sae.probe import Captured, FeatureProbe
 # reduced to its top-k as soon as the chunk has run, so this bounds those rows however large an
 # operator sets prefill_chunk. Not fewer: every chunk grows each layer's keys and values by a
 # copy, and small chunks fragment the heap (figures in docs/benchmarks.md). The pace
-# (:mod:`~prismgate.engines.hf.pace`) still goes down to 64-token chunks while others wait: the
+# (:mod:`~prismgate.engines.hf.pace`) still goes down to 32-token chunks while others wait: the
 # scheduler trims the heap after rounds that prefill, and the smallest chunks run only when a
 # round's time allows no more.
 SCORED_CHUNK = 512

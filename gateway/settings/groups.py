@@ -227,8 +227,9 @@ class TransformersOptions(Group):
     step_target_ms: NonNegative = setting(
         200,
         "transformers engine: while other requests wait, each round's prefill is sized from the measured seconds "
-        "per prompt token to last about this long (at least one 64-token chunk): chunks shrink and prompts "
-        "prefilling take turns; alone, a prompt runs prefill_chunk tokens a step. 0: no bound.",
+        "per prompt token to last about this long (at least one 32-token chunk): chunks shrink and prompts "
+        "prefilling take turns; alone, a prompt's steps last up to 2.5 times this (at most prefill_chunk tokens), "
+        "since a newcomer waits for the step under way. 0: no bound, prefill_chunk tokens a step.",
     )
     max_cached_tokens: int = setting(1 << 18, "transformers engine: KV-cache tokens kept across session turns (LRU).")
     max_cached_bytes: int = setting(

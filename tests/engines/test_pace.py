@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prismgate.engines.hf.pace import Pace, Prefill
+from prismgate.engines.hf.pace import ALONE, Pace, Prefill
 
 MS = 0.001
 
@@ -13,24 +13,29 @@ def one(key: int = 1, context: int = 0, left: int = 4000, outputs: bool = False)
     return Prefill(key, context, left, outputs)
 
 
-def test_alone_a_request_takes_full_chunks_however_slow() -> None:
+def test_alone_a_request_takes_chunks_of_a_few_targets_not_the_ceiling_however_slow() -> None:
     pace = Pace(ceiling=512, target_s=0.2)
     pace.record(0, 512, False, 5.0)  # ten milliseconds a token: a full chunk is 25 times the target
-    assert pace.plan([one()], others_wait=False) == {1: 512}
+    assert pace.plan([one()], others_wait=False) == {1: 32}  # 50 tokens last 2.5 targets: the floor
+    fast = Pace(ceiling=512, target_s=0.2)
+    fast.record(0, 512, False, 512 * 0.1 * MS)
+    assert fast.plan([one()], others_wait=False) == {1: 512}  # the ceiling bounds it
+    assert ALONE == 2.5
 
 
 def test_chunks_shrink_to_the_target_while_others_wait_and_grow_back_alone() -> None:
     pace = Pace(ceiling=512, target_s=0.2)
-    assert pace.plan([one()], others_wait=True) == {1: 64}  # not measured yet: the smallest chunk measures it
+    assert pace.plan([one()], others_wait=True) == {1: 32}  # not measured yet: the smallest chunk measures it
     pace.record(0, 64, False, 64 * MS)  # a millisecond a token
     assert pace.plan([one()], others_wait=True) == {1: 192}  # 200 tokens fit, aligned down to a multiple of 32
-    assert pace.plan([one()], others_wait=False) == {1: 512}
+    assert pace.plan([one()], others_wait=False) == {1: 480}  # alone: 2.5 targets' worth, 500 tokens
 
 
 def test_the_floor_and_the_ceiling_bound_every_chunk() -> None:
     slow = Pace(ceiling=512, target_s=0.2)
     slow.record(0, 64, False, 64 * 100 * MS)  # a tenth of a second a token: even the floor overruns
-    assert slow.plan([one()], others_wait=True) == {1: 64}
+    assert slow.plan([one()], others_wait=True) == {1: 32}
+    assert slow.plan([one()], others_wait=False) == {1: 32}
     fast = Pace(ceiling=512, target_s=0.2)
     fast.record(0, 512, False, 512 * 0.001 * MS)
     assert fast.plan([one()], others_wait=True) == {1: 512}
@@ -53,7 +58,7 @@ def test_deeper_contexts_and_scored_prompts_are_costed_apart() -> None:
     pace.record(3000, 64, False, 64 * 4 * MS)
     pace.record(0, 64, True, 64 * 2 * MS)
     assert pace.plan([one(context=100)], others_wait=True) == {1: 192}
-    assert pace.plan([one(context=3100)], others_wait=True) == {1: 64}  # 50 tokens fit: the floor
+    assert pace.plan([one(context=3100)], others_wait=True) == {1: 32}  # 50 tokens fit, aligned down
     assert pace.plan([one(context=100, outputs=True)], others_wait=True) == {1: 96}
     # a bucket not measured yet takes the nearest shallower one's cost
     assert pace.rate(1500, False) == MS
@@ -62,7 +67,7 @@ def test_deeper_contexts_and_scored_prompts_are_costed_apart() -> None:
 
 def test_several_prefilling_requests_take_turns_within_the_round() -> None:
     pace = Pace(ceiling=512, target_s=0.2)
-    pace.record(0, 64, False, 64 * 2 * MS)  # two milliseconds a token: one floor chunk (128 ms) per round
+    pace.record(0, 64, False, 64 * 2 * MS)  # two milliseconds a token: 96 tokens fill a round
     prefills = [one(1), one(2), one(3)]
     rounds = [pace.plan(prefills, others_wait=True) for _ in range(6)]
     assert rounds == [{1: 96}, {2: 96}, {3: 96}] * 2  # each round's 200 ms goes to one of them, in turn
@@ -94,3 +99,11 @@ def test_requests_that_left_are_forgotten() -> None:
     pace.plan([one(1), one(2)], others_wait=True)
     pace.plan([one(3)], others_wait=True)
     assert set(pace._served) == {3}
+
+
+def test_a_deep_chunk_is_costed_at_the_nearest_depth_not_at_a_shallower_one() -> None:
+    pace = Pace(ceiling=512, target_s=0.2)
+    pace.record(2048, 64, False, 64 * MS)
+    pace.record(3300, 64, False, 64 * 3 * MS)  # attention: three times dearer 1,250 positions deeper
+    assert pace.plan([one(context=3400)], others_wait=True) == {1: 64}  # at 3 ms a token, not a blend of both
+    assert pace.plan([one(context=2100)], others_wait=True) == {1: 192}
