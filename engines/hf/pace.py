@@ -12,7 +12,9 @@ for it.
 The time a chunk takes is measured, not guessed: seconds per prompt token, a moving average per
 context size (attention makes deeper positions dearer) and per kind (a prompt whose positions
 are scored or read out costs more per token). A cost not yet measured gets the smallest chunk,
-which measures it. Chunk sizes are multiples of ``align``, so the shapes the model sees stay few.
+which measures it; but a prompt alone that fits in one chunk takes it whole, so the first short
+prompt after a start runs in the one chunk that later ones of its size run in (the same bits).
+Chunk sizes are multiples of ``align``, so the shapes the model sees stay few.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-# Alone, a step may last this many targets. Chunks of a few hundred positions already run at nearly
-# the rate of the largest (docs/benchmarks.md), so a long prompt alone loses little, and a newcomer
-# that arrives during the step waits for at most this, then one round of a target.
+# Alone, a step may last this many targets: a newcomer that arrives during it waits for at most
+# this, then a round of one target. The price is paid by a long prompt alone, which prefills about
+# a tenth slower than in full chunks (docs/benchmarks.md, "Waiting behind a long prompt").
 ALONE = 2.5
 
 
@@ -95,12 +97,13 @@ class Pace:
                 self._served[p.key] = self._round
             return {p.key: self.ceiling for p in prefills}
         chosen: dict[int, int] = {}
-        budget = self.target_s if others_wait or len(prefills) > 1 else self.target_s * ALONE
+        contended = others_wait or len(prefills) > 1
+        budget = self.target_s if contended else self.target_s * ALONE
         for p in sorted(prefills, key=lambda p: self._served.get(p.key, -1)):
             rate = self.rate(p.context, p.outputs)
-            if rate is None:  # unmeasured: the smallest chunk, which measures it, and nothing else this round
+            if rate is None:  # unmeasured: a chunk that measures it, and nothing else this round
                 if not chosen:
-                    chosen[p.key] = self.floor
+                    chosen[p.key] = self.floor if contended or p.left > self.ceiling else self.ceiling
                     self._served[p.key] = self._round
                 break
             size = self.fit(budget / rate) if rate > 0 else self.ceiling

@@ -15,6 +15,8 @@ def one(key: int = 1, context: int = 0, left: int = 4000, outputs: bool = False)
 
 def test_alone_a_request_takes_chunks_of_a_few_targets_not_the_ceiling_however_slow() -> None:
     pace = Pace(ceiling=512, target_s=0.2)
+    assert pace.plan([one(left=500)], others_wait=False) == {1: 512}  # not measured, but it fits: one chunk
+    assert pace.plan([one(left=4000)], others_wait=False) == {1: 32}  # not measured: the smallest chunk measures it
     pace.record(0, 512, False, 5.0)  # ten milliseconds a token: a full chunk is 25 times the target
     assert pace.plan([one()], others_wait=False) == {1: 32}  # 50 tokens last 2.5 targets: the floor
     fast = Pace(ceiling=512, target_s=0.2)
