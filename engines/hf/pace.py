@@ -5,7 +5,8 @@ for every chunk of the round. While others wait (decoding streams, queued reques
 prefilling), the round's prefill is sized to last about ``target_s``: the requests with prompt
 left take turns (the one that stepped least recently first), each taking a chunk that fits what
 is left of the round's time, until the time is spent; at least one chunk runs each round, of at
-least ``floor`` tokens. Alone, a request's chunks grow to last up to :data:`ALONE` targets (at
+least ``floor`` tokens, and none leaves a remainder shorter than that (a short prompt is not
+split over two rounds). Alone, a request's chunks grow to last up to :data:`ALONE` targets (at
 most ``ceiling`` tokens), not more: a step under way cannot be cut short, and a newcomer waits
 for it.
 
@@ -107,6 +108,8 @@ class Pace:
                     self._served[p.key] = self._round
                 break
             size = self.fit(budget / rate) if rate > 0 else self.ceiling
+            if size < p.left <= min(size + self.floor, self.ceiling):
+                size = p.left  # what would be left is shorter than the floor: not a round of its own
             cost = min(size, p.left) * rate
             if chosen and cost > budget:
                 break  # not even the smallest chunk fits what is left of the round

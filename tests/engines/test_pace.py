@@ -109,3 +109,11 @@ def test_a_deep_chunk_is_costed_at_the_nearest_depth_not_at_a_shallower_one() ->
     pace.record(3300, 64, False, 64 * 3 * MS)  # attention: three times dearer 1,250 positions deeper
     assert pace.plan([one(context=3400)], others_wait=True) == {1: 64}  # at 3 ms a token, not a blend of both
     assert pace.plan([one(context=2100)], others_wait=True) == {1: 192}
+
+
+def test_a_prompt_is_not_split_to_leave_less_than_the_floor_for_another_round() -> None:
+    pace = Pace(ceiling=512, target_s=0.2)
+    pace.record(0, 64, False, 64 * 5 * MS)  # five milliseconds a token: 40 tokens fit, 32 once aligned
+    assert pace.plan([one(left=4000)], others_wait=True) == {1: 32}
+    assert pace.plan([one(left=50)], others_wait=True) == {1: 50}  # not 32 now and 18 a round later
+    assert pace.plan([one(left=65)], others_wait=True) == {1: 32}  # 33 left: a chunk of its own
