@@ -1,13 +1,14 @@
 """Decode and prefill rates of the default model in bfloat16 with its weights packed and eager.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m bench.packed_weights [--rounds 9] [--batches 1,4,8]
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.packed_weights [--quick] [--rounds 9] [--batches 1,4,8]
 
-SmolLM2's adapter, driven directly (no engine, no wire), loaded twice in bfloat16: with
-``packed_weights`` (:mod:`prismgate.engines.hf.packing`) and without; rounds alternate the two.
+SmolLM2's adapter, driven directly (no engine, no wire), loaded three times in bfloat16: packed
+as the engine packs it (:mod:`prismgate.engines.hf.packing`: siblings that read one input share
+one product), packed with every layer apart, and eager; rounds alternate the order.
 Per round: a ``--prompt``-token prefill in 512-token chunks (its tokens/s), then ``--steps``
 decode steps of each batch size of ``--batches`` (batches of more than one through the engine's
-merged batch cache), tokens/s over every row. Prints medians, the spread over rounds, and packed
-over eager per round; the machine should be otherwise idle.
+merged batch cache), tokens/s over every row. Prints medians, the spread over rounds, and each
+arm over eager per round (results in ``packed_weights.json``); the machine should be otherwise idle.
 """
 
 from __future__ import annotations
@@ -19,12 +20,19 @@ import statistics
 import time
 from typing import Any
 
-from bench.common import default_model
+from bench.common import default_model, write_results
+
+ARMS = ("packed", "apart", "eager")  # as the engine packs; packed with siblings apart; not packed
 
 
-def _load(packed: bool) -> Any:
-    loaded = default_model("bfloat16", packed_weights=packed)
-    print(f"packed={packed}: {loaded.info.packed_layers} layers, {loaded.info.packed_reason}", flush=True)
+def _load(arm: str) -> Any:
+    from prismgate.engines.hf import packing
+
+    loaded = default_model("bfloat16", packed_weights=arm == "packed")
+    if arm == "apart":
+        print(f"apart: {packing.pack(loaded.adapter.model, fuse=False)}", flush=True)
+    else:
+        print(f"{arm}: {loaded.info.packed_layers} layers, {loaded.info.packed_reason}", flush=True)
     return loaded.adapter
 
 
@@ -57,38 +65,44 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="3 rounds, a 1,024-token prompt, 16 steps")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=32, help="decode steps per batch size per round")
     parser.add_argument("--batches", default="1,4,8", help="decode batch sizes")
     parser.add_argument("--prompt", type=int, default=3500, help="prompt tokens prefilled per round")
     parser.add_argument("--context", type=int, default=64, help="prompt tokens before each decode row")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.prompt, args.steps = 3, 1024, 16
     batches = [int(b) for b in args.batches.split(",")]
     print(
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"
     )
-    adapters = {"packed": _load(True), "eager": _load(False)}
+    adapters = {arm: _load(arm) for arm in ARMS}
     rates: dict[str, dict[str, list[float]]] = {name: {} for name in adapters}
     ids = [5 + i % 200 for i in range(args.prompt)]
     with torch.inference_mode():
         for round_ in range(args.rounds):
-            for name in list(adapters) if round_ % 2 == 0 else list(reversed(adapters)):
+            for name in ARMS[round_ % 3 :] + ARMS[: round_ % 3]:
                 adapter = adapters[name]
                 rates[name].setdefault("prefill", []).append(_prefill(adapter, ids)[1])
                 for batch in batches:
                     rate = _decode(adapter, batch, args.steps, args.context)
                     rates[name].setdefault(f"decode x{batch}", []).append(rate)
             print(f"round {round_ + 1}/{args.rounds} done", flush=True)
-    print("\n| tokens/s | packed | eager | packed/eager |\n|---|---|---|---|")
+    print("\n| tokens/s | packed | apart | eager | packed/apart | packed/eager |\n|---|---|---|---|---|---|")
     for kind in rates["packed"]:
-        packed, eager = rates["packed"][kind], rates["eager"][kind]
-        ratios = [p / e for p, e in zip(packed, eager, strict=True)]
-        print(
-            f"| {kind} | {statistics.median(packed):.1f} ({min(packed):.1f}-{max(packed):.1f}) "
-            f"| {statistics.median(eager):.1f} ({min(eager):.1f}-{max(eager):.1f}) "
-            f"| {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |"
-        )
+        cells = [_spread(rates[arm][kind], ".1f") for arm in ARMS]
+        for other in ("apart", "eager"):
+            ratios = [p / o for p, o in zip(rates["packed"][kind], rates[other][kind], strict=True)]
+            cells.append(_spread(ratios, ".2f"))
+        print(f"| {kind} | " + " | ".join(cells) + " |")
+    write_results("packed_weights", {"threads": torch.get_num_threads(), "args": vars(args), "rates": rates})
     return 0
+
+
+def _spread(values: list[float], spec: str) -> str:
+    return f"{statistics.median(values):{spec}} ({min(values):{spec}}-{max(values):{spec}})"
 
 
 if __name__ == "__main__":

@@ -165,6 +165,7 @@ def install(model: Any) -> bool:
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
     model.set_attn_implementation(ATTENTION)
     for layer in model.modules():
-        if type(layer) is torch.nn.Linear:  # subclasses (quantized layers) have forwards of their own
+        # subclasses (quantized layers) have forwards of their own; fused siblings run in blocks already
+        if type(layer) is torch.nn.Linear and not packing.fused(layer):
             layer.forward = _padding_forward(layer)  # type: ignore[method-assign]
     return True

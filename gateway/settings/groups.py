@@ -251,7 +251,8 @@ class TransformersOptions(Group):
         "transformers engine: on CPU, pack bfloat16 linear layers' weights once at start for oneDNN instead of on "
         "every product (faster: docs/benchmarks.md, 'The transformers engine's CPU kernels'), where the start-up "
         "check finds the same bits as unpacked; /readyz says whether and why. The packed copy replaces each weight "
-        "no other module shares (a tied LM head keeps the embedding's). false: never.",
+        "no other module shares (a tied LM head keeps the embedding's); sibling layers that read one input (query, key "
+        "and value; gate and up) are packed as one product. false: never.",
     )
     grammar_cache_bytes: int = setting(
         64 << 20,

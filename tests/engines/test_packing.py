@@ -196,3 +196,56 @@ def test_readyz_says_whether_the_weights_are_packed(live_server: Any) -> None:
     packed = ready["packed_weights"]
     assert packed["reason"].startswith(("packed: ", "not packed: ")), packed
     assert (packed["layers"] > 0) == packed["reason"].startswith("packed: ")
+
+
+def test_siblings_share_one_product_with_each_layers_bits(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Query, key and value (and gate and up) run as one product; each still gets its own bits,
+    whichever input it is called with."""
+    model = _bf16_copy(tiny_model_dir, tmp_path / "tiny-bf16")
+    eager = load(
+        model, model_id="m", concept_pack=None, device="cpu", dtype="auto", max_model_len=None, packed_weights=False
+    ).adapter.model
+    loaded = _loaded(model)
+    if loaded.info.packed_layers == 0:
+        pytest.skip(loaded.info.packed_reason)
+    attention, reference = loaded.adapter.model.model.layers[0].self_attn, eager.model.layers[0].self_attn
+    assert all(packing.fused(getattr(attention, name)) for name in ("q_proj", "k_proj", "v_proj"))
+    assert not packing.fused(attention.o_proj)
+    x, other = (torch.randn(5, attention.q_proj.in_features).to(torch.bfloat16) for _ in range(2))
+    with torch.inference_mode():
+        for name, given in (("q_proj", x), ("k_proj", x), ("v_proj", other), ("q_proj", other), ("k_proj", x)):
+            out = getattr(attention, name)(given)
+            assert out.is_contiguous()
+            assert torch.equal(out, getattr(reference, name)(given)), name
+
+
+def test_fused_siblings_with_other_bits_pack_nothing(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start-up check compares each sibling's slice of the shared product with its own layer."""
+    model = _bf16_copy(tiny_model_dir, tmp_path / "tiny-bf16")
+    if _loaded(model).info.packed_layers == 0:
+        pytest.skip("nothing packs on this CPU")
+    honest = packing._packed_product
+    widths = {sum(layer.out_features for layer in group) for group in _groups(model)}
+
+    def off_in_a_shared_product(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+        product = honest(layer)
+        if layer.out_features not in widths:
+            return product
+        return lambda x: product(x) * (1 + 2**-7) if x.shape[0] == 3 else product(x)
+
+    monkeypatch.setattr(packing, "_packed_product", off_in_a_shared_product)
+    loaded = _loaded(model)
+    assert loaded.info.packed_layers == 0
+    assert "at 3 rows differ from the eager ones on this CPU" in loaded.info.packed_reason
+
+
+def _groups(model: Path) -> list[tuple[torch.nn.Linear, ...]]:
+    from collections import Counter
+
+    eager = load(
+        model, model_id="m", concept_pack=None, device="cpu", dtype="auto", max_model_len=None, packed_weights=False
+    ).adapter.model
+    shared = Counter(id(p) for _, p in eager.named_parameters(remove_duplicate=False))
+    return packing._sibling_groups(eager, shared)
