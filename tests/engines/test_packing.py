@@ -249,3 +249,30 @@ def _groups(model: Path) -> list[tuple[torch.nn.Linear, ...]]:
     ).adapter.model
     shared = Counter(id(p) for _, p in eager.named_parameters(remove_duplicate=False))
     return packing._sibling_groups(eager, shared)
+
+
+def test_fused_siblings_run_in_the_invariant_blocks_while_the_switch_is_on() -> None:
+    """Deterministic requests need every product in blocks of BLOCK_ROWS rows; the engine does not
+    wrap fused siblings again, so their shared product must do it itself."""
+    from prismgate.engines.invariant_rows import BLOCK_ROWS, SWITCH
+
+    siblings = tuple(torch.nn.Linear(16, n, bias=False).to(torch.bfloat16) for n in (16, 8))
+    try:
+        fused = packing.Fused(siblings)
+    except RuntimeError as exc:  # a CPU without oneDNN's bf16 path
+        pytest.skip(f"oneDNN cannot pack here: {exc}")
+    rows: list[int] = []
+    honest = fused._product
+
+    def counted(x: torch.Tensor) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return honest(x)
+
+    fused._product = counted
+    x = torch.randn(5, 16).to(torch.bfloat16)
+    with torch.inference_mode():
+        fused.part(0)(x)
+        with SWITCH.on():
+            switched = fused.part(1)(torch.randn(13, 16).to(torch.bfloat16))
+    assert rows == [5, BLOCK_ROWS, BLOCK_ROWS]
+    assert switched.shape == (13, 8)
