@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import time
 import uuid
@@ -28,6 +29,34 @@ from tests.salience.conftest import connect
 pytestmark = pytest.mark.compose
 
 ROOT = Path(__file__).resolve().parents[2]
+# published ports whose defaults lie in Linux's ephemeral range (32768-60999), with the stand-in
+# this test publishes on instead, below it: any process may hold an ephemeral port (an outgoing
+# connection, a server bound to port 0), and CI runs the other tiers beside this one
+EPHEMERAL_DEFAULTS = {
+    "PRISMGATE_LB_GRPC_PUBLISH": 20050,
+    "PRISMGATE_A_GRPC_PUBLISH": 20151,
+    "PRISMGATE_B_GRPC_PUBLISH": 20152,
+}
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def _publish_outside_the_ephemeral_range() -> None:
+    """Set each of :data:`EPHEMERAL_DEFAULTS` the caller left unset to a free port below the
+    ephemeral range (its stand-in or the next free one), for compose and for this module alike."""
+    for name, port in EPHEMERAL_DEFAULTS.items():
+        if name not in os.environ:
+            os.environ[name] = str(next(p for p in range(port, port + 100) if _free(p)))
+
+
+_publish_outside_the_ephemeral_range()
 PROJECT = os.environ.get("COMPOSE_PROJECT_NAME", "prismgate")
 LABEL = f"label=com.docker.compose.project={PROJECT}"
 LB_HTTP = f"http://127.0.0.1:{os.environ.get('PRISMGATE_LB_HTTP_PUBLISH', '8080')}"
