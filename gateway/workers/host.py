@@ -108,8 +108,12 @@ class EngineHost:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
-        server = await asyncio.start_unix_server(self._serve, path=self.path, limit=1 << 24)
-        os.chmod(self.path, 0o600)
+        # bound, listening and private under another name, then moved into place: whoever finds the
+        # path (the supervisor and the front-ends wait for it) can connect, and no one else could
+        pending = f"{self.path}.new"
+        server = await asyncio.start_unix_server(self._serve, path=pending, limit=1 << 24)
+        os.chmod(pending, 0o600)
+        os.replace(pending, self.path)
         tasks = [
             asyncio.create_task(self._load(), name="engine-load"),
             asyncio.create_task(self._push_status(), name="status"),

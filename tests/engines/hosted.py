@@ -59,13 +59,7 @@ class HostedEngine:
             assert self._process.is_alive(), "the engine host died"
             await asyncio.sleep(0.02)
         self._link = HostLink(self._path, workers=1)
-        while True:
-            try:
-                await self._link.connect()
-                break
-            except ConnectionRefusedError:  # the socket is bound but not yet listening: the host is still starting
-                assert self._process.is_alive(), "the engine host died"
-                await asyncio.sleep(0.02)
+        await self._link.connect()
         self._remote = RemoteEngine(self._link, self.model_id)
         await self._remote.start()
 
