@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from prismgate.core.errors import Code, GatewayError
-from prismgate.engines.vllm.channel import FeatureRows, LogprobRow, StepPacket, decode_step
+from prismgate.engines.vllm.channel import FeatureRows, LogprobRow, LogprobRows, StepPacket, decode_step
 from prismgate.engines.vllm.features import FeatureRow
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class Tracker:
         self,
         positions: npt.NDArray[np.int64],
         readouts: npt.NDArray[np.float32] | None,
-        rows: list[LogprobRow],
+        logprobs: LogprobRows | None = None,
         layers: list[int] | None = None,
         features: FeatureRows | None = None,
     ) -> None:
@@ -68,8 +68,9 @@ class Tracker:
                     self.readouts[p] = readouts[i]
             else:
                 self._merge(pos, readouts, layers)
-        for row in rows:
-            self.logprobs[row[0]] = row
+        if logprobs is not None:
+            for row in logprobs.rows():
+                self.logprobs[row[0]] = row
         self._changed.set()
 
     def _merge(self, positions: list[int], readouts: npt.NDArray[np.float32], layers: list[int]) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from prismgate.engines.introspect import decoder_layers
-from prismgate.engines.vllm.channel import FeatureRows, StepPacket, encode_step
+from prismgate.engines.vllm.channel import FeatureRows, LogprobRows, StepPacket, encode_step
 from prismgate.engines.vllm.steer import MAX_ROUNDS
 from prismgate.engines.vllm.steer_rows import SteeredRows, SteerWriter
 
@@ -73,17 +73,22 @@ class _RequestPlan:
     def features(self) -> bool:
         return self.fe_k > 0 or bool(self.fe_ids)
 
-    def logprob_rows(self) -> list[tuple[int, int, int]]:
-        """(flat row, target position, target token) for prompt positions to score."""
+    def logprob_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The prompt positions this step scores: their flat rows, target positions and target tokens
+        (int64 arrays); None when there are none."""
         if not self.lp_ranges or self.prompt is None:
-            return []
-        n_prompt = len(self.prompt)
-        out = []
-        for i, pos in enumerate(self.positions.tolist()):
-            target = pos + 1
-            if target < n_prompt and any(a <= target < b for a, b in self.lp_ranges):
-                out.append((self.lo + i, target, int(self.prompt[target])))
-        return out
+            return None
+        targets = self.positions + 1
+        scored = np.zeros(targets.shape[0], dtype=bool)
+        for a, b in self.lp_ranges:
+            scored |= (targets >= a) & (targets < b)
+        scored &= targets < len(self.prompt)
+        picked = np.flatnonzero(scored)
+        if picked.size == 0:
+            return None
+        targets = targets[picked]
+        tokens = np.asarray(self.prompt[int(targets[0]) : int(targets[-1]) + 1], dtype=np.int64)[targets - targets[0]]
+        return self.lo + picked, targets, tokens
 
 
 class _Tap:
@@ -217,25 +222,7 @@ class _Tap:
         if self.any_readouts and self.buffers:
             n = self.n_rows  # the graph wrote every row of the (maybe padded) batch; these are the real ones
             readouts = torch.stack([b[:n] for b in self.buffers], dim=1).to("cpu").numpy()  # [rows, layers, concepts]
-        rows = [(plan, r) for plan in self.plans for r in plan.logprob_rows()] if self.stage.last else []
-        scored: dict[str, list[tuple[int, float, list[int], list[float]]]] = {}
-        if rows:
-            hidden = output[0] if isinstance(output, tuple) else output
-            index = torch.tensor([r[0] for _, r in rows], dtype=torch.long, device=hidden.device)
-            logits = self.model.compute_logits(hidden.index_select(0, index))
-            if logits is not None:  # None on non-last pipeline ranks
-                logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
-                targets = torch.tensor([r[2] for _, r in rows], dtype=torch.long, device=logp.device)
-                own = logp.gather(1, targets[:, None])[:, 0].to("cpu").tolist()
-                k = max(plan.lp_k for plan, _ in rows)
-                top_v: list[list[float]] = [[] for _ in rows]
-                top_i: list[list[int]] = [[] for _ in rows]
-                if k > 0:
-                    values, ids = torch.topk(logp, k, dim=-1)
-                    top_v, top_i = values.to("cpu").tolist(), ids.to("cpu").tolist()
-                for j, (plan, (_, target, _token)) in enumerate(rows):
-                    kk = plan.lp_k
-                    scored.setdefault(plan.key, []).append((target, float(own[j]), top_i[j][:kk], top_v[j][:kk]))
+        scored = self._prompt_logprobs(output) if self.stage.last else {}
         features = self._all_features()
         for plan in self.plans:
             ro = readouts[plan.lo : plan.hi] if (plan.readouts and readouts is not None) else None
@@ -244,8 +231,35 @@ class _Tap:
                 top_ids, top_values, watched = features
                 lo, hi, k, w = plan.lo, plan.hi, plan.fe_k, len(plan.fe_ids)
                 fe = FeatureRows(top_ids[lo:hi, :, :k], top_values[lo:hi, :, :k], watched[lo:hi, :, :w] if w else None)
-            packet.add(plan.key, plan.positions, ro, scored.get(plan.key, []), fe)
+            packet.add(plan.key, plan.positions, ro, scored.get(id(plan)), fe)
         return packet
+
+    def _prompt_logprobs(self, output: Any) -> dict[int, LogprobRows]:
+        """Each plan's scored prompt positions (by ``id(plan)``): one product for the step's rows, then
+        slices; the values stay arrays until the gateway reads them."""
+        wanted = [(plan, picked) for plan in self.plans if (picked := plan.logprob_rows()) is not None]
+        if not wanted:
+            return {}
+        hidden = output[0] if isinstance(output, tuple) else output
+        index = torch.from_numpy(np.concatenate([picked[0] for _, picked in wanted])).to(hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        if logits is None:  # None on non-last pipeline ranks
+            return {}
+        logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+        tokens = torch.from_numpy(np.concatenate([picked[2] for _, picked in wanted])).to(logp.device)
+        own = logp.gather(1, tokens[:, None])[:, 0].to("cpu").numpy()
+        k = max(plan.lp_k for plan, _ in wanted)
+        if k > 0:
+            values, ids = torch.topk(logp, k, dim=-1)
+            top_v, top_i = values.to("cpu").numpy(), ids.to(torch.int32).to("cpu").numpy()
+        else:
+            top_v, top_i = np.zeros((len(own), 0), np.float32), np.zeros((len(own), 0), np.int32)
+        out, at = {}, 0
+        for plan, (flat, targets, _) in wanted:
+            n, kk = len(flat), plan.lp_k
+            out[id(plan)] = LogprobRows(targets, own[at : at + n], top_i[at : at + n, :kk], top_v[at : at + n, :kk])
+            at += n
+        return out
 
     def _all_features(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """The step's features, every row and SAE layer, in host memory: ids, values ``[rows, layers, K]`` and

@@ -93,9 +93,9 @@ def test_feature_frames_round_trip_and_a_short_one_is_refused() -> None:
     values = np.linspace(9, 1, 12, dtype=np.float32).reshape(2, 2, 3)
     watched = np.ones((2, 2, 1), np.float32)
     packet = StepPacket(step=4)
-    packet.add("pg1", np.array([5, 6]), None, [], FeatureRows(ids, values, watched))
-    packet.add("pg2", np.array([1]), None, [], FeatureRows(ids[:1], values[:1]))
-    packet.add("pg3", np.array([1]), None, [])
+    packet.add("pg1", np.array([5, 6]), None, None, FeatureRows(ids, values, watched))
+    packet.add("pg2", np.array([1]), None, None, FeatureRows(ids[:1], values[:1]))
+    packet.add("pg3", np.array([1]), None)
     back = decode_step(encode_step(packet))
     one, two, three = back.requests
     assert one.features is not None and np.array_equal(one.features.ids, ids) and one.features.ids.dtype == np.int32
@@ -140,7 +140,7 @@ def test_the_tracker_keys_feature_rows_by_position_with_the_ids_it_watches() -> 
     tracker = Tracker("pg1", watch=(7, 8))
     ids = np.zeros((2, 1, 3), np.int32)
     tracker.feed(
-        np.array([4, 5]), None, [], None, FeatureRows(ids, ids.astype(np.float32), np.ones((2, 1, 2), np.float32))
+        np.array([4, 5]), None, None, None, FeatureRows(ids, ids.astype(np.float32), np.ones((2, 1, 2), np.float32))
     )
     assert set(tracker.features) == {4, 5} and tracker.features[5].watch == (7, 8)
     assert tracker.features[4].watched is not None and tracker.features[4].watched.shape == (1, 2)

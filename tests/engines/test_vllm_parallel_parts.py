@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from prismgate.engines.vllm import config
-from prismgate.engines.vllm.channel import StepPacket, decode_step, encode_step
+from prismgate.engines.vllm.channel import LogprobRows, StepPacket, decode_step, encode_step
 from prismgate.engines.vllm.tracker import Tracker
 from prismgate.settings import ConfigError, Settings
 
@@ -18,12 +18,12 @@ pytestmark = pytest.mark.engine_suite
 
 def test_a_stage_packet_names_the_pack_layers_its_readouts_hold() -> None:
     packet = StepPacket(step=3, layers=[1])
-    packet.add("pg1", np.array([5, 6]), np.ones((2, 1, 4), np.float32), [])
+    packet.add("pg1", np.array([5, 6]), np.ones((2, 1, 4), np.float32))
     back = decode_step(encode_step(packet))
     assert back.layers == [1] and back.requests[0].readouts is not None
     assert decode_step(encode_step(StepPacket(step=1))).layers is None  # a worker that computes every layer
     wrong = StepPacket(step=3, layers=[0, 1])
-    wrong.add("pg1", np.array([5]), np.ones((1, 1, 4), np.float32), [])
+    wrong.add("pg1", np.array([5]), np.ones((1, 1, 4), np.float32))
     with pytest.raises(ValueError, match="layers"):
         decode_step(encode_step(wrong))
 
@@ -32,14 +32,14 @@ def test_a_readout_arrives_once_every_stage_has_sent_its_layers() -> None:
     tracker = Tracker("pg1", n_layers=3)
     first = np.arange(2 * 2 * 4, dtype=np.float32).reshape(2, 2, 4)  # stage 0: pack layers 0 and 1
     last = -np.arange(2 * 1 * 4, dtype=np.float32).reshape(2, 1, 4)  # stage 1: pack layer 2, and the logprobs
-    tracker.feed(np.array([7, 8]), first, [], layers=[0, 1])
+    tracker.feed(np.array([7, 8]), first, None, layers=[0, 1])
     assert tracker.readouts == {} and tracker.computed == {7, 8}
-    tracker.feed(np.array([7, 8]), last, [(8, -0.25, [], [])], layers=[2])
+    tracker.feed(np.array([7, 8]), last, LogprobRows.of([(8, -0.25, [], [])]), layers=[2])
     for i, p in enumerate((7, 8)):
         assert np.array_equal(tracker.readouts[p], np.concatenate([first[i], last[i]]))
     assert tracker.logprobs[8][1] == -0.25
     whole = Tracker("pg2", n_layers=3)
-    whole.feed(np.array([1]), np.zeros((1, 3, 4), np.float32), [], layers=None)
+    whole.feed(np.array([1]), np.zeros((1, 3, 4), np.float32), None, layers=None)
     assert whole.readouts[1].shape == (3, 4)
 
 

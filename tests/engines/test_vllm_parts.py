@@ -16,7 +16,7 @@ from prismgate.core.errors import Code, GatewayError
 from prismgate.core.session import ImageSpan
 from prismgate.core.steering import Positions, SteeredSpan, SteeringEntry, spans
 from prismgate.engines.vllm import capture, config
-from prismgate.engines.vllm.channel import StepPacket, decode_step, encode_step
+from prismgate.engines.vllm.channel import LogprobRows, Sender, StepPacket, decode_step, encode_step
 from prismgate.engines.vllm.events import decode_logprob
 from prismgate.engines.vllm.plan import ranges
 from prismgate.engines.vllm.steer import MAX_ROUNDS, RAW_SLOTS, RawSlots, cache_salt
@@ -28,22 +28,102 @@ from tests.vision_model import IMAGE_PAD, VISION_END, VISION_START, build_tiny_q
 pytestmark = pytest.mark.engine_suite
 
 
+async def test_side_channel_delivers_over_its_socket_and_its_sender_never_preempts_the_step() -> None:
+    """A worker's packets reach the gateway's receiver over the real socket, in order; and the
+    sender's I/O thread (the one a send wakes) is a batch thread, which the kernel does not let
+    preempt the engine step that woke it."""
+    import asyncio
+    import os
+
+    pytest.importorskip("zmq", reason="the side channel's ZMQ comes with vLLM (the vLLM tier runs this)")
+    from prismgate.engines.vllm.tracker import Receiver
+
+    def threads() -> dict[int, int]:  # ZMQ's threads (it names them ZMQbg/...) -> scheduling policy (stat field 41)
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            if stat.split("(", 1)[1].startswith("ZMQbg"):
+                out[int(tid)] = int(stat.rsplit(")", 1)[1].split()[38])
+        return out
+
+    receiver = Receiver(n_layers=2)
+    receiver.start()
+    tracker = receiver.open("pg1")
+    before = threads()
+    sender = Sender(receiver.address)
+    try:
+        new = {tid: policy for tid, policy in threads().items() if tid not in before}
+        assert new and set(new.values()) == {os.SCHED_BATCH}, new
+        for step in range(3):
+            packet = StepPacket(step=step)
+            packet.add("pg1", np.array([10 + step]), np.full((1, 2, 3), step, dtype=np.float32))
+            sender.send(encode_step(packet))
+        for _ in range(200):
+            if receiver.steps == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert receiver.steps == 3 and receiver.rows_seen["pg1"] == 3
+        assert tracker is not None
+    finally:
+        sender.close()
+        await receiver.close()
+
+
 def test_step_packets_round_trip() -> None:
     packet = StepPacket(step=7)
     ro = np.arange(24, dtype=np.float32).reshape(4, 2, 3)
-    packet.add("pg1", np.array([10, 11, 12, 13]), ro, [(11, -1.5, [3, 4], [-0.5, -1.0])])
-    packet.add("pg2", np.array([99]), None, [])
+    packet.add("pg1", np.array([10, 11, 12, 13]), ro, LogprobRows.of([(11, -1.5, [3, 4], [-0.5, -1.0])], k=2))
+    packet.add("pg2", np.array([99]), None)
     back = decode_step(encode_step(packet))
     assert back.step == 7 and [r.key for r in back.requests] == ["pg1", "pg2"]
     assert back.requests[0].positions.tolist() == [10, 11, 12, 13]
     assert back.requests[0].readouts is not None and np.array_equal(back.requests[0].readouts, ro)
-    assert back.requests[0].logprobs == [(11, -1.5, [3, 4], [-0.5, -1.0])]
+    assert back.requests[0].logprobs is not None
+    assert back.requests[0].logprobs.rows() == [(11, -1.5, [3, 4], [-0.5, -1.0])]
     assert back.requests[1].readouts is None and back.requests[1].positions.tolist() == [99]
+    assert back.requests[1].logprobs is None
+
+
+def test_a_step_scores_the_prompt_positions_its_ranges_cover_and_no_others() -> None:
+    """The worker picks the rows to score with array arithmetic; the per-position rule it replaced is
+    the reference: row ``i`` scores target ``positions[i] + 1`` when that is a prompt position in a range."""
+    from prismgate.engines.vllm.worker import _RequestPlan
+
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, 1000, size=300).tolist()
+    for _ in range(50):
+        start, n = int(rng.integers(0, 320)), int(rng.integers(1, 40))
+        ranges = [sorted(int(x) for x in rng.integers(0, 330, size=2)) for _ in range(int(rng.integers(1, 4)))]
+        lo = int(rng.integers(0, 9))
+        positions = start + np.arange(n, dtype=np.int64)
+        plan = _RequestPlan("pg1", lo, lo + n, positions, {"lp": ranges, "k": 2}, prompt)
+        want = [
+            (lo + i, p + 1, prompt[p + 1])
+            for i, p in enumerate(positions.tolist())
+            if p + 1 < len(prompt) and any(a <= p + 1 < b for a, b in ranges)
+        ]
+        got = plan.logprob_rows()
+        assert (got is None and not want) or (
+            got is not None and list(zip(*(a.tolist() for a in got), strict=True)) == want
+        ), (start, n, ranges)
+    assert _RequestPlan("pg1", 0, 3, np.arange(3), {"k": 2}, prompt).logprob_rows() is None  # nothing asked
+
+
+def test_prompt_logprob_frames_of_another_size_are_refused() -> None:
+    packet = StepPacket(step=2)
+    packet.add("pg1", np.array([1, 2]), None, LogprobRows.of([(2, -0.5, [4], [-0.5]), (3, -1.0, [9], [-0.25])], k=1))
+    frames = encode_step(packet)
+    assert decode_step(frames).requests[0].logprobs is not None
+    short = [*frames]
+    short[1 + 7] = short[1 + 7][:-4]  # the top ids of one row fewer
+    with pytest.raises(ValueError, match="top logprob ids"):
+        decode_step(short)
 
 
 def test_a_truncated_packet_is_refused() -> None:
     packet = StepPacket(step=1)
-    packet.add("pg1", np.array([1, 2]), np.zeros((2, 1, 1), np.float32), [])
+    packet.add("pg1", np.array([1, 2]), np.zeros((2, 1, 1), np.float32))
     frames = encode_step(packet)
     with pytest.raises(ValueError):
         decode_step(frames[:-1])
