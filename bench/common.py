@@ -194,3 +194,20 @@ def default_model(dtype: str = "auto", **options: Any) -> Any:
         max_model_len=None,
         **options,
     )
+
+
+def prefill(adapter: Any, ids: Sequence[int], chunk: int = 512) -> Any:
+    """A new KV cache holding ``ids``, fed to the adapter in ``chunk``-token forwards."""
+    cache = adapter.new_cache()
+    for start in range(0, len(ids), chunk):
+        part = ids[start : start + chunk]
+        adapter.forward(part, cache, start, [], [], [len(part) - 1])
+    return cache
+
+
+def decode_step(adapter: Any, merged: Any, caches: Sequence[Any], ids: Sequence[int], position: int) -> Any:
+    """One decode step of ``len(caches)`` rows, each at ``position``: a row alone through the adapter, as the
+    engine steps it, several through ``merged`` (a :class:`~prismgate.engines.hf.batch_cache.BatchCache`)."""
+    if len(caches) == 1:
+        return adapter.forward(ids, caches[0], position, [], [], [0])
+    return merged.step(ids, caches, [position] * len(caches))

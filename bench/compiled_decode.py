@@ -21,18 +21,13 @@ from typing import Any
 
 import torch
 
-from bench.common import default_model, write_results
+from bench.common import decode_step, default_model, prefill, write_results
 
 CONTEXT = 64
 
 
 def _caches(adapter: Any, rows: int) -> list[Any]:
-    caches = []
-    for row in range(rows):
-        cache = adapter.new_cache()
-        adapter.forward([7 + (i * 31 + row) % 300 for i in range(CONTEXT)], cache, 0, [], [], [CONTEXT - 1])
-        caches.append(cache)
-    return caches
+    return [prefill(adapter, [7 + (i * 31 + row) % 300 for i in range(CONTEXT)]) for row in range(rows)]
 
 
 def _steps(adapter: Any, rows: int, steps: int) -> tuple[float, torch.Tensor]:
@@ -42,11 +37,8 @@ def _steps(adapter: Any, rows: int, steps: int) -> tuple[float, torch.Tensor]:
     caches, merged, first = _caches(adapter, rows), BatchCache(adapter), None
     started = time.perf_counter()
     for step in range(steps):
-        position = CONTEXT + step
-        if rows == 1:
-            logits = adapter.forward([100 + step], caches[0], position, [], [], [0]).to(torch.float32)
-        else:
-            logits = merged.step([100 + step + row for row in range(rows)], caches, [position] * rows)
+        ids = [100 + step + row for row in range(rows)]
+        logits = decode_step(adapter, merged, caches, ids, CONTEXT + step).to(torch.float32)
         first = logits if first is None else first
     assert first is not None
     return (time.perf_counter() - started) / steps * 1e3, first

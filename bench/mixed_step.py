@@ -30,15 +30,7 @@ import statistics
 import time
 from typing import Any
 
-from bench.common import default_model, write_results
-
-
-def _prefix(adapter: Any, ids: list[int]) -> Any:
-    cache = adapter.new_cache()
-    for start in range(0, len(ids), 512):
-        chunk = ids[start : start + 512]
-        adapter.forward(chunk, cache, start, [], [], [len(chunk) - 1])
-    return cache
+from bench.common import decode_step, default_model, prefill, write_results
 
 
 def _chunk_s(adapter: Any, cache: Any, context: int, tokens: int, repeats: int) -> float:
@@ -58,16 +50,12 @@ def _decode_s(adapter: Any, context: int, rows: int, steps: int) -> float:
     merged cache kept from step to step, as the engine keeps it; its first step, which merges, untimed)."""
     from prismgate.engines.hf.batch_cache import BatchCache
 
-    caches = [_prefix(adapter, [7 + (i * 31 + row) % 300 for i in range(context)]) for row in range(rows)]
+    caches = [prefill(adapter, [7 + (i * 31 + row) % 300 for i in range(context)]) for row in range(rows)]
     merged = BatchCache(adapter)
     times = []
     for step in range(steps + 1):
-        position = context + step
         started = time.perf_counter()
-        if rows == 1:
-            adapter.forward([100 + step], caches[0], position, [], [], [0])
-        else:
-            merged.step([100 + step + row for row in range(rows)], caches, [position] * rows)
+        decode_step(adapter, merged, caches, [100 + step + row for row in range(rows)], context + step)
         times.append(time.perf_counter() - started)
     return statistics.median(times[1:])
 
@@ -96,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     prefix = [7 + i % 300 for i in range(args.context)]
     seconds: dict[str, list[float]] = {}
     with torch.inference_mode():
-        cache = _prefix(adapter, prefix)
+        cache = prefill(adapter, prefix)
         kinds = [("chunk", c) for c in sorted({c + b for c in chunks for b in [0, *batches]})]
         kinds += [("decode", b) for b in batches]
         for round_ in range(args.rounds):

@@ -20,7 +20,7 @@ import statistics
 import time
 from typing import Any
 
-from bench.common import default_model, write_results
+from bench.common import decode_step, default_model, prefill, write_results
 
 ARMS = ("packed", "apart", "eager")  # as the engine packs; packed with siblings apart; not packed
 
@@ -36,28 +36,22 @@ def _load(arm: str) -> Any:
     return loaded.adapter
 
 
-def _prefill(adapter: Any, ids: list[int]) -> tuple[Any, float]:
-    cache = adapter.new_cache()
+def _prefill_rate(adapter: Any, ids: list[int]) -> float:
+    """Prompt tokens/s of ``ids`` prefilled in 512-token chunks."""
     started = time.perf_counter()
-    for start in range(0, len(ids), 512):
-        chunk = ids[start : start + 512]
-        adapter.forward(chunk, cache, start, [], [], [len(chunk) - 1])
-    return cache, len(ids) / (time.perf_counter() - started)
+    prefill(adapter, ids)
+    return len(ids) / (time.perf_counter() - started)
 
 
 def _decode(adapter: Any, batch: int, steps: int, context: int) -> float:
     """Tokens/s of ``steps`` decode steps of ``batch`` rows, each row after a ``context``-token prompt."""
     from prismgate.engines.hf.batch_cache import BatchCache
 
-    caches = [_prefill(adapter, [7 + (i * 31 + row) % 300 for i in range(context)])[0] for row in range(batch)]
+    caches = [prefill(adapter, [7 + (i * 31 + row) % 300 for i in range(context)]) for row in range(batch)]
     merged = BatchCache(adapter)
     started = time.perf_counter()
     for step in range(steps):
-        position = context + step
-        if batch == 1:
-            adapter.forward([100 + step], caches[0], position, [], [], [0])
-        else:
-            merged.step([100 + step + row for row in range(batch)], caches, [position] * batch)
+        decode_step(adapter, merged, caches, [100 + step + row for row in range(batch)], context + step)
     return batch * steps / (time.perf_counter() - started)
 
 
@@ -85,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         for round_ in range(args.rounds):
             for name in ARMS[round_ % 3 :] + ARMS[: round_ % 3]:
                 adapter = adapters[name]
-                rates[name].setdefault("prefill", []).append(_prefill(adapter, ids)[1])
+                rates[name].setdefault("prefill", []).append(_prefill_rate(adapter, ids))
                 for batch in batches:
                     rate = _decode(adapter, batch, args.steps, args.context)
                     rates[name].setdefault(f"decode x{batch}", []).append(rate)
