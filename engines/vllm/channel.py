@@ -189,9 +189,9 @@ class Sender:
     Its context is its own, and that context's I/O thread runs under ``SCHED_BATCH``: a send
     only queues the frames and wakes that thread, and a woken thread of the normal class
     preempts the one that woke it when every core is busy (on a small CPU the engine core's
-    spin and the front-end hold the others). The step then stalled for a scheduler slice,
-    0.4 ms per send on average on 2 cores; a batch thread runs when a core is free, which is
-    as soon as the step ends (docs/benchmarks.md, "Where a vLLM decode step's time goes").
+    spin and the front-end hold the others), stalling the step for a scheduler slice. A batch
+    thread runs when a core is free, which is as soon as the step ends (figures in
+    docs/benchmarks.md, "Where a vLLM decode step's time goes").
     """
 
     def __init__(self, address: str) -> None:
