@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from prismgate.engines.hf import decode_attention, packing
+from prismgate.engines.hf import chunk_attention, decode_attention, packing
 from prismgate.engines.invariant_rows import BLOCK_ROWS, SWITCH, on_rows
 
 ATTENTION = "prismgate_invariant"  # the name this module registers with transformers' attention interface
@@ -141,12 +141,14 @@ def _dispatch(
     module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kw: Any
 ) -> tuple[torch.Tensor, Any]:
     """The attention transformers calls: the canonical order while the switch is on; else, at one
-    query per row on CPU, in a batch or over a long context, :mod:`~prismgate.engines.hf.decode_attention`,
-    and SDPA otherwise."""
+    query per row on CPU, in a batch or over a long context, :mod:`~prismgate.engines.hf.decode_attention`;
+    a masked chunk on CPU, :mod:`~prismgate.engines.hf.chunk_attention`; and SDPA otherwise."""
     if SWITCH.active:
         return invariant_attention(module, query, key, value, attention_mask, **kw)
     if decode_attention.takes(query, key, kw):
         return decode_attention.decode_attention(query, key, value, attention_mask, kw.get("scaling")), None
+    if chunk_attention.takes(module, query, key, attention_mask, kw):
+        return chunk_attention.chunk_attention(query, key, value, attention_mask, kw.get("scaling")), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
