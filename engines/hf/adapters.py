@@ -32,9 +32,9 @@ class ModelAdapter:
         self.device = device
 
     def new_cache(self) -> Any:
-        from transformers import DynamicCache
+        from prismgate.engines.hf import kv_room
 
-        return DynamicCache(config=self.model.config)
+        return kv_room.new_cache(self.model.config)
 
     def rewind_point(self, tokens: Sequence[int], images: Sequence[ImageSpan], start: int, cache: Any = None) -> int:
         """The position to restart from, at or before ``start``.

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from prismgate.core.engine import EngineInfo, ReadoutManifest
-from prismgate.engines.hf import invariance_check, invariant, packing
+from prismgate.engines.hf import invariance_check, invariant, kv_room, packing
 from prismgate.engines.hf.adapters import ModelAdapter, load_adapter
 from prismgate.engines.hf.cpu_dtype import cpu_flags
 from prismgate.engines.hf.steering import Steerer
@@ -93,6 +93,7 @@ def load(
         deterministic_off=deterministic_off,
         features=feature_manifest(encoders),
         kv_bytes_per_token=kv_bytes_per_token(config, model.dtype),
+        kv_block_tokens=kv_room.ROOM,
         dtype=choice.name if choice else "",
         dtype_reason=choice.reason if choice else "",
         packed_layers=packed.layers,

@@ -20,6 +20,7 @@ from prismgate.core.actions import GenerateSpec, covered
 from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.core.events import Done, FinishReason, TokenEvent
 from prismgate.core.steering import spans
+from prismgate.engines.hf import kv_room
 from prismgate.engines.hf.adapters import ModelAdapter
 from prismgate.engines.hf.batch_cache import BatchCache
 from prismgate.engines.hf.job import Job
@@ -155,6 +156,7 @@ class Stepper:
         else:
             kept = self.caches.take(request.session_key)
         cache, start = resume(self.adapter, kept, tokens, request.images, spec, needed)
+        kv_room.expect(cache, len(tokens))  # a buffer for the whole prompt when its first chunk runs
         job.gates = {key: kept.gates[key][:start] if start else [] for key in needed}
         job.cache = cache
         job.invariant = start == 0 or kept.invariant

@@ -109,6 +109,7 @@ class EngineInfo:
     # bytes of keys and values the engine holds per token of a running request (the memory budget counts
     # them); 0 where the engine's KV memory is not per request (vLLM allocates its pool at start)
     kv_bytes_per_token: int = 0
+    kv_block_tokens: int = 1  # the engine holds a request's keys and values in whole blocks of this many positions
     dtype: str = ""  # the weights' dtype as served ("bfloat16", "float32", ...), and why that one
     dtype_reason: str = ""
     packed_layers: int = 0  # linear layers whose weights the engine packed for its CPU kernels, and why (not)

@@ -51,9 +51,10 @@ def request_bytes(spec: GenerateSpec, prompt_tokens: int, info: EngineInfo) -> i
     logprob_positions = covered(spec.logprob_ranges, horizon)
     readout_positions = covered(spec.readout_ranges, horizon) if info.readouts is not None else 0
     values_per_readout = len(info.readouts.layers) * len(info.readouts.concepts) if info.readouts else 0
+    block = max(1, info.kv_block_tokens)
     return (
         REQUEST_BYTES
-        + horizon * info.kv_bytes_per_token
+        + -(-horizon // block) * block * info.kv_bytes_per_token
         + info.vocab_size * LOGITS_VALUE_BYTES
         + logprob_positions * (spec.logprob_top_k + 1) * LOGPROB_ENTRY_BYTES
         + readout_positions * values_per_readout * READOUT_VALUE_BYTES

@@ -104,6 +104,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     deterministic_off: str | None = None
     features: FeatureManifest | None = None
     kv_bytes_per_token: int = 0
+    kv_block_tokens: int = 1
     dtype: str = ""
     dtype_reason: str = ""
     packed_layers: int = 0

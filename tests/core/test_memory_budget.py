@@ -121,6 +121,9 @@ def test_the_keys_and_values_of_the_prompt_and_max_tokens_count() -> None:
     assert request_bytes(plain, 3516, smol) - request_bytes(plain, 3516, INFO) == 3532 * SMOL_KV  # 81 MB
     longer = GenerateSpec(max_tokens=1016)
     assert request_bytes(longer, 3516, smol) - request_bytes(plain, 3516, smol) == 1000 * SMOL_KV
+    blocks = replace(smol, kv_block_tokens=256)  # the engine holds keys and values in blocks of 256 positions
+    assert request_bytes(plain, 3516, blocks) - request_bytes(plain, 3516, INFO) == 3584 * SMOL_KV  # 14 blocks
+    assert request_bytes(GenerateSpec(max_tokens=12), 500, blocks) - request_bytes(plain, 500, INFO) == 512 * SMOL_KV
 
 
 async def test_the_default_admits_a_whole_context_of_the_largest_model_and_a_set_budget_stays() -> None:
