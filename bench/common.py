@@ -114,6 +114,11 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def spread(values: Sequence[float], spec: str = ".2f") -> str:
+    """``median (lowest-highest)``, each formatted by ``spec`` (a format spec such as ``".2f"``)."""
+    return f"{statistics.median(values):{spec}} ({min(values):{spec}}-{max(values):{spec}})"
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return float("nan")

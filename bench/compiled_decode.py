@@ -15,13 +15,12 @@ spread), compiled over eager per round, and how far the compiled logits are from
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from typing import Any
 
 import torch
 
-from bench.common import decode_step, default_model, prefill, write_results
+from bench.common import decode_step, default_model, prefill, spread, write_results
 
 CONTEXT = 64
 
@@ -89,15 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         cell = times[str(rows)]
         ratios = [c / e for c, e in zip(cell["compiled"], cell["packed eager"], strict=True)]
         print(
-            f"| {rows} | {_spread(cell['packed eager'])} | {_spread(cell['compiled'])} | {_spread(ratios)} "
+            f"| {rows} | {spread(cell['packed eager'])} | {spread(cell['compiled'])} | {spread(ratios)} "
             f"| {gaps[str(rows)]:.3f} |"
         )
     write_results("compiled_decode", {"args": vars(args), "compile_s": compile_s, "ms_per_step": times, "gaps": gaps})
     return 0
-
-
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 if __name__ == "__main__":

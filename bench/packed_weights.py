@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import time
 from typing import Any
 
-from bench.common import decode_step, default_model, prefill, write_results
+from bench.common import decode_step, default_model, prefill, spread, write_results
 
 ARMS = ("packed", "apart", "eager")  # as the engine packs; packed with siblings apart; not packed
 
@@ -86,17 +85,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {round_ + 1}/{args.rounds} done", flush=True)
     print("\n| tokens/s | packed | apart | eager | packed/apart | packed/eager |\n|---|---|---|---|---|---|")
     for kind in rates["packed"]:
-        cells = [_spread(rates[arm][kind], ".1f") for arm in ARMS]
+        cells = [spread(rates[arm][kind], ".1f") for arm in ARMS]
         for other in ("apart", "eager"):
             ratios = [p / o for p, o in zip(rates["packed"][kind], rates[other][kind], strict=True)]
-            cells.append(_spread(ratios, ".2f"))
+            cells.append(spread(ratios, ".2f"))
         print(f"| {kind} | " + " | ".join(cells) + " |")
     write_results("packed_weights", {"threads": torch.get_num_threads(), "args": vars(args), "rates": rates})
     return 0
-
-
-def _spread(values: list[float], spec: str) -> str:
-    return f"{statistics.median(values):{spec}} ({min(values):{spec}}-{max(values):{spec}})"
 
 
 if __name__ == "__main__":

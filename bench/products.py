@@ -16,13 +16,12 @@ each arm over torch apart per round (results in ``products.json``).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
-from bench.common import write_results
+from bench.common import spread, write_results
 
 LAYERS, HIDDEN, KV, INTERMEDIATE, VOCAB = 30, 576, 192, 1536, 49152
 Product = Callable[[torch.Tensor], torch.Tensor]
@@ -114,15 +113,11 @@ def main(argv: list[str] | None = None) -> int:
                         arms[name](x, wide)
                     times[name].append((time.perf_counter() - started) / args.steps * 1e3)
         results[str(rows)] = times
-        cells = [_spread(times[n], ".2f") for n in names]
-        cells += [_spread([a / b for a, b in zip(times[n], times[names[0]], strict=True)], ".2f") for n in names[1:]]
+        cells = [spread(times[n], ".2f") for n in names]
+        cells += [spread([a / b for a, b in zip(times[n], times[names[0]], strict=True)], ".2f") for n in names[1:]]
         print(f"| {rows} | " + " | ".join(cells) + " |")
     write_results("products", {"args": vars(args), "ms_per_step": results})
     return 0
-
-
-def _spread(values: list[float], spec: str) -> str:
-    return f"{statistics.median(values):{spec}} ({min(values):{spec}}-{max(values):{spec}})"
 
 
 if __name__ == "__main__":
