@@ -71,6 +71,8 @@ def create_app(
             answer["dtype"] = {"name": info.dtype, "reason": info.dtype_reason}
         if info.packed_reason:
             answer["packed_weights"] = {"layers": info.packed_layers, "reason": info.packed_reason}
+        if info.huge_pages_reason:
+            answer["huge_pages"] = {"bytes": info.huge_page_bytes, "reason": info.huge_pages_reason}
         return JSONResponse({**answer, "models": models})
 
     async def favicon(_request: Request) -> Response:

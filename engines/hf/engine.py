@@ -56,6 +56,7 @@ class TransformersEngine:
         max_batch: int = 16,
         max_batch_tokens: int = 16384,
         packed_weights: bool = True,
+        huge_pages: bool = True,
         grammar_cache_bytes: int = 64 << 20,
         grammar_compile_timeout_s: float = 10.0,
         saes: tuple[tuple[Path, Path | None], ...] = (),
@@ -73,6 +74,7 @@ class TransformersEngine:
         self.max_batch = max_batch  # decode steps of this many requests run as one forward pass
         self.max_batch_tokens = max_batch_tokens  # ... while batch size x longest context stays under this
         self._packed_weights = packed_weights  # bf16 weights packed for oneDNN at load (engines.hf.packing)
+        self._huge_pages = huge_pages  # the loaded weights moved into 2 MiB pages (engines.huge_pages)
         self._sessions = SessionCaches(max_cached_tokens, max_cached_bytes)
         self._grammar_cache_bytes = grammar_cache_bytes
         self._grammar_timeout_s = grammar_compile_timeout_s
@@ -139,6 +141,7 @@ class TransformersEngine:
             max_model_len=self._max_model_len,
             saes=self._sae_specs,
             packed_weights=self._packed_weights,
+            huge_pages=self._huge_pages,
         )
 
     async def close(self) -> None:

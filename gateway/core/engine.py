@@ -114,6 +114,8 @@ class EngineInfo:
     dtype_reason: str = ""
     packed_layers: int = 0  # linear layers whose weights the engine packed for its CPU kernels, and why (not)
     packed_reason: str = ""
+    huge_page_bytes: int = 0  # bytes of loaded weights the engine moved into 2 MiB pages, and why (not)
+    huge_pages_reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -254,6 +254,13 @@ class TransformersOptions(Group):
         "no other module shares (a tied LM head keeps the embedding's); sibling layers that read one input (query, key "
         "and value; gate and up) are packed as one product. false: never.",
     )
+    huge_pages: bool = setting(
+        True,
+        "transformers engine: on CPU, once the model has loaded, move its weights (the process's anonymous memory "
+        "that is almost all resident) into 2 MiB transparent huge pages where they are (madvise MADV_COLLAPSE, "
+        "Linux 6.1+): the same bytes at the same addresses, decode steps faster (docs/benchmarks.md, 'Weights in "
+        "huge pages'); /readyz says how much and why (not). false: never.",
+    )
     grammar_cache_bytes: int = setting(
         64 << 20,
         "transformers engine: bytes of compiled structured-output grammars (llguidance's text) kept for reuse, "

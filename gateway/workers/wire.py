@@ -109,6 +109,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
     dtype_reason: str = ""
     packed_layers: int = 0
     packed_reason: str = ""
+    huge_page_bytes: int = 0
+    huge_pages_reason: str = ""
 
 
 class WireError(msgspec.Struct, frozen=True):
