@@ -114,6 +114,7 @@ def _serving_engine(
             concept_pack=pack,
             dtype=settings.engine.dtype,
             max_model_len=settings.engine.max_model_len,
+            huge_pages=settings.engine.huge_pages,
             saes=saes,
             **settings.vllm.engine_kwargs(),
         )
@@ -125,6 +126,7 @@ def _serving_engine(
         concept_pack=pack,
         dtype=settings.engine.dtype,
         max_model_len=settings.engine.max_model_len,
+        huge_pages=settings.engine.huge_pages,
         saes=saes,
         **settings.transformers.engine_kwargs(),
     )

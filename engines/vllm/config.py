@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ class Options:
     max_num_seqs: int | None = None
     steering_rounds: int = MAX_ROUNDS  # vectors a request may add at one layer; 0: no steering in the graph
     saes: tuple[tuple[Path, Path | None], ...] = ()  # SAELens folders (and labels files) the workers encode with
+    huge_pages: bool = True  # CPU workers move their loaded memory into 2 MiB pages (prismgate.engines.huge_pages)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -235,8 +237,10 @@ def engine_info(
     vllm_len: int,
     manifest: ReadoutManifest | None,
     features: FeatureManifest | None = None,
+    workers: Sequence[Mapping[str, Any]] = (),
 ) -> EngineInfo:
-    """What the engine serves; ``vllm_len`` is vLLM's context, one longer than the one served."""
+    """What the engine serves; ``vllm_len`` is vLLM's context, one longer than the one served; ``workers``:
+    what each worker's ``prismgate_setup`` answered (here: what it moved into huge pages)."""
     config = model_config(options.model_path)
     text = config.get("text_config") or config
     steers = (manifest is not None or features is not None) and options.steering_rounds > 0
@@ -256,7 +260,17 @@ def engine_info(
         deterministic=deterministic_off() is None,
         deterministic_off=deterministic_off(),
         features=features,
+        huge_page_bytes=sum(int(w.get("huge_page_bytes", 0)) for w in workers),
+        huge_pages_reason=huge_pages_reason(workers),
     )
+
+
+def huge_pages_reason(workers: Sequence[Mapping[str, Any]]) -> str:
+    """What the workers moved into huge pages, in one sentence: the reason itself with one worker."""
+    reasons = [str(w["huge_pages_reason"]) for w in workers if w.get("huge_pages_reason")]
+    if len(reasons) <= 1:
+        return "".join(reasons)
+    return "; ".join(f"worker {i}: {reason}" for i, reason in enumerate(reasons))
 
 
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"

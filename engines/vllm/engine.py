@@ -85,6 +85,7 @@ class VLLMEngine:
         steering_rounds: int = steer.MAX_ROUNDS,
         max_stored_positions: int = 1 << 18,
         saes: tuple[tuple[Path, Path | None], ...] = (),
+        huge_pages: bool = True,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.model_path = Path(model_path)
@@ -107,6 +108,7 @@ class VLLMEngine:
             max_num_seqs=max_num_seqs,
             steering_rounds=steering_rounds,
             saes=tuple(saes),
+            huge_pages=huge_pages,
             engine_kwargs=dict(engine_kwargs or {}),
         )
         self._readout_address = readout_address
@@ -172,7 +174,8 @@ class VLLMEngine:
             self._receiver = Receiver(len(self._pack.layers) if self._pack is not None else 0, self._readout_address)
             self._receiver.start()
             # every engine core's workers connect (vLLM sends the call to each core, answers with the first's)
-            shapes = await self._llm.collective_rpc("prismgate_setup", args=(self._receiver.address,))
+            address = self._receiver.address
+            shapes = await self._llm.collective_rpc("prismgate_setup", args=(address, self._options.huge_pages))
             log.info("vLLM workers connected: %s", shapes)
             self.workers = list(shapes)
             want = sorted(self._pack.layers) if self._pack is not None else []
@@ -189,7 +192,7 @@ class VLLMEngine:
                 raise GatewayError(Code.INTERNAL, f"vLLM's workers steer at slots {shapes}, this engine at {steered}")
             vllm_len = int(self._llm.vllm_config.model_config.max_model_len)
             manifest = self._pack.manifest if self._pack is not None else None
-            self.info = config.engine_info(self._options, tokenizer, vllm_len, manifest, feature_manifest(saes))
+            self.info = config.engine_info(self._options, tokenizer, vllm_len, manifest, feature_manifest(saes), shapes)
             if self.info.vision is not None:
                 self._images = ImageCounter(self.model_path)
             self._cache_block = int(self._llm.vllm_config.cache_config.block_size)

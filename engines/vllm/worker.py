@@ -376,15 +376,24 @@ class PrismgateWorkerExtension:
         self._prismgate_features = (shared, sae_op.install(model, saes, rows, shared, width, weights))
         self._prismgate_sae_layers = [s.layer for s in saes]
 
-    def prismgate_setup(self, address: str) -> dict[str, Any]:
-        """Connect the side channel and start reading each step; returns the model's shape."""
+    def prismgate_setup(self, address: str, huge_pages: bool = True) -> dict[str, Any]:
+        """Connect the side channel and start reading each step; returns the model's shape, and what this
+        worker moved into huge pages (``huge_pages``: :mod:`prismgate.engines.huge_pages`, on CPU; called
+        once vLLM has loaded, compiled and allocated its KV cache, so all of that is in place)."""
         from vllm.distributed import get_pp_group, get_tp_group
 
+        from prismgate.engines.huge_pages import HugePages, collapse
         from prismgate.engines.vllm.channel import Sender
 
         runner = self.model_runner  # type: ignore[attr-defined]
         self.prismgate_shutdown()
         model = runner.get_model()
+        device = next(model.parameters()).device.type
+        if huge_pages and device != "cpu":
+            pages = HugePages(0, f"not collapsed: the weights are on {device}, not the CPU")
+        else:
+            pages = collapse(enabled=huge_pages)
+        log.info("prismgate: %s", pages.reason)
         # Tensor-parallel ranks of a stage hold the same residual stream: the first one sends. Each
         # pipeline stage sends its own layers' readouts, the last one also the prompt logprobs.
         # Every rank steers its own copy of the stream.
@@ -412,6 +421,8 @@ class PrismgateWorkerExtension:
             "readout_layers": list(self._prismgate_layers or []),
             "feature_layers": list(self._prismgate_sae_layers or []),
             "steering_slots": list(self._prismgate_steer_slots or []),
+            "huge_page_bytes": pages.bytes,
+            "huge_pages_reason": pages.reason,
         }
 
     def prismgate_shutdown(self) -> None:

@@ -206,6 +206,13 @@ class Engine(Group):
         choices=("auto", "bfloat16", "float16", "float32"),
     )
     max_model_len: int | None = setting(None, "Context length limit (default: the model's own).")
+    huge_pages: bool = setting(
+        True,
+        "On CPU, once the model has loaded, move its weights (the engine process's anonymous memory that is "
+        "almost all resident: with vLLM, its workers' weights and KV cache) into 2 MiB transparent huge pages "
+        "where they are (madvise MADV_COLLAPSE, Linux 6.1+): the same bytes at the same addresses, decode steps "
+        "faster (docs/benchmarks.md, 'Weights in huge pages'); /readyz says how much and why (not). false: never.",
+    )
     deterministic: bool = setting(
         False,
         "Every request's default for `deterministic`: the same token ids, logprobs and readouts whatever else "
@@ -253,13 +260,6 @@ class TransformersOptions(Group):
         "check finds the same bits as unpacked; /readyz says whether and why. The packed copy replaces each weight "
         "no other module shares (a tied LM head keeps the embedding's); sibling layers that read one input (query, key "
         "and value; gate and up) are packed as one product. false: never.",
-    )
-    huge_pages: bool = setting(
-        True,
-        "transformers engine: on CPU, once the model has loaded, move its weights (the process's anonymous memory "
-        "that is almost all resident) into 2 MiB transparent huge pages where they are (madvise MADV_COLLAPSE, "
-        "Linux 6.1+): the same bytes at the same addresses, decode steps faster (docs/benchmarks.md, 'Weights in "
-        "huge pages'); /readyz says how much and why (not). false: never.",
     )
     grammar_cache_bytes: int = setting(
         64 << 20,

@@ -69,6 +69,15 @@ async def test_info_and_cache_granularity(engine: Any) -> None:
     assert engine.cache_block_size == 32
 
 
+async def test_the_workers_loaded_memory_moved_into_huge_pages(engine: Any) -> None:
+    """vLLM's CPU worker, once loaded, compiled and with its KV cache, moves its memory into 2 MiB pages."""
+    info = engine.info
+    if info.huge_pages_reason.startswith("not collapsed: madvise"):
+        pytest.skip(info.huge_pages_reason)  # a kernel older than 6.1, or without huge pages
+    assert info.huge_page_bytes > 0, info.huge_pages_reason
+    assert info.huge_pages_reason.startswith(f"{info.huge_page_bytes >> 20} MiB of weights"), info.huge_pages_reason
+
+
 async def test_vllm_cpu_refuses_deterministic_requests_and_says_where_to_go(engine: Any) -> None:
     assert engine.info.deterministic is False
     assert "--engine transformers" in (engine.info.deterministic_off or "")

@@ -435,3 +435,14 @@ def test_the_readout_op_gives_a_row_the_same_bits_in_a_batch_of_any_size(dtype: 
             out = torch.zeros(32, concepts)
             capture.readout(hidden, residual, directions, out, wanted)
             assert torch.equal(out[slot], alone[0]), (size, slot)
+
+
+def test_the_engine_says_what_each_worker_moved_into_huge_pages() -> None:
+    one = {"huge_page_bytes": 700 << 20, "huge_pages_reason": "700 MiB of weights and other loaded memory moved"}
+    assert config.huge_pages_reason([one]) == one["huge_pages_reason"]
+    other = {"huge_page_bytes": 0, "huge_pages_reason": "nothing to collapse: 700 MiB already in huge pages"}
+    assert config.huge_pages_reason([one, other]) == (
+        "worker 0: 700 MiB of weights and other loaded memory moved; "
+        "worker 1: nothing to collapse: 700 MiB already in huge pages"
+    )
+    assert config.huge_pages_reason([]) == ""
