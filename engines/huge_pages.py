@@ -2,7 +2,7 @@
 
 A decode step reads every weight once: hundreds of megabytes, in 4 KiB pages unless the system
 puts anonymous memory in transparent huge pages by default (most set it to ``madvise``, and
-neither torch nor oneDNN asks). Page walks then take a tenth to a fifth of a step
+neither torch nor oneDNN asks). Page walks then take about a tenth of a step
 (docs/benchmarks.md, "Weights in huge pages"). Linux 6.1 and later moves memory in use into
 huge pages in place (``madvise(MADV_COLLAPSE)``): the same bytes at the same addresses, so no
 bit of any result changes.
@@ -129,13 +129,13 @@ def collapse(*, enabled: bool = True, advise: Advise | None = None, smaps: Path 
     seconds = time.perf_counter() - began
     if moved == 0 and not failures:
         return HugePages(0, f"nothing to collapse: {huge_bytes(before) >> 20} MiB already in huge pages", seconds)
+    common = max(failures, key=failures.__getitem__) if failures else 0
+    why = os.strerror(common)
+    if common == errno.EINVAL:
+        why = "this kernel has no MADV_COLLAPSE (Linux 6.1+) or no huge pages"
     if moved == 0:
-        code = max(failures, key=failures.__getitem__)
-        why = os.strerror(code)
-        if code == errno.EINVAL:
-            why = "this kernel has no MADV_COLLAPSE (Linux 6.1+) or no huge pages"
         return HugePages(0, f"not collapsed: madvise(MADV_COLLAPSE) failed: {why}", seconds)
     reason = f"{moved >> 20} MiB of weights and other loaded memory moved into 2 MiB pages in {seconds:.1f} s"
     if failures:
-        reason += f" ({sum(failures.values())} mappings could not be moved: {os.strerror(max(failures))})"
+        reason += f" ({sum(failures.values())} mappings could not be moved: {why})"
     return HugePages(moved, reason, seconds)
