@@ -1,11 +1,12 @@
 """Scheduling: which request the worker thread steps next, on the one thread that runs the model.
 
-Requests are stepped best priority first, then first come, one step each per round, so streams
-interleave; within a round, those with no token yet step first, ahead of the batched decode
-step, so that a newcomer's first token waits for nobody else's next one. Prompts still
-prefilling take the round's prefill in turns, sized so that the round lasts about a target time
-while others wait (:mod:`~prismgate.engines.hf.pace`). Those whose next step
-is a plain decode step go together in one batched forward pass
+Requests are stepped best priority first, then first come, one step each per round (one more for
+a newcomer: its first decode step), so streams interleave. Within a round, those with no token
+yet step first, a newcomer's first step ahead of the other prompts' chunks, so that its first
+token waits for nobody else's next one; then the decode steps, which a newcomer given its first
+token joins at once. Prompts still prefilling take the round's prefill in turns, sized so that
+the round lasts about a target time while others wait (:mod:`~prismgate.engines.hf.pace`). Those
+whose next step is a plain decode step go together in one batched forward pass
 (:mod:`~prismgate.engines.hf.batched_decode`); the rest take their own step
 (:mod:`~prismgate.engines.hf.steps`). A request whose consumer is slow is skipped until it
 catches up (:mod:`~prismgate.engines.hf.bridge`), and so is one the core holds (preempted:
@@ -152,21 +153,21 @@ class Scheduler:
                 released, self._released = self._released, []
             for key in released:
                 stepper.caches.forget(key)
-            batch = batch_members(self._active, max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens)
-            # a request that has no token yet takes its step before the batched decode step: its
-            # time to first token waits for no other request's token (one step each per round still)
-            rest = [job for job in self._active if job not in batch]
-            fresh = [job for job in rest if job.generated == 0]
             chunks = self._paced()
+            # Requests with no token yet step first, a newcomer's first step ahead of the other prompts'
+            # chunks: its first token waits for nobody else's next one nor another prompt's chunk. Then
+            # every decode step, which those just given their first token join at once.
+            fresh = sorted((job for job in self._active if job.generated == 0), key=lambda job: job.started)
             for job in fresh:
                 if not job.prefilling:
                     self._step_alone(job)
                 elif job.order in chunks or job.cancelled:
                     self._prefill(job, chunks.get(job.order))
+            batch = batch_members(self._active, max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens)
             if batch:
                 self._guarded(batch, functools.partial(decode_batch, stepper, batch))
-            for job in rest:
-                if job not in fresh:
+            for job in self._active:
+                if job not in batch and (job not in fresh or job.decoding):
                     self._step_alone(job)
             with self._cv:
                 ended = any(job.ended for job in self._active)

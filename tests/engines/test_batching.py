@@ -85,18 +85,19 @@ async def test_a_batch_of_one_is_not_batched(tiny_model_dir: Path) -> None:
 
 
 async def test_a_newcomer_prefills_before_the_batched_decode_step(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The worker's rounds, recorded: "round" when it looks at its requests, "batch" for the batched
+    # The worker's rounds, recorded: "round" when it plans its prefill, "batch" for the batched
     # decode step, and each request's own steps. A request that arrives while others decode in a
     # batch takes its first step ahead of that round's batched step: its first token waits for
     # nobody else's next one.
     from prismgate.engines.hf import scheduler as scheduling
 
     log: list[str] = []
-    real_members, real_decode = scheduling.batch_members, scheduling.decode_batch
+    real_decode = scheduling.decode_batch
+    real_paced = engine._scheduler._paced
 
-    def members(*args: Any, **kw: Any) -> Any:
+    def paced() -> Any:  # planned once at the start of every round
         log.append("round")
-        return real_members(*args, **kw)
+        return real_paced()
 
     batched = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -107,7 +108,7 @@ async def test_a_newcomer_prefills_before_the_batched_decode_step(engine: Any, m
         if log.count("batch") == 5:  # the three decode together
             loop.call_soon_threadsafe(batched.set)
 
-    monkeypatch.setattr(scheduling, "batch_members", members)
+    monkeypatch.setattr(engine._scheduler, "_paced", paced)
     monkeypatch.setattr(scheduling, "decode_batch", decode)
     stepper = engine._scheduler.stepper
     real_step = stepper.step

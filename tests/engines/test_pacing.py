@@ -115,6 +115,42 @@ async def test_a_long_prompt_prefills_in_small_chunks_between_a_streams_tokens_t
     assert all(n >= 1 for n in between[: len(contended) - 1]), between
 
 
+async def test_a_newcomer_steps_ahead_of_a_long_prompts_chunk_and_decodes_in_the_same_round(engine: Any) -> None:
+    """Its first step before the round's chunk of the long prompt (its first token waits for no chunk),
+    its first decode step in that same round (its second token waits for no second chunk)."""
+    log = logged(engine, 0.003)  # 160-token chunks alone, so the newcomer arrives between two; a round of both then
+    scheduler = engine._scheduler
+    rounds: list[int] = []  # where in the log each round began
+    plan, loop, chunked = scheduler._paced, asyncio.get_running_loop(), asyncio.Event()
+
+    def paced() -> Any:
+        rounds.append(len(log))
+        if log:  # the long prompt has run a chunk
+            loop.call_soon_threadsafe(chunked.set)
+        return plan()
+
+    scheduler._paced = paced
+    try:
+        long = long_prompt(5, 3000)
+        prefilling = asyncio.create_task(run(engine, long, max_tokens=1))
+        await asyncio.wait_for(chunked.wait(), 60)
+        newcomer = chat(engine, "hi")
+        await run(engine, newcomer, max_tokens=2, ignore_eos=True)
+        await prefilling
+    finally:
+        del scheduler._paced
+        restore(engine)
+    mine = [i for i, (tokens, _, _) in enumerate(log) if tokens == newcomer]
+    theirs = [i for i, (tokens, _, _) in enumerate(log) if tokens == long]
+    assert len(mine) == 2 and log[mine[1]][1] == len(newcomer), log  # its prompt whole, then one decode step
+    assert theirs[0] < mine[0] < theirs[-1], (mine, theirs)  # it came while the long prompt prefilled
+    start = max(r for r in rounds if r <= mine[0])
+    end = min((r for r in rounds if r > mine[0]), default=len(log))
+    assert mine[0] == start, log[start : mine[0] + 1]  # the first pass of its round
+    assert mine[1] < end, (mine, start, end)  # its second token in the same round
+    assert sum(1 for i in theirs if start <= i < end) == 1  # the long prompt's chunk ran in that round too
+
+
 async def test_several_long_prompts_take_turns_so_a_stream_waits_for_one_chunk_a_round(engine: Any) -> None:
     log = logged(engine, 0.003)  # 64-token chunks while the stream waits
     try:
