@@ -130,7 +130,7 @@ def logits():
 
 before = logits()
 moved = collapse()
-print(json.dumps({"reason": loaded.info.huge_pages_reason, "moved": moved.bytes,
+print(json.dumps({"reason": loaded.info.huge_pages_reason, "moved": moved.bytes, "why": moved.reason,
                   "equal": bool(torch.equal(before, logits()))}))
 """
 
@@ -146,6 +146,8 @@ def test_a_model_gives_the_same_bits_after_the_move(tiny_model_dir: Path) -> Non
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["reason"] == "not collapsed: huge_pages = false"
+    if result["why"].startswith("not collapsed: madvise"):
+        pytest.skip(result["why"])  # a kernel older than 6.1, or without huge pages
     assert result["moved"] > 0, result  # the load's memory did move
     assert result["equal"], result
 
