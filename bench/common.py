@@ -216,3 +216,19 @@ def decode_step(adapter: Any, merged: Any, caches: Sequence[Any], ids: Sequence[
     if len(caches) == 1:
         return adapter.forward(ids, caches[0], position, [], [], [0])
     return merged.step(ids, caches, [position] * len(caches))
+
+
+def decode_seconds(adapter: Any, caches: Sequence[Any], position: int, steps: int) -> float:
+    """Median seconds of a decode step of a row per cache, the first at ``position`` (``steps`` timed
+    steps through one merged cache kept from step to step, as the engine keeps it; the first step,
+    which merges, untimed)."""
+    from prismgate.engines.hf.batch_cache import BatchCache
+
+    merged = BatchCache(adapter)
+    rows = len(caches)
+    times = []
+    for step in range(steps + 1):
+        started = time.perf_counter()
+        decode_step(adapter, merged, caches, [100 + step + row for row in range(rows)], position + step)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])

@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from bench.common import decode_step, default_model, prefill, rss_bytes, spread, write_results
+from bench.common import decode_seconds, default_model, prefill, rss_bytes, spread, write_results
 
 PROMPT = 64  # tokens before each decoding row: a short context, where reading the weights is most of a step
 PREFILL = 512  # tokens of the prefill measured, in one chunk
@@ -32,8 +32,6 @@ PREFILL = 512  # tokens of the prefill measured, in one chunk
 def _measure(huge: bool, batches: list[int], steps: int) -> dict[str, Any]:
     """One arm in this process: load, then time decode steps at each row count and one prefill."""
     import torch
-
-    from prismgate.engines.hf.batch_cache import BatchCache
 
     loaded = default_model("bfloat16", packed_weights=True, huge_pages=huge)
     adapter = loaded.adapter
@@ -45,13 +43,7 @@ def _measure(huge: bool, batches: list[int], steps: int) -> dict[str, Any]:
     with torch.inference_mode():
         for rows in batches:
             caches = [prefill(adapter, [7 + (i * 31 + row) % 300 for i in range(PROMPT)]) for row in range(rows)]
-            merged = BatchCache(adapter)
-            times = []
-            for step in range(steps + 1):  # the first, which merges, untimed
-                started = time.perf_counter()
-                decode_step(adapter, merged, caches, [100 + step + row for row in range(rows)], PROMPT + step)
-                times.append(time.perf_counter() - started)
-            result[f"decode_{rows}"] = 1000 * statistics.median(times[1:])
+            result[f"decode_{rows}"] = 1000 * decode_seconds(adapter, caches, PROMPT, steps)
         ids = [11 + (i * 17) % 3000 for i in range(PREFILL)]
         prefill(adapter, ids[:32])  # the first forward of a shape pays its own set-up
         started = time.perf_counter()

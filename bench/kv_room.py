@@ -18,31 +18,21 @@ import argparse
 import os
 import platform
 import statistics
-import time
 from typing import Any
 
-from bench.common import decode_step, default_model, prefill, spread, write_results
+from bench.common import decode_seconds, default_model, prefill, spread, write_results
 
 
 def _step_ms(adapter: Any, prompts: list[Any], depth: int, steps: int) -> float:
     """Median ms of a decode step of a row per prefilled prompt, each copied into the adapter's kind of
     cache (the first step, which merges, untimed)."""
-    from prismgate.engines.hf.batch_cache import BatchCache
-
     caches = []
     for prompt in prompts:
         cache = adapter.new_cache()
         for index, layer in enumerate(prompt.layers):
             cache.update(layer.keys.clone(), layer.values.clone(), index)
         caches.append(cache)
-    rows = len(caches)
-    merged = BatchCache(adapter)
-    times = []
-    for step in range(steps + 1):
-        started = time.perf_counter()
-        decode_step(adapter, merged, caches, [100 + step + row for row in range(rows)], depth + step)
-        times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times[1:])
+    return 1000 * decode_seconds(adapter, caches, depth, steps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,7 @@ import statistics
 import time
 from typing import Any
 
-from bench.common import decode_step, default_model, prefill, write_results
+from bench.common import decode_seconds, default_model, prefill, write_results
 
 
 def _chunk_s(adapter: Any, cache: Any, context: int, tokens: int, repeats: int) -> float:
@@ -48,16 +48,8 @@ def _chunk_s(adapter: Any, cache: Any, context: int, tokens: int, repeats: int) 
 def _decode_s(adapter: Any, context: int, rows: int, steps: int) -> float:
     """Median seconds of a decode step of ``rows`` rows, each after its own ``context``-token prompt (the
     merged cache kept from step to step, as the engine keeps it; its first step, which merges, untimed)."""
-    from prismgate.engines.hf.batch_cache import BatchCache
-
     caches = [prefill(adapter, [7 + (i * 31 + row) % 300 for i in range(context)]) for row in range(rows)]
-    merged = BatchCache(adapter)
-    times = []
-    for step in range(steps + 1):
-        started = time.perf_counter()
-        decode_step(adapter, merged, caches, [100 + step + row for row in range(rows)], context + step)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
+    return decode_seconds(adapter, caches, context, steps)
 
 
 def main(argv: list[str] | None = None) -> int:
