@@ -107,13 +107,18 @@ def huge_bytes(smaps: str) -> int:
     return sum(m.huge for m in mappings(smaps))
 
 
-def collapse(*, enabled: bool = True, advise: Advise | None = None, smaps: Path = SMAPS) -> HugePages:
-    """Move the process's dense anonymous memory into huge pages (see the module's docstring).
+def collapse(
+    *, enabled: bool = True, device: str = "cpu", advise: Advise | None = None, smaps: Path = SMAPS
+) -> HugePages:
+    """Move the process's dense anonymous memory into huge pages (see the module's docstring), when the
+    weights are on the CPU (``device``: the type of the device they are on).
 
-    Never raises: when nothing could be moved, :attr:`HugePages.reason` says why (the setting, a
-    system without ``/proc`` or ``madvise``, a kernel older than 6.1 or without huge pages)."""
+    Never raises: when nothing could be moved, :attr:`HugePages.reason` says why (the setting, weights
+    elsewhere, a system without ``/proc`` or ``madvise``, a kernel older than 6.1 or without huge pages)."""
     if not enabled:
         return HugePages(0, "not collapsed: huge_pages = false")
+    if device != "cpu":
+        return HugePages(0, f"not collapsed: the weights are on {device}, not the CPU")
     advise = advise or _madvise()
     if advise is None or not smaps.exists():
         return HugePages(0, "not collapsed: this system has no /proc/self/smaps or madvise (Linux only)")

@@ -15,7 +15,7 @@ from prismgate.engines.hf import invariance_check, invariant, kv_room, packing
 from prismgate.engines.hf.adapters import ModelAdapter, load_adapter
 from prismgate.engines.hf.cpu_dtype import cpu_flags
 from prismgate.engines.hf.steering import Steerer
-from prismgate.engines.huge_pages import HugePages, collapse
+from prismgate.engines.huge_pages import collapse
 from prismgate.engines.introspect import decoder_layers
 from prismgate.engines.readouts.pack import ConceptPack
 from prismgate.engines.readouts.probe import ReadoutProbe
@@ -74,7 +74,8 @@ def load(
     features = FeatureProbe(model, encoders) if encoders else None
     deterministic_off = _invariance(adapter)
     tokenizer = adapter.tokenizer
-    pages = _huge_pages(adapter, huge_pages)  # last: what the load allocated is all in place
+    # last: what the load allocated is all in place
+    pages = collapse(enabled=huge_pages, device=torch.device(adapter.device).type)
     limit = max_model_len or int(getattr(config, "max_position_embeddings", 4096))
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos_ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
@@ -114,14 +115,6 @@ def load(
         pages.reason,
     )
     return LoadedModel(adapter, probe, steerer, info, encoders, features)
-
-
-def _huge_pages(adapter: ModelAdapter, enabled: bool) -> HugePages:
-    """The loaded weights into huge pages (:mod:`prismgate.engines.huge_pages`), on CPU."""
-    device = torch.device(adapter.device).type
-    if enabled and device != "cpu":
-        return HugePages(0, f"not collapsed: the weights are on {device}, not the CPU")
-    return collapse(enabled=enabled)
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:

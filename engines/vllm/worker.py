@@ -382,17 +382,13 @@ class PrismgateWorkerExtension:
         once vLLM has loaded, compiled and allocated its KV cache, so all of that is in place)."""
         from vllm.distributed import get_pp_group, get_tp_group
 
-        from prismgate.engines.huge_pages import HugePages, collapse
+        from prismgate.engines.huge_pages import collapse
         from prismgate.engines.vllm.channel import Sender
 
         runner = self.model_runner  # type: ignore[attr-defined]
         self.prismgate_shutdown()
         model = runner.get_model()
-        device = next(model.parameters()).device.type
-        if huge_pages and device != "cpu":
-            pages = HugePages(0, f"not collapsed: the weights are on {device}, not the CPU")
-        else:
-            pages = collapse(enabled=huge_pages)
+        pages = collapse(enabled=huge_pages, device=next(model.parameters()).device.type)
         log.info("prismgate: %s", pages.reason)
         # Tensor-parallel ranks of a stage hold the same residual stream: the first one sends. Each
         # pipeline stage sends its own layers' readouts, the last one also the prompt logprobs.

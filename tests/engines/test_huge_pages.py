@@ -91,6 +91,7 @@ def test_a_dense_mapping_moves_into_huge_pages_with_its_bytes() -> None:
 
 def test_the_setting_and_a_refusing_kernel_are_reported_not_raised(tmp_path: Path) -> None:
     assert collapse(enabled=False).reason == "not collapsed: huge_pages = false"
+    assert collapse(device="cuda").reason == "not collapsed: the weights are on cuda, not the CPU"
     smaps = tmp_path / "smaps"
     smaps.write_text(SMAPS_TEXT)
     calls = []
