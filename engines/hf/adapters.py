@@ -100,12 +100,9 @@ class ModelAdapter:
 
     def forward_batch(self, ids: Sequence[int], merged: Any, positions: Sequence[int], width: int) -> torch.Tensor:
         """A decode step on a merged cache: row ``j`` holds ``positions[j]`` tokens in its last ``width`` columns."""
-        mask = torch.zeros((len(ids), width + 1), dtype=torch.long, device=self.device)
-        for row, position in enumerate(positions):
-            mask[row, width - position :] = 1
         out = self.model(
             input_ids=torch.tensor([[t] for t in ids], dtype=torch.long, device=self.device),
-            attention_mask=mask,
+            attention_mask=padding_mask(positions, width, self.device),
             position_ids=torch.tensor([[p] for p in positions], dtype=torch.long, device=self.device),
             cache_position=torch.tensor([width], dtype=torch.long, device=self.device),
             past_key_values=merged,
@@ -116,6 +113,15 @@ class ModelAdapter:
 
     def image_tokens(self, data: bytes, mime: str) -> int:
         raise invalid("this model takes no images (it has no vision encoder)")
+
+
+def padding_mask(positions: Sequence[int], width: int, device: str) -> torch.Tensor:
+    """The 2-D attention mask of a decode step over a merged cache ``width`` columns wide: row ``j``
+    sees its last ``positions[j]`` columns (the rest is left padding) and the token it feeds."""
+    mask = torch.zeros((len(positions), width + 1), dtype=torch.long, device=device)
+    for row, position in enumerate(positions):
+        mask[row, width - position :] = 1
+    return mask
 
 
 def check_cache(cache: Any, start: int) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from prismgate.engines.hf.adapters import ModelAdapter, check_cache
+from prismgate.engines.hf.adapters import ModelAdapter, check_cache, padding_mask
 
 
 class BatchCache:
@@ -39,16 +39,29 @@ class BatchCache:
         Returns float32 logits ``[batch, vocab]``. The requests stay in the merged cache;
         :meth:`leave` hands one its keys and values back.
         """
+        self.prepare(caches, positions)
+        logits = self.adapter.forward_batch(ids, self.merged, positions, self.width)
+        self.advance()
+        return logits
+
+    def prepare(self, caches: Sequence[Any], positions: Sequence[int]) -> None:
+        """Hold ``caches`` (rows in that order, at ``positions``) merged, ready for a step: merged anew
+        when the members changed, else checked against the merge."""
         if len(self.rows) != len(caches) or any(a is not b for a, b in zip(self.rows, caches, strict=False)):
             self._regroup(caches, positions)
         else:
             for length, position in zip(self.lengths, positions, strict=True):
                 if length != position:
                     raise RuntimeError(f"the batch's KV cache holds {length} tokens of a request at {position}")
-        logits = self.adapter.forward_batch(ids, self.merged, positions, self.width)
+
+    def mask(self) -> torch.Tensor:
+        """The 2-D attention mask of the next step over the merge (:func:`padding_mask`)."""
+        return padding_mask(self.lengths, self.width, self.adapter.device)
+
+    def advance(self) -> None:
+        """A step ran on the merge: every row holds one more token."""
         self.width += 1
         self.lengths = [length + 1 for length in self.lengths]
-        return logits
 
     def leave(self, cache: Any) -> None:
         """Give ``cache`` its keys and values back (a copy of its row, without the padding); no-op if not here."""

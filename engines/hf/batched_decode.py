@@ -17,6 +17,7 @@ import torch
 
 from prismgate.core.actions import covered
 from prismgate.engines.hf.job import Job
+from prismgate.engines.hf.mixed_pass import Riders
 from prismgate.engines.hf.steps import Stepper
 from prismgate.engines.invariant_rows import SWITCH
 
@@ -64,14 +65,34 @@ def _fill(ready: list[Job], max_batch: int, max_batch_tokens: int) -> list[Job]:
     return members
 
 
-def decode_batch(stepper: Stepper, jobs: list[Job]) -> None:
+def riders(stepper: Stepper, jobs: list[Job]) -> Riders | None:
+    """The decode steps of ``jobs`` as rows that may ride in a prompt chunk's pass
+    (:mod:`~prismgate.engines.hf.mixed_pass`): None when riding is off here or any of them asks for
+    what only a pass of its own gives (a readout or features of the token it feeds, steering, the
+    batch-invariant kernels). Several are merged in the batch's cache, one keeps its own."""
+    if not (stepper.rides and jobs):
+        return None
+    positions = [len(job.timeline) - 1 for job in jobs]
+    for job, position in zip(jobs, positions, strict=True):
+        if job.deterministic or job.steering or stepper.waits_for_hidden(job.request.spec, position):
+            return None
+    ids = [job.timeline[p] for job, p in zip(jobs, positions, strict=True)]
+    if len(jobs) == 1:
+        stepper.batch.leave(jobs[0].cache)
+        return Riders(ids, positions, jobs[0].cache)
+    stepper.batch.prepare([job.cache for job in jobs], positions)
+    return Riders(ids, positions, stepper.batch.merged, stepper.batch.mask())
+
+
+def decode_batch(stepper: Stepper, jobs: list[Job], ridden: torch.Tensor | None = None) -> None:
     """Feed each job's last sampled token in one forward pass, then sample each job's next token.
 
-    A job that ends on this step with its last token still held (its readout or features come
+    ``ridden``: that pass already ran, inside a prompt chunk's (:func:`riders`), and these are its
+    logits. A job that ends on this step with its last token still held (its readout or features come
     from the pass that feeds it) gets that pass too; the jobs ending together share it, so a batch
     of requests that end on the same step costs one more batched pass, not one pass each.
     """
-    logits = _feed_batch(stepper, jobs)
+    logits = _feed_batch(stepper, jobs, ridden)
     for row, job in enumerate(jobs):
         job.next_logits = logits[row]
         stepper.decode_one(job)
@@ -82,11 +103,18 @@ def decode_batch(stepper: Stepper, jobs: list[Job]) -> None:
         stepper.finish_if_done(job)
 
 
-def _feed_batch(stepper: Stepper, jobs: list[Job]) -> torch.Tensor:
-    """Run each job's last timeline token through one forward pass; a held event gets its readout
-    and features from it and is sent. Returns the logits ``[batch, vocab]``."""
-    probe = stepper.probe
+def _feed_batch(stepper: Stepper, jobs: list[Job], ridden: torch.Tensor | None = None) -> torch.Tensor:
+    """Run each job's last timeline token through one forward pass (unless it ran already: ``ridden``
+    are its logits); a held event gets its readout and features from it and is sent. Returns the
+    logits ``[batch, vocab]``."""
     positions = [len(job.timeline) - 1 for job in jobs]
+    if ridden is not None:  # riders ask for nothing but logits (`riders`)
+        for job, position in zip(jobs, positions, strict=True):
+            job.cached.append(job.timeline[position])
+            job.invariant = False
+        stepper.stats["ridden_steps"] += 1
+        return ridden
+    probe = stepper.probe
     wants = [
         probe is not None and covered(job.request.spec.readout_ranges, p)
         for job, p in zip(jobs, positions, strict=True)

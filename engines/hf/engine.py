@@ -86,7 +86,13 @@ class TransformersEngine:
         self._closing = False
         self.info: EngineInfo = None  # type: ignore[assignment]  # set by start()
         self.saes: tuple[SaeEncoder, ...] = ()  # set by start(): the loaded SAEs, by layer
-        self.stats = {"prefilled_tokens": 0, "reused_tokens": 0, "decoded_tokens": 0, "batched_steps": 0}
+        self.stats = {
+            "prefilled_tokens": 0,
+            "reused_tokens": 0,
+            "decoded_tokens": 0,
+            "batched_steps": 0,  # decode steps of several requests in one pass
+            "ridden_steps": 0,  # decode steps that rode in a prompt chunk's pass (engines.hf.mixed_pass)
+        }
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -119,6 +125,7 @@ class TransformersEngine:
             self.stats,
             prefill_chunk=self.prefill_chunk,
             features=loaded.features,
+            rides=loaded.riding is not None and loaded.riding.enabled,
         )
         self._scheduler = Scheduler(
             stepper,

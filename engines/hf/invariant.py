@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from prismgate.engines.hf import chunk_attention, decode_attention, packing
+from prismgate.engines.hf import chunk_attention, decode_attention, mixed_pass, packing
 from prismgate.engines.invariant_rows import BLOCK_ROWS, SWITCH, on_rows
 
 ATTENTION = "prismgate_invariant"  # the name this module registers with transformers' attention interface
@@ -140,9 +140,19 @@ def invariant_attention(
 def _dispatch(
     module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kw: Any
 ) -> tuple[torch.Tensor, Any]:
-    """The attention transformers calls: the canonical order while the switch is on; else, at one
-    query per row on CPU, in a batch or over a long context, :mod:`~prismgate.engines.hf.decode_attention`;
-    a masked chunk on CPU, :mod:`~prismgate.engines.hf.chunk_attention`; and SDPA otherwise."""
+    """The attention transformers calls: in a pass where decode rows ride in a prompt chunk, each
+    part's own (:mod:`~prismgate.engines.hf.mixed_pass`); else :func:`_attend`."""
+    if mixed_pass.PLAN.active is not None:
+        return mixed_pass.attention(module, query, key, value, _attend, **kw)
+    return _attend(module, query, key, value, attention_mask, **kw)
+
+
+def _attend(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kw: Any
+) -> tuple[torch.Tensor, Any]:
+    """The canonical order while the switch is on; else, at one query per row on CPU, in a batch or
+    over a long context, :mod:`~prismgate.engines.hf.decode_attention`; a masked chunk on CPU,
+    :mod:`~prismgate.engines.hf.chunk_attention`; and SDPA otherwise."""
     if SWITCH.active:
         return invariant_attention(module, query, key, value, attention_mask, **kw)
     if decode_attention.takes(query, key, kw):
@@ -152,6 +162,11 @@ def _dispatch(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+
+
+def installed(model: Any) -> bool:
+    """Whether ``model``'s attention goes through this module's dispatch (:func:`install` succeeded)."""
+    return getattr(model.config.get_text_config(), "_attn_implementation", None) == ATTENTION
 
 
 def install(model: Any) -> bool:

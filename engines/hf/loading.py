@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from prismgate.core.engine import EngineInfo, ReadoutManifest
-from prismgate.engines.hf import invariance_check, invariant, kv_room, packing
+from prismgate.engines.hf import invariance_check, invariant, kv_room, mixed_pass, packing
 from prismgate.engines.hf.adapters import ModelAdapter, load_adapter
 from prismgate.engines.hf.cpu_dtype import cpu_flags
 from prismgate.engines.hf.steering import Steerer
@@ -35,6 +35,7 @@ class LoadedModel:
     info: EngineInfo
     saes: tuple[SaeEncoder, ...] = ()  # sparse autoencoders, one per layer, on the model's device
     features: FeatureProbe | None = None  # hooks that encode the stream with them (after the steerer's)
+    riding: mixed_pass.Riding | None = None  # whether decode rows ride in prompt chunks' passes
 
 
 def load(
@@ -73,6 +74,7 @@ def load(
     steerer = Steerer(model, pack, probe.project if probe else None, encoders) if pack or encoders else None
     features = FeatureProbe(model, encoders) if encoders else None
     deterministic_off = _invariance(adapter)
+    riding = mixed_pass.check(adapter, attention_installed=invariant.installed(model), probe=probe)
     tokenizer = adapter.tokenizer
     # last: what the load allocated is all in place
     pages = collapse(enabled=huge_pages, device=torch.device(adapter.device).type)
@@ -106,15 +108,16 @@ def load(
         huge_pages_reason=pages.reason,
     )
     log.info(
-        "loaded %s on %s in %s (%s); weights %s; %s",
+        "loaded %s on %s in %s (%s); weights %s; %s; %s",
         model_id,
         device,
         info.dtype,
         info.dtype_reason,
         packed.reason,
         pages.reason,
+        riding.reason,
     )
-    return LoadedModel(adapter, probe, steerer, info, encoders, features)
+    return LoadedModel(adapter, probe, steerer, info, encoders, features, riding)
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:

@@ -7,7 +7,8 @@ token waits for nobody else's next one; then the decode steps, which a newcomer 
 token joins at once. Prompts still prefilling take the round's prefill in turns, sized so that
 the round lasts about a target time while others wait (:mod:`~prismgate.engines.hf.pace`). Those
 whose next step is a plain decode step go together in one batched forward pass
-(:mod:`~prismgate.engines.hf.batched_decode`); the rest take their own step
+(:mod:`~prismgate.engines.hf.batched_decode`), or ride in the round's first prompt chunk's pass
+(:mod:`~prismgate.engines.hf.mixed_pass`; a newcomer then joins them next round); the rest take their own step
 (:mod:`~prismgate.engines.hf.steps`). A request whose consumer is slow is skipped until it
 catches up (:mod:`~prismgate.engines.hf.bridge`), and so is one the core holds (preempted:
 its KV cache stays, it goes on from the same step when let go); a cancelled one ends at its next turn. A
@@ -27,8 +28,9 @@ import torch
 
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, FinishReason
-from prismgate.engines.hf.batched_decode import batch_members, decode_batch
+from prismgate.engines.hf.batched_decode import batch_members, decode_batch, riders
 from prismgate.engines.hf.job import Job
+from prismgate.engines.hf.mixed_pass import Riders
 from prismgate.engines.hf.pace import Pace, Prefill
 from prismgate.engines.hf.steps import Stepper
 from prismgate.engines.malloc_trim import HeapTrimmer
@@ -158,16 +160,26 @@ class Scheduler:
             # chunks: its first token waits for nobody else's next one nor another prompt's chunk. Then
             # every decode step, which those just given their first token join at once.
             fresh = sorted((job for job in self._active if job.generated == 0), key=lambda job: job.started)
+            # the decode steps ride in the round's first prompt chunk that will carry them, in its pass
+            riding = self._riding(fresh, chunks)
             for job in fresh:
                 if not job.prefilling:
                     self._step_alone(job)
                 elif job.order in chunks or job.cancelled:
-                    self._prefill(job, chunks.get(job.order))
-            batch = batch_members(self._active, max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens)
-            if batch:
-                self._guarded(batch, functools.partial(decode_batch, stepper, batch))
+                    carried = riding if riding is not None and not riding[0].started else None
+                    self._prefill(job, chunks.get(job.order), carried)
+            ridden = riding is not None and riding[0].logits is not None
+            if riding is not None and ridden:
+                batch = riding[1]
+                self._guarded(batch, functools.partial(decode_batch, stepper, batch, riding[0].logits))
+            else:
+                batch = batch_members(self._active, max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens)
+                if batch:
+                    self._guarded(batch, functools.partial(decode_batch, stepper, batch))
             for job in self._active:
-                if job not in batch and (job not in fresh or job.decoding):
+                # those given their first token this round decode in it, unless the others' steps rode in
+                # a chunk: then they join them next round rather than take a pass alone
+                if job not in batch and (job not in fresh or (job.decoding and not ridden)):
                     self._step_alone(job)
             with self._cv:
                 ended = any(job.ended for job in self._active)
@@ -185,15 +197,37 @@ class Scheduler:
         ]
         return self.pace.plan(prefills, others_wait=len(waiting) > len(prefills))
 
-    def _prefill(self, job: Job, chunk: int | None) -> None:
-        """A prefill chunk of ``job``, timed for the pace."""
+    def _riding(self, fresh: list[Job], chunks: dict[int, int]) -> tuple[Riders, list[Job]] | None:
+        """The decode steps that may ride in this round's prompt chunks, and their requests: those of the
+        batch the others would form, or of the one request decoding; None when no chunk runs or any
+        of them asks for a pass of its own (:func:`~prismgate.engines.hf.batched_decode.riders`)."""
+        if not (self.stepper.rides and any(job.order in chunks for job in fresh)):
+            return None
+        others = [job for job in self._active if job not in fresh]
+        jobs = batch_members(others, max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens)
+        if not jobs:
+            ready = [job for job in others if job.decoding and not (job.cancelled or job.idle)]
+            jobs = ready if len(ready) == 1 else []
+        found: list[Riders | None] = [None]
+
+        def prepare() -> None:  # merging their caches is model work: a failure fails them, as their step would
+            found[0] = riders(self.stepper, jobs)
+
+        if not (jobs and self._guarded(jobs, prepare)) or found[0] is None:
+            return None
+        return found[0], jobs
+
+    def _prefill(self, job: Job, chunk: int | None, riding: tuple[Riders, list[Job]] | None = None) -> None:
+        """A prefill chunk of ``job``, timed for the pace, carrying ``riding``'s decode steps where it can
+        (a pass that fails after it began writing their keys and values fails them too)."""
         before, outputs, started = job.next_prefill, job.prompt_outputs, self.pace.clock()
-        if self._step_alone(job, chunk):
+        if self._step_alone(job, chunk, riding):
             context = max(before, job.reused)  # a request's first step may have found its prompt's start kept
             self.pace.record(context, job.next_prefill - context, outputs, self.pace.clock() - started)
 
-    def _step_alone(self, job: Job, chunk: int | None = None) -> bool:
-        """One step of ``job`` on its own (a prefill chunk, or a decode step outside the batch); whether one ran."""
+    def _step_alone(self, job: Job, chunk: int | None = None, riding: tuple[Riders, list[Job]] | None = None) -> bool:
+        """One step of ``job`` (a prefill chunk, or a decode step outside the batch), carrying ``riding``'s
+        decode steps where it can; whether one ran."""
         if job.ended:
             return False
         if job.cancelled:
@@ -201,15 +235,21 @@ class Scheduler:
             return False
         if job.idle:
             return False
-        return self._guarded([job], functools.partial(self.stepper.step, job, chunk))
+        carried = riding[0] if riding is not None else None
+        return self._guarded([job], functools.partial(self.stepper.step, job, chunk, carried), riding)
 
-    def _guarded(self, jobs: list[Job], work: Callable[[], None]) -> bool:
-        """Run model work for ``jobs``; a failure fails those requests, never the worker. Whether it succeeded."""
+    def _guarded(
+        self, jobs: list[Job], work: Callable[[], None], riding: tuple[Riders, list[Job]] | None = None
+    ) -> bool:
+        """Run model work for ``jobs``; a failure fails those requests (and ``riding``'s, when the pass that
+        failed had begun writing their keys and values), never the worker. Whether it succeeded."""
         try:
             with torch.inference_mode():
                 work()
             return True
         except Exception as exc:  # the model failed: report it, keep serving
+            if riding is not None and riding[0].started and riding[0].logits is None:
+                jobs = [*jobs, *riding[1]]
             error = exc if isinstance(exc, GatewayError) else None
             if error is None:
                 log.exception("requests %s failed", [job.request.request_id for job in jobs])

@@ -20,11 +20,12 @@ from prismgate.core.actions import GenerateSpec, covered
 from prismgate.core.errors import Code, GatewayError, invalid
 from prismgate.core.events import Done, FinishReason, TokenEvent
 from prismgate.core.steering import spans
-from prismgate.engines.hf import kv_room
+from prismgate.engines.hf import kv_room, mixed_pass
 from prismgate.engines.hf.adapters import ModelAdapter
 from prismgate.engines.hf.batch_cache import BatchCache
 from prismgate.engines.hf.job import Job
 from prismgate.engines.hf.kv_reuse import Forks, Kept, SessionCaches, resume
+from prismgate.engines.hf.mixed_pass import Riders
 from prismgate.engines.hf.sampling import History, logprobs_of, sample
 from prismgate.engines.hf.steering import GateKey, RowPlan, Steerer
 from prismgate.engines.invariant_rows import SWITCH
@@ -54,6 +55,7 @@ class Stepper:
         *,
         prefill_chunk: int,
         features: FeatureProbe | None = None,
+        rides: bool = False,
     ) -> None:
         self.adapter = adapter
         self.probe = probe
@@ -63,11 +65,14 @@ class Stepper:
         self.stats = stats
         self.prefill_chunk = prefill_chunk
         self.features = features
+        self.rides = rides  # decode rows may ride in prompt chunks' passes (mixed_pass.check passed at load)
         self.batch = BatchCache(adapter)  # the merged cache of the requests decoding together
         self.forks = Forks(caches)  # prefilled prompts waiting for their other generations
 
-    def step(self, job: Job, chunk: int | None = None) -> None:
-        """Advance ``job`` one step; a prefill chunk runs at most ``chunk`` prompt tokens when given."""
+    def step(self, job: Job, chunk: int | None = None, riders: Riders | None = None) -> None:
+        """Advance ``job`` one step; a prefill chunk runs at most ``chunk`` prompt tokens when given, and
+        carries ``riders`` in its pass unless it steers or is deterministic
+        (:mod:`~prismgate.engines.hf.mixed_pass`; their logits are then in ``riders.logits``)."""
         if not job.started:
             self._begin(job)
             if job.finish is not None:
@@ -81,7 +86,7 @@ class Stepper:
             if any(covered(spec.logprob_ranges, p) for p in range(start + 1, min(n, start + size) + 1)):
                 size = min(size, SCORED_CHUNK)
             end = self.adapter.chunk_end(job.request.images, start, min(n, start + size))
-            self.feed(job, job.next_prefill, end)
+            self.feed(job, job.next_prefill, end, riders)
             job.next_prefill = end
             if end < n:
                 return
@@ -169,8 +174,9 @@ class Stepper:
         if start >= len(tokens) and spec.max_tokens == 0:
             job.finish = FinishReason.PREFILL_ONLY
 
-    def feed(self, job: Job, start: int, end: int) -> None:
-        """Run positions [start, end) of the timeline through the model."""
+    def feed(self, job: Job, start: int, end: int, riders: Riders | None = None) -> None:
+        """Run positions [start, end) of the timeline through the model, with ``riders`` in the same
+        pass unless the request steers or is deterministic (see :meth:`step`)."""
         self.batch.leave(job.cache)  # a step of its own runs on its own cache
         spec = job.request.spec
         n = job.prompt_len
@@ -193,10 +199,18 @@ class Stepper:
             and any(covered(fspec.ranges, p) for p in range(start, end))
             and self.features.arm([fspec])
         )
-        with self.steered([job.steer(0, start, end)]) as gates, SWITCH.on(job.deterministic):
-            logits = self.adapter.forward(
-                ids, job.cache, start, job.timeline, job.request.images, rows or [len(ids) - 1]
-            )
+        # a chunk that reads out or encodes features carries them too: the probes' products are
+        # row by row (in fixed blocks), so its readouts and features keep their bits
+        if riders is not None and self.rides and not (job.deterministic or job.steering):
+            logits, _ = mixed_pass.forward(self.adapter, ids, job.cache, start, rows or [len(ids) - 1], riders)
+            if riders.cache is self.batch.merged:
+                self.batch.advance()
+            gates: Mapping[GateKey, torch.Tensor] = {}
+        else:
+            with self.steered([job.steer(0, start, end)]) as gates, SWITCH.on(job.deterministic):
+                logits = self.adapter.forward(
+                    ids, job.cache, start, job.timeline, job.request.images, rows or [len(ids) - 1]
+                )
         job.invariant = job.invariant and job.deterministic
         job.record_gates(gates, 0, len(ids))
         readouts = self.probe.take() if want_readouts and self.probe is not None else None

@@ -102,9 +102,9 @@ async def test_a_newcomer_prefills_before_the_batched_decode_step(engine: Any, m
     batched = asyncio.Event()
     loop = asyncio.get_running_loop()
 
-    def decode(stepper: Any, jobs: Any) -> None:
+    def decode(stepper: Any, jobs: Any, ridden: Any = None) -> None:
         log.append("batch")
-        real_decode(stepper, jobs)
+        real_decode(stepper, jobs, ridden)
         if log.count("batch") == 5:  # the three decode together
             loop.call_soon_threadsafe(batched.set)
 
@@ -113,7 +113,9 @@ async def test_a_newcomer_prefills_before_the_batched_decode_step(engine: Any, m
     stepper = engine._scheduler.stepper
     real_step = stepper.step
     monkeypatch.setattr(
-        stepper, "step", lambda job, chunk=None: (log.append(job.request.request_id), real_step(job, chunk))[1]
+        stepper,
+        "step",
+        lambda job, chunk=None, riders=None: (log.append(job.request.request_id), real_step(job, chunk, riders))[1],
     )
 
     ps = prompts(engine)

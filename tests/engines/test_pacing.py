@@ -48,14 +48,15 @@ async def engine(long_model_dir: Path, tiny_pack: Path) -> AsyncIterator[Any]:
 
 def logged(engine: Any, per_token_s: float | Callable[[], float]) -> Log:
     """Record every pass the stepper runs from now on; by the pace's clock each lasts ``per_token_s`` a token
-    (or what it returns, asked once a pass)."""
+    (or what it returns, asked once a pass). No decode step rides in a chunk's pass (engines/hf/mixed_pass.py):
+    each is a pass of its own, in the log."""
     scheduler = engine._scheduler
     stepper = scheduler.stepper
     log: Log = []
     feed = type(stepper).feed
     now = [0.0]
 
-    def recording(job: Any, start: int, end: int) -> None:
+    def recording(job: Any, start: int, end: int, riders: Any = None) -> None:
         log.append((job.request.tokens, start, end))
         now[0] += (end - start) * (per_token_s() if callable(per_token_s) else per_token_s)
         feed(stepper, job, start, end)

@@ -1,0 +1,199 @@
+"""Decode rows riding in a prompt chunk's pass (engines/hf/mixed_pass.py): the bits of passes of their own.
+
+The pass itself is compared bit for bit with the passes it replaces, for chunks first and after a
+prefix and for one, two and three riders (merged with padding); the engine is then run with a
+long prompt prefilled in chunks while short answers decode, riding on and off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import torch
+
+from prismgate.core.actions import GenerateSpec, PositionRange
+from prismgate.core.engine import EngineRequest
+from prismgate.core.events import TokenEvent
+from prismgate.engines.hf import TransformersEngine, mixed_pass
+from tests.engines.requests import run
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def engine(long_model_dir: Path, tiny_pack: Path) -> Any:
+    # bfloat16: its products are oneDNN's, whose rows keep their bits in a pass of any size; float32's
+    # (MKL's) need not, and where the start-up check finds a difference riding is off
+    eng = TransformersEngine(
+        long_model_dir,
+        model_id="tiny-llama",
+        concept_pack=tiny_pack,
+        dtype="bfloat16",
+        threads=1,
+        prefill_chunk=8,
+        device="cpu",
+    )
+    await eng.start()
+    yield eng
+    await eng.close()
+
+
+def tokens(engine: Any, text: str) -> list[int]:
+    return list(engine.info.tokenizer.encode(text))
+
+
+@pytest.mark.parametrize("start", [0, 5])
+@pytest.mark.parametrize("riders", [1, 2, 3])
+async def test_a_chunk_carrying_decode_rows_gives_every_row_and_key_the_bits_of_their_own_passes(
+    engine: Any, start: int, riders: int
+) -> None:
+    adapter = engine._adapter
+    texts = ["a b c", "a much longer line of text, so the merge pads", "mid length text"][:riders]
+    with torch.inference_mode():
+        prompt = tokens(engine, "the long prompt whose chunk carries them")
+        differs = mixed_pass._differs(adapter, prompt, start, [tokens(engine, t) for t in texts])
+    assert differs == ""
+
+
+async def test_the_start_up_check_turns_riding_off_and_says_why(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    adapter = engine._adapter
+    assert engine._scheduler.stepper.rides  # the check passed at load
+    assert mixed_pass.check(adapter, attention_installed=True).enabled
+    off = mixed_pass.check(adapter, attention_installed=False)
+    assert not off.enabled and "attention is not installed" in off.reason
+
+    real = mixed_pass.attention
+
+    def skewed(*args: Any, **kw: Any) -> Any:  # a chunk that attends slightly wrong
+        out, weights = real(*args, **kw)
+        return out * 1.05, weights
+
+    monkeypatch.setattr(mixed_pass, "attention", skewed)
+    failed = mixed_pass.check(adapter, attention_installed=True)
+    assert not failed.enabled and "start-up check failed (the chunk's logits)" in failed.reason
+
+
+async def answers(
+    engine: Any, shorts: list[tuple[int, ...]], long: tuple[int, ...], errors: bool = False, **extra: Any
+) -> list[Any]:
+    """The short prompts' answers, and the long prompt's, submitted once every short one decodes
+    (``errors``: a failed request's error in its place)."""
+    decoding = [asyncio.Event() for _ in shorts]
+
+    async def short(prompt: tuple[int, ...], started: asyncio.Event) -> Any:
+        n = len(prompt)
+        spec = GenerateSpec(
+            max_tokens=24, ignore_eos=True, logprob_top_k=3, logprob_ranges=(PositionRange(n, n + 24),), **extra
+        )
+        events: list[TokenEvent] = []
+        try:
+            async for event in engine.generate(EngineRequest(request_id=f"s{n}", tokens=prompt, spec=spec)):
+                if isinstance(event, TokenEvent):
+                    events.append(event)
+                    started.set()
+        finally:
+            started.set()  # one that failed does not hold the long prompt back
+        return events
+
+    async def long_one() -> Any:
+        await asyncio.gather(*(e.wait() for e in decoding))
+        events, _ = await run(engine, long, max_tokens=4, ignore_eos=True)
+        return events
+
+    return await asyncio.gather(
+        *(short(p, e) for p, e in zip(shorts, decoding, strict=True)), long_one(), return_exceptions=errors
+    )
+
+
+def prompts(engine: Any) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+    shorts = [tuple(tokens(engine, t)) for t in ("one", "two words", "three short words")]
+    return shorts, tuple(tokens(engine, "a long prompt, prefilled in chunks of eight tokens " * 6))
+
+
+async def test_decode_steps_ride_in_a_long_prompts_chunks_and_answer_as_in_passes_of_their_own(engine: Any) -> None:
+    stepper, stats = engine._scheduler.stepper, engine.stats
+    shorts, long = prompts(engine)
+    stepper.rides = False
+    try:
+        alone = await answers(engine, shorts, long)
+    finally:
+        stepper.rides = True
+    assert stats["ridden_steps"] == 0
+    rode = await answers(engine, shorts, long)
+    assert stats["ridden_steps"] >= 3  # the long prompt's chunks carried the others' steps
+    for a, b in zip(alone, rode, strict=True):
+        assert [e.id for e in a] == [e.id for e in b]
+        for x, y in zip(a, b, strict=True):
+            if x.logprob is not None:
+                assert abs(x.logprob - y.logprob) < 1e-4
+                assert [t for t, _ in x.top_logprobs] == [t for t, _ in y.top_logprobs]
+
+
+async def test_decode_steps_that_read_out_keep_passes_of_their_own(engine: Any) -> None:
+    shorts, long = prompts(engine)
+    before = engine.stats["ridden_steps"]
+    await answers(engine, shorts, long, readout_ranges=(PositionRange(0, 10_000),))
+    assert engine.stats["ridden_steps"] == before
+
+
+async def test_a_failing_chunk_fails_the_requests_it_carried_and_the_engine_serves_on(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shorts, long = prompts(engine)
+    expected = await answers(engine, shorts, long)
+    real = mixed_pass._SplitCache.update
+    failures = [1]
+
+    def update(self: Any, keys: Any, values: Any, layer_idx: int, *args: Any, **kw: Any) -> Any:
+        if layer_idx == 1 and failures:  # the riders' first layer is written already
+            failures.pop()
+            raise RuntimeError("planted failure")
+        return real(self, keys, values, layer_idx, *args, **kw)
+
+    monkeypatch.setattr(mixed_pass._SplitCache, "update", update)
+    got = await answers(engine, shorts, long, errors=True)
+    assert not failures  # the planted failure happened
+    failed = [outcome for outcome in got if isinstance(outcome, BaseException)]
+    # the chunk's own request and those it carried (their caches half-written), and only with the planted error
+    assert len(failed) >= 2 and all("planted failure" in str(error) for error in failed)
+    # one not carried goes on (one carried and not failed would meet its half-written cache: another error)
+    assert all(len(outcome) == 24 for outcome in got[:-1] if not isinstance(outcome, BaseException))
+    again = await answers(engine, shorts, long)
+    assert [[e.id for e in a] for a in again] == [[e.id for e in a] for a in expected]  # the engine serves on
+
+
+async def test_a_chunk_that_reads_out_carries_them_and_its_readouts_keep_their_bits(engine: Any) -> None:
+    stepper, stats = engine._scheduler.stepper, engine.stats
+    shorts, long = prompts(engine)
+
+    async def long_readouts() -> list[Any]:
+        decoding = asyncio.Event()
+
+        async def short() -> None:
+            async for event in engine.generate(
+                EngineRequest(request_id="s", tokens=shorts[1], spec=GenerateSpec(max_tokens=24, ignore_eos=True))
+            ):
+                if isinstance(event, TokenEvent):
+                    decoding.set()
+
+        async def reading() -> list[Any]:
+            await decoding.wait()
+            events, _ = await run(engine, long, max_tokens=1, readout_ranges=(PositionRange(0, len(long)),))
+            return [e.readout for e in events if e.is_prefill]
+
+        return (await asyncio.gather(short(), reading()))[1]
+
+    stepper.rides = False
+    try:
+        alone = await long_readouts()
+    finally:
+        stepper.rides = True
+    before = stats["ridden_steps"]
+    rode = await long_readouts()
+    assert stats["ridden_steps"] > before
+    assert len(alone) == len(rode) == len(long)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(alone, rode, strict=True))
