@@ -33,8 +33,9 @@ Each figure is the median over rounds, and each ratio the median of every round'
 streams): on a shared machine the load drifts between reps, and a ratio of neighbours
 carries less of it than a ratio of totals.
 
-``--frontend-only`` runs just ``vllm serve`` and prismgate's two OpenAI SSE targets, for the
-CPU comparison (more rounds in the same time: ``--reps 8 --max-tokens 128``, say).
+``--frontend-only`` runs just ``vllm serve`` and prismgate's OpenAI SSE targets (readouts off,
+readouts every token, and features every token where an SAE is loaded), for the CPU comparison
+(more rounds in the same time: ``--reps 8 --max-tokens 128``, say).
 
 ``--processes 2`` compares the two answers to a front-end that one core cannot keep up
 with, at 64 and 256 streams unless ``--concurrency`` says otherwise: ``vllm serve`` (the
@@ -335,7 +336,7 @@ def targets(vllm: Server, eager: Server | None, gateway: Server) -> list[Target]
         Target("prismgate, readouts off (OpenAI SSE)", gateway.pid, sse(gateway)),
         Target("prismgate, readouts every token (OpenAI SSE)", gateway.pid, sse(gateway, readouts=True)),
     ]
-    if gateway.features and eager is not None:
+    if gateway.features:
         out.append(Target("prismgate, features every token (OpenAI SSE)", gateway.pid, sse(gateway, features=True)))
     if eager is not None:
         out.append(
@@ -608,11 +609,11 @@ def main(argv: list[str] | None = None) -> int:
 
     model = Path(args.model) if args.model else default_model_path()
     pack = Path(args.concept_pack) if args.concept_pack else (None if args.model else DEFAULT_PACK)
-    # the default model's shipped SAE for the features target, which only the main mode has ("auto"
-    # would look for one trained for the model's folder, which is given by path here)
-    main_mode = not (args.model or args.processes > 1 or args.frontend_only or args.vllm_bench)
+    # the default model's shipped SAE for the features target, which the main mode and --frontend-only
+    # have ("auto" would look for one trained for the model's folder, which is given by path here)
+    shipped_sae = not (args.model or args.processes > 1 or args.vllm_bench)
     shipped = ",".join(str(folder) for folder in sae_folders(SHIPPED))
-    args.sae = None if args.sae == "none" else (args.sae or (shipped if main_mode else None))
+    args.sae = None if args.sae == "none" else (args.sae or (shipped if shipped_sae else None))
     if args.vllm_bench:
         return _client_main(model, pack, args, vllm.__version__)
     prompt = list(AutoTokenizer.from_pretrained(str(model)).encode(PROMPT))
