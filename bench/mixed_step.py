@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     loaded = default_model("bfloat16", packed_weights=True)
     print(f"packed: {loaded.info.packed_layers} layers, {loaded.info.packed_reason}", flush=True)
-    print(loaded.riding.reason, flush=True)
+    print(loaded.info.mixed_passes_reason, flush=True)
     adapter = loaded.adapter
     prefix = [7 + i % 300 for i in range(args.context)]
     seconds: dict[str, list[float]] = {}

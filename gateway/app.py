@@ -73,6 +73,8 @@ def create_app(
             answer["packed_weights"] = {"layers": info.packed_layers, "reason": info.packed_reason}
         if info.huge_pages_reason:
             answer["huge_pages"] = {"bytes": info.huge_page_bytes, "reason": info.huge_pages_reason}
+        if info.mixed_passes_reason:
+            answer["mixed_passes"] = {"enabled": info.mixed_passes, "reason": info.mixed_passes_reason}
         return JSONResponse({**answer, "models": models})
 
     async def favicon(_request: Request) -> Response:

@@ -125,7 +125,7 @@ class TransformersEngine:
             self.stats,
             prefill_chunk=self.prefill_chunk,
             features=loaded.features,
-            rides=loaded.riding is not None and loaded.riding.enabled,
+            rides=loaded.info.mixed_passes,
         )
         self._scheduler = Scheduler(
             stepper,

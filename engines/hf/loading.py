@@ -35,7 +35,6 @@ class LoadedModel:
     info: EngineInfo
     saes: tuple[SaeEncoder, ...] = ()  # sparse autoencoders, one per layer, on the model's device
     features: FeatureProbe | None = None  # hooks that encode the stream with them (after the steerer's)
-    riding: mixed_pass.Riding | None = None  # whether decode rows ride in prompt chunks' passes
 
 
 def load(
@@ -106,6 +105,8 @@ def load(
         packed_reason=packed.reason,
         huge_page_bytes=pages.bytes,
         huge_pages_reason=pages.reason,
+        mixed_passes=riding.enabled,
+        mixed_passes_reason=riding.reason,
     )
     log.info(
         "loaded %s on %s in %s (%s); weights %s; %s; %s",
@@ -117,7 +118,7 @@ def load(
         pages.reason,
         riding.reason,
     )
-    return LoadedModel(adapter, probe, steerer, info, encoders, features, riding)
+    return LoadedModel(adapter, probe, steerer, info, encoders, features)
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:

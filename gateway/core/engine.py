@@ -116,6 +116,8 @@ class EngineInfo:
     packed_reason: str = ""
     huge_page_bytes: int = 0  # bytes of loaded weights the engine moved into 2 MiB pages, and why (not)
     huge_pages_reason: str = ""
+    mixed_passes: bool = False  # decoding streams' steps ride in prompt chunks' passes, and why (not)
+    mixed_passes_reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)

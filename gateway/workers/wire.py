@@ -111,6 +111,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
     packed_reason: str = ""
     huge_page_bytes: int = 0
     huge_pages_reason: str = ""
+    mixed_passes: bool = False
+    mixed_passes_reason: str = ""
 
 
 class WireError(msgspec.Struct, frozen=True):

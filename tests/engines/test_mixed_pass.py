@@ -197,3 +197,13 @@ async def test_a_chunk_that_reads_out_carries_them_and_its_readouts_keep_their_b
     assert stats["ridden_steps"] > before
     assert len(alone) == len(rode) == len(long)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(alone, rode, strict=True))
+
+
+def test_readyz_says_whether_decode_steps_ride_and_why(live_server: Any) -> None:
+    import httpx
+
+    riding = httpx.get(f"{live_server.http_url}/readyz", timeout=30).json()["mixed_passes"]
+    if riding["enabled"]:
+        assert riding["reason"].startswith("decode rows ride in prompt chunks' passes"), riding
+    else:  # the tests' tiny model in float32: the check may find the rows' last bits differ
+        assert riding["reason"].startswith("decode rows run in passes of their own: "), riding
