@@ -34,12 +34,25 @@ def batch_members(jobs: list[Job], *, max_batch: int, max_batch_tokens: int) -> 
     """
     if max_batch < 2:
         return []
-    ready = [job for job in jobs if not (job.cancelled or job.idle or not job.decoding)]
+    ready = _ready(jobs)
     for first in range(len(ready) - 1):
         members = _fill(ready[first:], max_batch, max_batch_tokens)
         if len(members) >= 2:
             return members
     return []
+
+
+def riding_members(jobs: list[Job], *, max_batch: int, max_batch_tokens: int) -> list[Job]:
+    """The decode steps that may ride in a prompt chunk's pass: the batch :func:`batch_members` would
+    form, or the one request ready to decode; none otherwise."""
+    members = batch_members(jobs, max_batch=max_batch, max_batch_tokens=max_batch_tokens)
+    ready = members or _ready(jobs)
+    return ready if members or len(ready) == 1 else []
+
+
+def _ready(jobs: list[Job]) -> list[Job]:
+    """Those of ``jobs`` whose next step is a plain decode step, to be taken now."""
+    return [job for job in jobs if not (job.cancelled or job.idle or not job.decoding)]
 
 
 def padding_allowance(tokens: int, max_batch_tokens: int) -> int:

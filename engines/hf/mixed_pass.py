@@ -144,6 +144,7 @@ def forward(
     return logits[: len(rows)], riders.logits
 
 
+OFF = "decode rows run in passes of their own: "  # how every reason riding is off begins
 _PROBE = "The quick brown fox jumps over the lazy dog, and the dog sleeps on the warm mat."
 _OTHERS = ("Une phrase en français, pour voir", "def f(x):\n    return x * 2\n")
 
@@ -159,18 +160,18 @@ def check(adapter: Any, *, attention_installed: bool, probe: Any = None) -> Ridi
     from prismgate.engines.hf.adapters import ModelAdapter
 
     if not attention_installed:
-        return Riding(False, "decode rows run in passes of their own: the engine's attention is not installed here")
+        return Riding(False, OFF + "the engine's attention is not installed here")
     if type(adapter).extra_inputs is not ModelAdapter.extra_inputs:
-        return Riding(False, "decode rows run in passes of their own: this model's chunks take inputs of their own")
+        return Riding(False, OFF + "this model's chunks take inputs of their own")
     if not all(type(layer) is kv_room.RoomLayer for layer in adapter.new_cache().layers):
-        return Riding(False, "decode rows run in passes of their own: some layers attend over a window")
+        return Riding(False, OFF + "some layers attend over a window")
     tokens = list(adapter.tokenizer(_PROBE)["input_ids"])
     others = [list(adapter.tokenizer(text)["input_ids"]) for text in _OTHERS]
     with torch.inference_mode():
         for start, riders in ((len(tokens) // 2, others[:1]), (0, others)):
             differs = _differs(adapter, tokens, start, riders, probe)
             if differs:
-                return Riding(False, f"decode rows run in passes of their own: the start-up check failed ({differs})")
+                return Riding(False, OFF + f"the start-up check failed ({differs})")
     return Riding(True, "decode rows ride in prompt chunks' passes (the same bits, checked at start-up)")
 
 
@@ -197,23 +198,19 @@ def _differs(adapter: Any, tokens: list[int], start: int, sequences: list[list[i
             riders = Riders(ids, positions, batch.merged, batch.mask())
         else:
             riders = Riders(ids, positions, caches[0])
-        read = None
         if probe is not None:
             probe.enabled = True
         if mixed:
             head, tail = forward(adapter, chunk, cache, start, rows, riders)
-            read = probe.take()[: len(chunk)] if probe is not None else None
         else:
             head = adapter.forward(chunk, cache, start, tokens, [], rows)
-            read = probe.take() if probe is not None else None
-            if probe is not None:
-                probe.enabled = False
-            if len(sequences) > 1:
-                tail = adapter.forward_batch(ids, batch.merged, positions, batch.width)
-            else:
-                tail = adapter.forward(ids, caches[0], positions[0], sequences[0], [], [0]).to(torch.float32)
+        read = probe.take()[: len(chunk)] if probe is not None else None  # a mixed pass's holds the riders' rows too
         if probe is not None:
             probe.enabled = False
+        if not mixed and len(sequences) > 1:
+            tail = adapter.forward_batch(ids, batch.merged, positions, batch.width)
+        elif not mixed:
+            tail = adapter.forward(ids, caches[0], positions[0], sequences[0], [], [0]).to(torch.float32)
         if len(sequences) > 1:
             batch.advance()
             batch.leave_all()

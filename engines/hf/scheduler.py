@@ -28,7 +28,7 @@ import torch
 
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, FinishReason
-from prismgate.engines.hf.batched_decode import batch_members, decode_batch, riders
+from prismgate.engines.hf.batched_decode import batch_members, decode_batch, riders, riding_members
 from prismgate.engines.hf.job import Job
 from prismgate.engines.hf.mixed_pass import Riders
 from prismgate.engines.hf.pace import Pace, Prefill
@@ -204,10 +204,7 @@ class Scheduler:
         if not (self.stepper.rides and any(job.order in chunks for job in fresh)):
             return None
         others = [job for job in self._active if job not in fresh]
-        jobs = batch_members(others, max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens)
-        if not jobs:
-            ready = [job for job in others if job.decoding and not (job.cancelled or job.idle)]
-            jobs = ready if len(ready) == 1 else []
+        jobs = riding_members(others, max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens)
         found: list[Riders | None] = [None]
 
         def prepare() -> None:  # merging their caches is model work: a failure fails them, as their step would
