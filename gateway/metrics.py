@@ -267,6 +267,12 @@ class _ServiceCollector(Collector):
             "(settings.preemption).",
             value=admission.preemptions,
         )
+        yield CounterMetricFamily(
+            "prismgate_engine_preemption_recomputes",
+            "Of the preemptions, those that dropped the paused generation's keys and values to lend their memory "
+            "to the newcomer; they are recomputed before it goes on.",
+            value=admission.recomputes,
+        )
         ready = GaugeMetricFamily("prismgate_model_ready", "1 when the model can take requests.", labels=["model"])
         for model, health in self._service.models.health().items():
             ready.add_metric([model], 1 if health.ready else 0)

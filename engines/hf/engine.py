@@ -92,6 +92,8 @@ class TransformersEngine:
             "decoded_tokens": 0,
             "batched_steps": 0,  # decode steps of several requests in one pass
             "ridden_steps": 0,  # decode steps that rode in a prompt chunk's pass (engines.hf.mixed_pass)
+            "dropped_tokens": 0,  # keys and values dropped from requests preempted for memory ...
+            "recomputed_tokens": 0,  # ... and recomputed before they went on
         }
 
     # -- lifecycle -------------------------------------------------------------------
@@ -191,13 +193,14 @@ class TransformersEngine:
             self._jobs.pop(id(request), None)
             scheduler.cancel(job)
 
-    def hold(self, request: EngineRequest, held: bool) -> bool:
+    def hold(self, request: EngineRequest, held: bool, *, drop: bool = False) -> bool:
         """Preemption's mechanism (:class:`~prismgate.core.engine.Holdable`): hold ``request`` at its
-        next step boundary, its KV cache kept, or let it go on. Whether it is in flight here."""
+        next step boundary, its KV cache kept (or dropped, to be recomputed when let go), or let it go
+        on. Whether it is in flight here."""
         job = self._jobs.get(id(request))
         if job is None or self._scheduler is None:
             return False
-        self._scheduler.hold(job, held)
+        self._scheduler.hold(job, held, drop=drop)
         return True
 
     def image_tokens(self, data: bytes, mime: str) -> int:

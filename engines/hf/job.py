@@ -39,7 +39,9 @@ class Job:
     gates: dict[GateKey, list[float]] = field(default_factory=dict)  # its gate readouts, one per cached position
     invariant: bool = True  # every key and value in `cache` was computed by the batch-invariant kernels
     ended: bool = False  # Done or an error went out: the scheduler drops the job
-    on_hold: bool = False  # preempted: skipped at every step boundary until let go, its cache kept
+    on_hold: bool = False  # preempted: skipped at every step boundary until let go, its cache kept ...
+    drop: bool = False  # ... or dropped at the next step boundary (the core needs its bytes)
+    refill: int = 0  # positions of `timeline` whose dropped keys and values are recomputed before it goes on
 
     @property
     def cancelled(self) -> bool:
@@ -59,9 +61,20 @@ class Job:
         return len(self.request.tokens)
 
     @property
+    def refilling(self) -> bool:
+        """Dropped keys and values are still to be recomputed (:meth:`Stepper.drop`)."""
+        return len(self.cached) < self.refill
+
+    @property
     def prefilling(self) -> bool:
-        """Prompt tokens are still to run (or the request has not begun: what its session keeps is not known yet)."""
-        return not self.ended and (not self.started or self.next_prefill < self.prompt_len)
+        """Prompt tokens are still to run, or dropped ones to run again (or the request has not begun:
+        what its session keeps is not known yet)."""
+        return not self.ended and (not self.started or self.next_prefill < self.prompt_len or self.refilling)
+
+    @property
+    def to_prefill(self) -> int:
+        """Prompt tokens still to run, with those to run again."""
+        return max(0, self.refill - len(self.cached)) + self.prompt_len - self.next_prefill
 
     @property
     def prompt_outputs(self) -> bool:
@@ -78,6 +91,7 @@ class Job:
             and self.finish is None
             and self.next_prefill >= self.prompt_len
             and len(self.timeline) > self.prompt_len
+            and not self.refilling
         )
 
     def steer(self, row: int, start: int, end: int) -> RowPlan:

@@ -11,8 +11,9 @@ whose next step is a plain decode step go together in one batched forward pass
 (:mod:`~prismgate.engines.hf.mixed_pass`; a newcomer then joins them next round); the rest take their own step
 (:mod:`~prismgate.engines.hf.steps`). A request whose consumer is slow is skipped until it
 catches up (:mod:`~prismgate.engines.hf.bridge`), and so is one the core holds (preempted:
-its KV cache stays, it goes on from the same step when let go); a cancelled one ends at its next turn. A
-failing step fails only the requests it was for: the worker keeps serving.
+its KV cache stays, it goes on from the same step when let go; or, when the core needs its memory,
+its cache is dropped and recomputed in the rounds' prefill before it goes on); a cancelled one ends
+at its next turn. A failing step fails only the requests it was for: the worker keeps serving.
 """
 
 from __future__ import annotations
@@ -92,10 +93,12 @@ class Scheduler:
                 job.channel.closed = True
                 self._cv.notify()
 
-    def hold(self, job: Job, held: bool) -> None:
-        """Hold ``job`` at its next step boundary (preempted: its cache stays), or let it go on."""
+    def hold(self, job: Job, held: bool, *, drop: bool = False) -> None:
+        """Hold ``job`` at its next step boundary (preempted: its cache stays, or with ``drop`` is freed
+        there and recomputed when it goes on), or let it go on."""
         with self._cv:
             job.on_hold = held
+            job.drop = held and drop
             self._cv.notify()
 
     def release(self, session_key: str) -> None:
@@ -153,8 +156,13 @@ class Scheduler:
                 self._inbox.clear()
                 self._active.sort(key=lambda job: (job.request.spec.priority, job.order))
                 released, self._released = self._released, []
+                dropping = [job for job in self._active if job.drop]
+                for job in dropping:
+                    job.drop = False
             for key in released:
                 stepper.caches.forget(key)
+            for job in dropping:
+                stepper.drop(job)
             chunks = self._paced()
             # Requests with no token yet step first, a newcomer's first step ahead of the other prompts'
             # chunks: its first token waits for nobody else's next one nor another prompt's chunk. Then
@@ -179,19 +187,24 @@ class Scheduler:
             for job in self._active:
                 # those given their first token this round decode in it, unless the others' steps rode in
                 # a chunk: then they join them next round rather than take a pass alone
-                if job not in batch and (job not in fresh or (job.decoding and not ridden)):
+                if job in batch or (job in fresh and not (job.decoding and not ridden)):
+                    continue
+                if job.refilling:  # its dropped keys and values run again in the round's prefill
+                    if job.order in chunks or job.cancelled:
+                        self._prefill(job, chunks.get(job.order))
+                else:
                     self._step_alone(job)
             with self._cv:
                 ended = any(job.ended for job in self._active)
                 self._active = [job for job in self._active if not job.ended]
-            if ended or fresh:  # requests freed their memory, or prefills grew and dropped keys and values
+            if ended or fresh or dropping:  # requests freed their memory, or prefills grew and dropped keys and values
                 self.trimmer.maybe()
 
     def _paced(self) -> dict[int, int]:
         """This round's prefill chunks, by request order: who prefills, and how many tokens."""
         waiting = [job for job in self._active if not (job.ended or job.cancelled or job.idle)]
         prefills = [
-            Prefill(job.order, job.next_prefill, job.prompt_len - job.next_prefill, job.prompt_outputs)
+            Prefill(job.order, len(job.cached), job.to_prefill, job.prompt_outputs and not job.refilling)
             for job in waiting
             if job.prefilling
         ]
@@ -217,10 +230,12 @@ class Scheduler:
     def _prefill(self, job: Job, chunk: int | None, riding: tuple[Riders, list[Job]] | None = None) -> None:
         """A prefill chunk of ``job``, timed for the pace, carrying ``riding``'s decode steps where it can
         (a pass that fails after it began writing their keys and values fails them too)."""
-        before, outputs, started = job.next_prefill, job.prompt_outputs, self.pace.clock()
+        before, refilling, started = len(job.cached), job.refilling, self.pace.clock()
+        outputs = job.prompt_outputs and not refilling
         if self._step_alone(job, chunk, riding):
-            context = max(before, job.reused)  # a request's first step may have found its prompt's start kept
-            self.pace.record(context, job.next_prefill - context, outputs, self.pace.clock() - started)
+            # a request's first step may have found its prompt's start kept
+            context = before if refilling else max(before, job.reused)
+            self.pace.record(context, len(job.cached) - context, outputs, self.pace.clock() - started)
 
     def _step_alone(self, job: Job, chunk: int | None = None, riding: tuple[Riders, list[Job]] | None = None) -> bool:
         """One step of ``job`` (a prefill chunk, or a decode step outside the batch), carrying ``riding``'s

@@ -78,6 +78,9 @@ class Stepper:
             if job.finish is not None:
                 self.end(job, job.finish)
                 return
+        if job.refilling:
+            self.refill(job, chunk)
+            return
         spec = job.request.spec
         n = job.prompt_len
         if job.next_prefill < n:
@@ -142,6 +145,39 @@ class Stepper:
         job.cache = None
         job.cached = []
         job.emit(error)
+
+    def drop(self, job: Job) -> None:
+        """Free ``job``'s keys and values (preempted for memory): :meth:`refill` recomputes them before
+        its next step. Everything else it holds (its timeline, a held event, its next logits) stays."""
+        if not job.started or job.ended or not job.cached:
+            return
+        self.batch.drop(job.cache)
+        job.refill = max(job.refill, len(job.cached))
+        self.stats["dropped_tokens"] += len(job.cached)
+        job.cache = None
+        job.cached = []
+        job.gates = {key: [] for key in job.gates}
+        job.invariant = True
+
+    def refill(self, job: Job, chunk: int | None = None) -> None:
+        """Recompute a chunk of ``job``'s dropped keys and values, sending nothing: the passes its own
+        steps ran (steered alike, through the batch-invariant kernels when it is deterministic), so a
+        deterministic request's cache holds the same bits as before the drop."""
+        start = len(job.cached)
+        if job.cache is None:
+            job.cache = self.adapter.new_cache()
+            kv_room.expect(job.cache, len(job.timeline))
+        size = self.prefill_chunk if chunk is None else max(1, min(chunk, self.prefill_chunk))
+        end = self.adapter.chunk_end(job.request.images, start, min(job.refill, start + size))
+        ids = job.timeline[start:end]
+        if self.probe is not None:
+            self.probe.enabled = False
+        with self.steered([job.steer(0, start, end)]) as gates, SWITCH.on(job.deterministic):
+            self.adapter.forward(ids, job.cache, start, job.timeline, job.request.images, [len(ids) - 1])
+        job.invariant = job.invariant and job.deterministic
+        job.record_gates(gates, 0, len(ids))
+        job.cached.extend(ids)
+        self.stats["recomputed_tokens"] += len(ids)
 
     def _begin(self, job: Job) -> None:
         job.started = True

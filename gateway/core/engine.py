@@ -177,7 +177,10 @@ class Holdable(Protocol):
 
     ``hold(request, True)`` stops ``request`` (the object given to ``generate``) at its next step
     boundary, its state (KV cache) kept; ``hold(request, False)`` lets it go on from there, producing
-    exactly what it would have produced unpaused. Returns whether the request is in flight here.
+    exactly what it would have produced unpaused. With ``drop=True`` the engine frees the request's
+    keys and values at that boundary instead, and recomputes them when let go, sending nothing twice:
+    a deterministic request still produces exactly those bits. Returns whether the request is in
+    flight here.
     """
 
-    def hold(self, request: EngineRequest, held: bool) -> bool: ...
+    def hold(self, request: EngineRequest, held: bool, *, drop: bool = False) -> bool: ...

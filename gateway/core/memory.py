@@ -14,7 +14,7 @@ import collections
 import contextlib
 import contextvars
 import os
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 from prismgate.core.actions import GenerateSpec, PositionRange
 from prismgate.core.engine import EngineInfo
@@ -51,15 +51,21 @@ def request_bytes(spec: GenerateSpec, prompt_tokens: int, info: EngineInfo) -> i
     logprob_positions = covered(spec.logprob_ranges, horizon)
     readout_positions = covered(spec.readout_ranges, horizon) if info.readouts is not None else 0
     values_per_readout = len(info.readouts.layers) * len(info.readouts.concepts) if info.readouts else 0
-    block = max(1, info.kv_block_tokens)
     return (
         REQUEST_BYTES
-        + -(-horizon // block) * block * info.kv_bytes_per_token
+        + kv_bytes(horizon, info)
         + info.vocab_size * LOGITS_VALUE_BYTES
         + logprob_positions * (spec.logprob_top_k + 1) * LOGPROB_ENTRY_BYTES
         + readout_positions * values_per_readout * READOUT_VALUE_BYTES
         + feature_entries(spec, horizon, info) * FEATURE_ENTRY_BYTES
     )
+
+
+def kv_bytes(horizon: int, info: EngineInfo) -> int:
+    """The keys and values of ``horizon`` positions, in whole blocks: the part of a request's estimate
+    that its engine frees when it drops a paused request's cache (:meth:`Reservation.lend`)."""
+    block = max(1, info.kv_block_tokens)
+    return -(-horizon // block) * block * info.kv_bytes_per_token
 
 
 def feature_entries(spec: GenerateSpec, horizon: int, info: EngineInfo) -> int:
@@ -92,6 +98,49 @@ def default_budget(infos: Iterable[EngineInfo] = ()) -> int:
     return max(machine_share(AUTO_FRACTION, AUTO_MIN, AUTO_MAX), FULL_CONTEXTS * whole)
 
 
+class Reservation:
+    """The bytes one request holds in a :class:`MemoryBudget`: its whole estimate, less what it has lent.
+
+    A request preempted with its keys and values dropped lends their bytes to the request that took
+    its place (:meth:`lend`), and claims them back before it goes on (:meth:`regain`).
+    """
+
+    def __init__(self, budget: MemoryBudget, size: int) -> None:
+        self.budget = budget
+        self.held = size
+        self._claim: asyncio.Future[None] | None = None  # a regain not granted yet
+
+    def lend(self, size: int) -> None:
+        """Give ``size`` of the held bytes back to the budget now, granting nobody: for a ``make_room``
+        callback of :meth:`MemoryBudget.reserve`, whose caller takes them first."""
+        if not 0 < size <= self.held or self._claim is not None:
+            raise ValueError(f"cannot lend {size} bytes of a reservation holding {self.held}")
+        self.held -= size
+        self.budget.used -= size
+
+    def regain(self, size: int, then: Callable[[], None]) -> None:
+        """Claim ``size`` bytes back, behind the request they were lent to: as a waiter (first fit), granted
+        when bytes are next freed; ``then()`` runs once they are held."""
+        future = self.budget.claim(size, self, wait=True)
+        self._claim = future
+        future.add_done_callback(lambda f: self._regained(f, then))
+
+    def _regained(self, future: asyncio.Future[None], then: Callable[[], None]) -> None:
+        self._claim = None
+        if not future.cancelled():
+            then()
+
+    def close(self) -> None:
+        """The request has ended: a claim still waiting is withdrawn, and every held byte goes back."""
+        if self._claim is not None and not self._claim.done():
+            self._claim.cancel()
+        self._claim = None
+        held, self.held = self.held, 0
+        hold = _ANSWER.get()
+        if held and (hold is None or not hold.keep(self.budget, held)):
+            self.budget._free(held)
+
+
 class MemoryBudget:
     """Requests hold their estimate while they run; together at most ``limit`` bytes, the rest wait (first fit)."""
 
@@ -100,11 +149,11 @@ class MemoryBudget:
         self.limit = limit if limit > 0 else default_budget()
         self.max_waiting = max_waiting
         self.used = 0
-        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None], Reservation | None]] = collections.deque()
 
     @property
     def waiting(self) -> int:
-        return sum(1 for _, f in self._waiters if not f.done())
+        return sum(1 for _, f, _ in self._waiters if not f.done())
 
     def fit(self, infos: Iterable[EngineInfo]) -> None:
         """Size a default budget (the setting 0) to the served models, once they have loaded."""
@@ -113,10 +162,12 @@ class MemoryBudget:
             self._grant()
 
     @contextlib.asynccontextmanager
-    async def reserve(self, size: int) -> AsyncIterator[None]:
+    async def reserve(self, size: int, make_room: Callable[[int], None] | None = None) -> AsyncIterator[Reservation]:
         """Hold ``size`` bytes of the budget for the body; RESOURCE_EXHAUSTED when ``size`` alone is over it.
 
-        Inside :func:`hold_answer`, the bytes stay held after the body until that answer is written.
+        When the bytes do not fit, ``make_room(short)`` may first free at least ``short`` of them
+        (:meth:`Reservation.lend`): this request then takes them ahead of the waiters. Inside
+        :func:`hold_answer`, the bytes stay held after the body until that answer is written.
         """
         if size > self.limit:
             raise exhausted(
@@ -125,31 +176,49 @@ class MemoryBudget:
                 "(memory_budget_bytes); send a shorter prompt or max_tokens, report fewer positions or fewer top "
                 "logprobs"
             )
+        if self.used + size > self.limit and make_room is not None:
+            make_room(self.used + size - self.limit)
+        reservation = Reservation(self, size)
         if self.used + size > self.limit:
             if self.waiting >= self.max_waiting:
+                self._grant()  # what make_room freed goes to the waiters
                 raise GatewayError(
                     Code.UNAVAILABLE,
                     f"server overloaded: {self.waiting} requests wait for memory (memory_budget_bytes "
                     f"{self.limit >> 20} MiB held by running requests); retry later",
                 )
-            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiters.append((size, future))
+            future = self.claim(size)
             try:
                 await future
             except BaseException:
                 if future.done() and not future.cancelled():
                     self._free(size)  # granted, but leaving
                 else:
+                    future.cancel()
                     self._grant()  # a smaller request behind this one may fit now
                 raise
         else:
             self.used += size
         try:
-            yield
+            yield reservation
         finally:
-            hold = _ANSWER.get()
-            if hold is None or not hold.keep(self, size):
-                self._free(size)
+            reservation.close()
+
+    def claim(self, size: int, reservation: Reservation | None = None, *, wait: bool = False) -> asyncio.Future[None]:
+        """A future that resolves once ``size`` bytes are held for the caller (at once when they fit, unless
+        ``wait``); granted bytes count in ``reservation.held`` when one is given."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if not wait and self.used + size <= self.limit:
+            self._take(size, future, reservation)
+        else:
+            self._waiters.append((size, future, reservation))
+        return future
+
+    def _take(self, size: int, future: asyncio.Future[None], reservation: Reservation | None) -> None:
+        self.used += size
+        if reservation is not None:
+            reservation.held += size
+        future.set_result(None)
 
     def _free(self, size: int) -> None:
         self.used -= size
@@ -157,15 +226,14 @@ class MemoryBudget:
 
     def _grant(self) -> None:
         """Admit every waiter that fits now, oldest first."""
-        kept: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
-        for size, future in self._waiters:
+        kept: collections.deque[tuple[int, asyncio.Future[None], Reservation | None]] = collections.deque()
+        for size, future, reservation in self._waiters:
             if future.done():
                 continue
             if self.used + size <= self.limit:
-                self.used += size
-                future.set_result(None)
+                self._take(size, future, reservation)
             else:
-                kept.append((size, future))
+                kept.append((size, future, reservation))
         self._waiters = kept
 
 

@@ -19,7 +19,7 @@ from prismgate.core.errors import Code, GatewayError, quote
 from prismgate.core.events import Done, Event, TokenEvent
 from prismgate.core.fairness import ANY, FairQueue, Share, prompt_cost
 from prismgate.core.health import Health
-from prismgate.core.memory import MemoryBudget, request_bytes
+from prismgate.core.memory import MemoryBudget, Reservation, kv_bytes, request_bytes
 
 
 def _weight(share: Share) -> float:
@@ -33,13 +33,18 @@ class Ticket:
     ``hold`` is set by whoever runs the request when its engine can pause it
     (:class:`~prismgate.core.engine.Holdable`); without it the request is never preempted.
     ``resumed`` is set while it is preempted: it resolves when a slot is back.
+    ``memory`` and ``droppable`` are set with ``hold``: the request's budget bytes, and how many of
+    them its engine frees when it drops the request's keys and values (preempted for memory).
     """
 
     share: Share
     priority: int
     order: int
-    hold: Callable[[bool], bool] | None = None  # pause (True) or let go (False); whether it is in flight
+    hold: Callable[..., bool] | None = None  # hold(held, drop=False): pause or let go; whether it is in flight
     resumed: asyncio.Future[None] | None = None
+    memory: Reservation | None = None
+    droppable: int = 0
+    granted: bool = False  # a slot was passed to it by a preemption before it asked
 
 
 class Admission:
@@ -52,7 +57,10 @@ class Admission:
     holding the most slots per weight (its least urgent, then latest) is paused by its engine,
     its KV cache kept, and its slot passes to the newcomer.
     The paused request queues again in its old place in line and goes on when a slot comes back;
-    its memory stays reserved throughout. The core decides whom; the engine only holds and lets go.
+    its memory stays reserved throughout. When the newcomer's memory is what is short, the paused
+    request's keys and values are dropped instead and their bytes pass on too
+    (:meth:`preempt_for_memory`): it queues again once they are back, and its engine recomputes them.
+    The core decides whom; the engine only holds, drops and lets go.
     """
 
     def __init__(self, max_active: int, max_queued: int, reserved: int = 0, preemption: bool = True) -> None:
@@ -66,6 +74,7 @@ class Admission:
         self.fair = FairQueue(reserved)
         self.preemption = preemption
         self.preemptions = 0  # requests paused so far
+        self.recomputes = 0  # of them, those whose keys and values were dropped (memory was short)
         self._holders: set[Ticket] = set()  # running or paused
         self._paused: dict[str, int] = {}  # paused requests, by key
 
@@ -73,10 +82,16 @@ class Admission:
     def queued(self) -> int:
         return self.fair.waiting
 
+    def ticket(self, priority: int, share: Share = ANY) -> Ticket:
+        """A request's place in line, before it asks for a slot (:meth:`slot`)."""
+        return Ticket(share, priority, self.fair.arrival())
+
     @contextlib.asynccontextmanager
-    async def slot(self, priority: int, share: Share = ANY) -> AsyncIterator[Ticket]:
-        ticket = Ticket(share, priority, self.fair.arrival())
-        if self.fair.may_start(share, self.active, self.max_active):
+    async def slot(self, priority: int, share: Share = ANY, ticket: Ticket | None = None) -> AsyncIterator[Ticket]:
+        ticket = ticket or self.ticket(priority, share)
+        if ticket.granted:
+            pass  # a preemption passed it a slot already (preempt_for_memory)
+        elif self.fair.may_start(share, self.active, self.max_active):
             self.active += 1
             self.fair.started(share)
         elif not self._preempt(ticket):
@@ -107,7 +122,41 @@ class Admission:
                 resumed.cancel()
 
     def _preempt(self, newcomer: Ticket) -> bool:
-        """Pause a running request for ``newcomer`` and pass its slot on; whether one was paused.
+        """Pause a running request for ``newcomer``, its keys and values kept, and pass its slot on;
+        whether one was paused."""
+        victim = self._pause_for(newcomer, self._candidates(newcomer), drop=False)
+        if victim is None:
+            return False
+        assert victim.resumed is not None
+        self.fair.push(victim.share, victim.priority, victim.resumed, victim.order)
+        return True
+
+    def preempt_for_memory(self, newcomer: Ticket, short: int) -> Ticket | None:
+        """Pause a running request for ``newcomer``, whose memory is ``short`` bytes short, with its keys
+        and values dropped (at least ``short`` bytes of them): the paused one, or None. The newcomer
+        holds its slot from now on (``granted``); the caller passes the bytes on and queues the paused
+        one again (:meth:`requeue`) once they are back."""
+        candidates = [t for t in self._candidates(newcomer) if t.memory is not None and t.droppable >= short]
+        victim = self._pause_for(newcomer, candidates, drop=True)
+        if victim is not None:
+            newcomer.granted = True
+        return victim
+
+    def requeue(self, ticket: Ticket) -> None:
+        """A request paused with its keys and values dropped has its bytes back: it starts again at once
+        if a slot is free to it, else it waits in its old place in line."""
+        resumed = ticket.resumed
+        if resumed is None or resumed.done():
+            return
+        if self.fair.may_start(ticket.share, self.active, self.max_active):
+            self.active += 1
+            self.fair.started(ticket.share)
+            resumed.set_result(None)
+        else:
+            self.fair.push(ticket.share, ticket.priority, resumed, ticket.order)
+
+    def _candidates(self, newcomer: Ticket) -> list[Ticket]:
+        """The running requests that may be paused for ``newcomer``, the first to pause first.
 
         ``newcomer``'s key must have nothing paused, and either nothing running or so few slots
         that it still holds no more per weight than the paused request's key after the swap (far
@@ -115,7 +164,7 @@ class Admission:
         """
         key = newcomer.share.key
         if not self.preemption or self._paused.get(key):
-            return False
+            return []
         after = (self.fair.running(key) + 1) / _weight(newcomer.share)
 
         def may_pause(t: Ticket) -> bool:
@@ -123,24 +172,25 @@ class Admission:
                 return False
             return not self.fair.running(key) or (self.fair.running(t.share.key) - 1) / _weight(t.share) >= after
 
-        candidates = [t for t in self._holders if may_pause(t)]
-        if not candidates:
-            return False
-        candidates.sort(
+        return sorted(
+            (t for t in self._holders if may_pause(t)),
             key=lambda t: (self.fair.running(t.share.key) / _weight(t.share), t.priority, t.order),
             reverse=True,
         )
-        victim = next((t for t in candidates if t.hold is not None and t.hold(True)), None)
+
+    def _pause_for(self, newcomer: Ticket, candidates: list[Ticket], *, drop: bool) -> Ticket | None:
+        """Pause the first of ``candidates`` its engine holds and pass its slot to ``newcomer``."""
+        victim = next((t for t in candidates if t.hold is not None and t.hold(True, drop=drop)), None)
         if victim is None:  # none is in flight in its engine any more
-            return False
+            return None
         self.preemptions += 1
+        self.recomputes += drop
         self._paused[victim.share.key] = self._paused.get(victim.share.key, 0) + 1
         victim.resumed = asyncio.get_running_loop().create_future()
         victim.resumed.add_done_callback(lambda _: self._resume(victim))
         self.fair.finished(victim.share)
-        self.fair.push(victim.share, victim.priority, victim.resumed, victim.order)
         self.fair.started(newcomer.share)
-        return True
+        return victim
 
     def _resume(self, ticket: Ticket) -> None:
         """A paused request got a slot back: its engine lets it go on."""
@@ -315,6 +365,15 @@ class EnginePool:
         for replicas in self._models.values():
             replicas.release(session_key)
 
+    def _make_room(self, newcomer: Ticket, short: int) -> None:
+        """``newcomer``'s bytes are ``short`` short: pause a running request for it with its keys and
+        values dropped, when the preemption rule allows one, and lend their bytes to the newcomer."""
+        victim = self.admission.preempt_for_memory(newcomer, short)
+        if victim is None or victim.memory is None:
+            return
+        victim.memory.lend(victim.droppable)
+        victim.memory.regain(victim.droppable, functools.partial(self.admission.requeue, victim))
+
     async def generate(
         self, model: str | None, request: EngineRequest, share: Share = ANY
     ) -> AsyncGenerator[Event, None]:
@@ -322,12 +381,18 @@ class EnginePool:
         replicas = self.replicas(model)
         info = replicas.engines[0].info
         cost = request_bytes(request.spec, len(request.tokens), info) if info is not None else 0
+        ticket = self.admission.ticket(request.spec.priority, share)
+        make_room = functools.partial(self._make_room, ticket)
         # bytes first: a request waiting for memory holds no slot a smaller one could use
-        async with self.memory.reserve(cost), self.admission.slot(request.spec.priority, share) as ticket:
+        slot = self.admission.slot(request.spec.priority, share, ticket)
+        async with self.memory.reserve(cost, make_room) as memory, slot:
             engine = replicas.pick(request)  # picked once a slot is held: loads are current
             stream = engine.generate(request)
-            if isinstance(engine, Holdable):  # preemptible: the engine can pause it, its memory stays reserved
+            if isinstance(engine, Holdable):  # preemptible: the engine can pause it (and drop its cache)
                 ticket.hold = functools.partial(engine.hold, request)
+                ticket.memory = memory
+                if info is not None:
+                    ticket.droppable = kv_bytes(len(request.tokens) + request.spec.max_tokens, info)
             try:
                 async for event in stream:
                     if isinstance(event, TokenEvent) and not event.is_prefill:

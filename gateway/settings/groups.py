@@ -151,8 +151,9 @@ class Admission(Group):
         "When every slot is taken and a key with nothing running (or far below its share) asks, pause the running "
         "generation of the key "
         "holding the most slots per weight (its KV cache kept, its memory still reserved) and give its slot to "
-        "the newcomer; the paused one goes on, with the same tokens, when a slot is back (docs/keys.md). "
-        "false: a newcomer waits for a slot to end.",
+        "the newcomer; the paused one goes on, with the same tokens, when a slot is back (docs/keys.md). When the "
+        "newcomer's memory is short too, the paused one's KV cache is dropped, its bytes lent to the newcomer, and "
+        "recomputed when it goes on. false: a newcomer waits for a slot to end.",
     )
     memory_budget_bytes: NonNegative = setting(
         0,

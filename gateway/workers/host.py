@@ -174,6 +174,7 @@ class EngineHost:
             queued=admission.queued,
             max_active=admission.max_active,
             preemptions=admission.preemptions,
+            recomputes=admission.recomputes,
             sessions=len(self.store) if self.store is not None else 0,
             session_tokens=self.store.total_tokens if self.store is not None else 0,
             frontends=sum(peer.ready for peer in self.peers),

@@ -327,6 +327,7 @@ class _HostAdmission(Admission):
     queued = _Mirrored("queued")
     max_active = _Mirrored("max_active")
     preemptions = _Mirrored("preemptions")
+    recomputes = _Mirrored("recomputes")
 
     def __init__(self, link: HostLink) -> None:
         self._link = link

@@ -79,6 +79,7 @@ class Status(msgspec.Struct, frozen=True):
     queued: int = 0
     max_active: int = 0
     preemptions: int = 0
+    recomputes: int = 0
     sessions: int = 0
     session_tokens: int = 0
     frontends: int = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Coroutine
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.fairness import FairQueue, Share
+from prismgate.core.memory import MemoryBudget
 from prismgate.core.pool import Admission
 from prismgate.core.principal import Principal
 from prismgate.core.quota import LocalQuota
@@ -187,9 +189,12 @@ class Holder:
 
     def __init__(self) -> None:
         self.held: dict[str, bool] = {}
+        self.dropped: list[str] = []  # held with their keys and values dropped
 
-    def hold(self, name: str, held: bool) -> bool:
+    def hold(self, name: str, held: bool, drop: bool = False) -> bool:
         self.held[name] = held
+        if drop:
+            self.dropped.append(name)
         return True
 
 
@@ -202,7 +207,7 @@ async def test_a_newcomer_key_takes_the_slot_of_the_key_holding_most_and_the_pau
     async def job(name: str, share: Share) -> None:
         gates[name] = asyncio.Event()
         async with adm.slot(0, share) as ticket:
-            ticket.hold = lambda held: engine.hold(name, held)
+            ticket.hold = functools.partial(engine.hold, name)
             started.append(name)
             await gates[name].wait()
 
@@ -235,7 +240,7 @@ async def test_a_paused_request_that_leaves_holds_no_slot() -> None:
 
     async def job(name: str, share: Share) -> None:
         async with adm.slot(0, share) as ticket:
-            ticket.hold = lambda held: engine.hold(name, held)
+            ticket.hold = functools.partial(engine.hold, name)
             await gate.wait()
 
     a = asyncio.create_task(job("a0", A))
@@ -258,7 +263,7 @@ async def test_a_request_more_urgent_than_the_newcomer_is_never_preempted() -> N
 
     async def job(name: str, share: Share, priority: int) -> None:
         async with adm.slot(priority, share) as ticket:
-            ticket.hold = lambda held: engine.hold(name, held)
+            ticket.hold = functools.partial(engine.hold, name)
             await gate.wait()
 
     tasks = [asyncio.create_task(job("a0", A, 0))]
@@ -298,7 +303,7 @@ async def pausable(
 ) -> None:
     """A request whose engine can pause it: holds its slot until ``gate`` is set."""
     async with adm.slot(0, share) as ticket:
-        ticket.hold = lambda held: engine.hold(name, held)
+        ticket.hold = functools.partial(engine.hold, name)
         started.append(name)
         await gate.wait()
 
@@ -368,3 +373,47 @@ async def test_far_below_a_share_counts_slots_per_weight() -> None:
     assert adm.preemptions == 1 and engine.held == {"a1": True}
     gate.set()
     await asyncio.gather(*tasks)
+
+
+async def test_a_newcomer_short_of_memory_pauses_one_whose_dropped_cache_frees_enough() -> None:
+    """The rule is the slot preemption's, among the requests whose keys and values free the bytes short;
+    the newcomer holds the paused one's slot at once, and the paused one queues again only when requeued
+    (its bytes are back), then goes on when a slot is free."""
+    adm = Admission(max_active=2, max_queued=100)
+    budget = MemoryBudget(100)
+    engine = Holder()
+    gate = asyncio.Event()
+    tickets: dict[str, Any] = {}
+
+    async def job(name: str, droppable: int) -> None:
+        async with budget.reserve(40) as memory, adm.slot(0, A) as ticket:
+            ticket.hold = functools.partial(engine.hold, name)
+            ticket.memory, ticket.droppable = memory, droppable
+            tickets[name] = ticket
+            await gate.wait()
+
+    tasks = [asyncio.create_task(job("a0", 30)), asyncio.create_task(job("a1", 10))]
+    await asyncio.sleep(0.01)
+    newcomer = adm.ticket(0, B)
+    assert adm.preempt_for_memory(newcomer, 31) is None and engine.held == {}  # no cache frees that much
+    victim = adm.preempt_for_memory(newcomer, 20)
+    assert victim is tickets["a0"] and engine.dropped == ["a0"] and newcomer.granted  # a1 is later, but frees 10
+    assert adm.active == 2 and adm.preemptions == 1 and adm.recomputes == 1 and adm.queued == 0
+    newcomer_done = asyncio.Event()
+
+    async def b() -> None:
+        async with adm.slot(0, B, newcomer):  # its slot is a0's: no wait
+            await newcomer_done.wait()
+
+    b_task = asyncio.create_task(b())
+    await asyncio.sleep(0.01)
+    assert adm.active == 2 and adm.fair.running("b") == 1
+    adm.requeue(victim)  # its bytes are back: it waits for a slot, in its old place
+    assert adm.queued == 1 and engine.held == {"a0": True}
+    newcomer_done.set()
+    await b_task
+    await asyncio.sleep(0.01)
+    assert engine.held == {"a0": False} and adm.active == 2 and adm.queued == 0
+    gate.set()
+    await asyncio.gather(*tasks)
+    assert adm.active == 0 and budget.used == 0

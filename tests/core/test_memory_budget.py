@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -162,4 +163,62 @@ async def test_an_answer_hold_keeps_an_ended_generations_bytes_until_released() 
     assert budget.used == 0
     async with budget.reserve(2 << 20):  # outside any hold: freed at once
         pass
+    assert budget.used == 0
+
+
+async def test_make_room_lends_a_paused_requests_bytes_to_the_newcomer_ahead_of_the_waiters() -> None:
+    """A preemption for memory: the paused request's keys and values are lent to the newcomer, who takes
+    them before older waiters; the paused one claims them back first fit, and leaving withdraws a claim."""
+    budget = MemoryBudget(10)
+    events: list[str] = []
+    release = {name: asyncio.Event() for name in ("a", "w", "n")}
+    held: dict[str, Any] = {}
+
+    async def run(name: str, size: int, make_room: Any = None) -> None:
+        async with budget.reserve(size, make_room) as memory:
+            held[name] = memory
+            events.append(name)
+            await release[name].wait()
+
+    a = asyncio.create_task(run("a", 8))
+    await asyncio.sleep(0)
+    w = asyncio.create_task(run("w", 4))  # waits: 8 + 4 > 10
+    await asyncio.sleep(0)
+
+    def make_room(short: int) -> None:
+        assert short == 4
+        held["a"].lend(4)
+        held["a"].regain(4, lambda: events.append("a regained"))
+
+    n = asyncio.create_task(run("n", 6, make_room))
+    await asyncio.sleep(0.01)
+    assert events == ["a", "n"] and budget.used == 10 and budget.waiting == 2 and held["a"].held == 4
+    release["n"].set()
+    await n
+    await asyncio.sleep(0.01)
+    assert events == ["a", "n", "w"] and budget.used == 8  # first fit: w is older than a's claim
+    release["w"].set()
+    await w
+    await asyncio.sleep(0.01)
+    assert events[-1] == "a regained" and held["a"].held == 8 and budget.used == 8
+    release["a"].set()
+    await a
+    assert budget.used == 0
+
+    # a request that leaves while its claim waits withdraws it and frees what it holds
+    release["b"], release["c"] = asyncio.Event(), asyncio.Event()
+    blocker = asyncio.create_task(run("b", 10))
+    await asyncio.sleep(0)
+    held["b"].lend(3)
+    other = asyncio.create_task(run("c", 3))  # takes the lent bytes
+    await asyncio.sleep(0)
+    held["b"].regain(3, lambda: events.append("never"))
+    assert budget.used == 10 and budget.waiting == 1
+    blocker.cancel()  # b's client leaves
+    with pytest.raises(asyncio.CancelledError):
+        await blocker
+    await asyncio.sleep(0.01)
+    assert budget.used == 3 and budget.waiting == 0 and "never" not in events
+    release["c"].set()
+    await other
     assert budget.used == 0

@@ -3,6 +3,8 @@
 With every slot held by key a, a request of key b gets its first token before any of a's
 requests ends; the a request paused for it goes on afterwards and ends with exactly the bits
 of a run that was never paused (greedy and deterministic), and its client sees no error.
+When b's memory is what is short, the paused request's keys and values are dropped and
+recomputed before it goes on: a deterministic one still ends with exactly those bits.
 The order of events is asserted, never a time.
 """
 
@@ -21,7 +23,7 @@ from prismgate.core.actions import GenerateSpec, PositionRange
 from prismgate.core.engine import EngineRequest
 from prismgate.core.events import Done, FinishReason, TokenEvent
 from prismgate.core.fairness import Share
-from prismgate.core.memory import request_bytes
+from prismgate.core.memory import kv_bytes, request_bytes
 from prismgate.core.pool import EnginePool
 from prismgate.engines.hf import TransformersEngine
 from tests.engines.requests import chat
@@ -122,3 +124,52 @@ async def test_a_newcomer_key_preempts_and_the_paused_request_keeps_its_bits(
         assert end.finish_reason is FinishReason.LENGTH and end.completion_tokens == LONG  # a's clients saw no error
         assert fingerprint(events) == fingerprint(ref_events)  # paused or not: the same ids, logprobs, readouts
     assert pool.admission.active == 0 and pool.admission.queued == 0
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["greedy", "deterministic"])
+async def test_when_memory_is_short_the_paused_request_is_dropped_and_recomputed(
+    pool: EnginePool, deterministic: bool
+) -> None:
+    engine = pool.engine()
+    texts = ["Tell me a long story about rivers.", "List every colour you know."]
+    alone = [
+        await consume(pool, f"ref{i}", request(engine, t, deterministic, LONG), A, []) for i, t in enumerate(texts)
+    ]
+    a_requests = [request(engine, t, deterministic, LONG) for t in texts]
+    newcomer = request(engine, "Hi.", deterministic, SHORT)
+    costs = [request_bytes(r.spec, len(r.tokens), engine.info) for r in (*a_requests, newcomer)]
+    droppable = min(kv_bytes(len(r.tokens) + LONG, engine.info) for r in a_requests)
+    assert 0 < droppable < costs[2]
+    tight = sum(costs) - droppable  # b fits only if one of a's requests drops its keys and values
+    limit, pool.memory.limit = pool.memory.limit, tight
+    stats = dict(engine.stats)
+    before = (pool.admission.preemptions, pool.admission.recomputes)
+    log: list[tuple[str, str]] = []
+    try:
+        a = [asyncio.create_task(consume(pool, f"a{i}", r, A, log)) for i, r in enumerate(a_requests)]
+        for _ in range(6000):  # both of a's requests hold a slot and are generating
+            if sum(1 for _, what in log if what == "first") == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert sorted(what for _, what in log if what != "token") == ["first", "first"], log
+        b = await asyncio.wait_for(consume(pool, "b", newcomer, B, log), 300)
+        done = await asyncio.wait_for(asyncio.gather(*a), 300)
+    finally:
+        pool.memory.limit = limit
+
+    assert log.index(("b", "first")) < min(log.index((f"a{i}", "done")) for i in range(2)), log
+    assert (pool.admission.preemptions, pool.admission.recomputes) == (before[0] + 1, before[1] + 1)
+    assert b[1].finish_reason is FinishReason.LENGTH and b[1].completion_tokens == SHORT
+    # b ran within the budget: the dropped request's keys and values were lent to it
+    lent = {f"memory {sum(costs) - kv_bytes(len(r.tokens) + LONG, engine.info)}" for r in a_requests}
+    assert next(what for _, what in log if what.startswith("memory")) in lent
+    assert all(int(what.split()[1]) <= tight for what in lent)
+    dropped = engine.stats["dropped_tokens"] - stats["dropped_tokens"]
+    assert dropped > 0 and engine.stats["recomputed_tokens"] - stats["recomputed_tokens"] == dropped
+    for (events, end), (ref_events, _) in zip(done, alone, strict=True):
+        assert end.finish_reason is FinishReason.LENGTH and end.completion_tokens == LONG  # a's clients saw no error
+        # nothing sent twice, nothing missing: one event per position, prompt and generated
+        assert [e.position for e in events] == [e.position for e in ref_events]
+        if deterministic:  # its recomputed cache holds the same bits: so do its tokens, logprobs, readouts
+            assert fingerprint(events) == fingerprint(ref_events)
+    assert pool.admission.active == 0 and pool.admission.queued == 0 and pool.memory.used == 0

@@ -50,6 +50,7 @@ def test_generation_counts_and_latencies(live_server: Any) -> None:
     assert value(s, "prismgate_ready") == 1
     assert value(s, "prismgate_engine_max_active") == 64
     assert value(s, "prismgate_engine_preemptions_total") == 0
+    assert value(s, "prismgate_engine_preemption_recomputes_total") == 0
     # every known protocol has its series for the served model from the start
     for known in ("salience", "evergreen", "graphpipe", "openai"):
         assert ("prismgate_requests_total", (("model", MODEL), ("protocol", known))) in s
