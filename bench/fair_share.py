@@ -143,7 +143,11 @@ async def run(server: Any, args: argparse.Namespace, reserved: int) -> dict[str,
         a_flood = asyncio.create_task(flood(http, KEYS["a"], args.flood, args.long, a_stamps))
         await asyncio.sleep(args.settle)
         trace.events.clear()
+        pool = server.service.pool
+        counts = (pool.admission.preemptions, getattr(pool.admission, "recomputes", 0))
+        memory_waiting = pool.memory.waiting  # a's requests waiting for the budget when b starts
         loaded = await short_ttfts(http, KEYS["b"], args.probes, args.short)
+        preempted = pool.admission.preemptions - counts[0], getattr(pool.admission, "recomputes", 0) - counts[1]
         passed = trace.passed_b()
         recent = [t for t in a_stamps if t > time.perf_counter() - 5]
         step_s = (args.slots - reserved) * 5 / len(recent) if recent else float("nan")  # a's tokens per step
@@ -175,6 +179,10 @@ async def run(server: Any, args: argparse.Namespace, reserved: int) -> dict[str,
         "b_queued": len(passed),
         "a_admitted_while_b_waited": passed,
         "engine_step_s": step_s,
+        "memory_budget_bytes": pool.memory.limit,
+        "memory_waiting_at_b": memory_waiting,
+        "b_preemptions": preempted[0],
+        "b_preemptions_recomputed": preempted[1],
         "split": split,
     }
 
@@ -191,6 +199,12 @@ def main() -> None:
     parser.add_argument("--probes", type=int, default=8, help="short requests timed idle and loaded")
     parser.add_argument("--settle", type=float, default=5.0, help="seconds a flood runs before measuring")
     parser.add_argument("--window", type=float, default=60.0, help="seconds the token split is counted over")
+    parser.add_argument(
+        "--memory-budget-mib",
+        type=int,
+        default=0,
+        help="memory_budget_bytes in MiB (0: the default, sized to the machine)",
+    )
     parser.add_argument("--quick", action="store_true", help="a 30 s window and 5 probes")
     args = parser.parse_args()
     if args.quick:
@@ -206,6 +220,7 @@ def main() -> None:
                 max_batch=args.slots,
                 max_queued=4 * args.flood,
                 reserved_slots=reserved,
+                memory_budget_bytes=args.memory_budget_mib << 20,
             )
             with serve(config) as server:
                 results.append(asyncio.run(run(server, args, reserved)))
@@ -220,6 +235,12 @@ def main() -> None:
                 ("b's requests that queued", result["b_queued"]),
                 ("a's requests admitted while b queued", sum(result["a_admitted_while_b_waited"])),
                 ("engine step (a's decode), s", result["engine_step_s"]),
+                ("memory budget, MiB", result["memory_budget_bytes"] >> 20),
+                ("a's requests waiting for memory as b began", result["memory_waiting_at_b"]),
+                (
+                    "b's preemptions (of them, cache dropped)",
+                    f"{result['b_preemptions']} ({result['b_preemptions_recomputed']})",
+                ),
             )
         ]
         for mode, got in result["split"].items():

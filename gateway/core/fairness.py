@@ -70,9 +70,9 @@ class FairQueue:
     def push(self, share: Share, priority: int, future: asyncio.Future[None], order: int | None = None) -> None:
         """Queue ``future`` for a slot; ``order``: its place in line, when it already has one (a preempted request)."""
         queue = self._queues.get(share.key)
-        if queue is None:  # the key starts waiting: it competes from now, with no banked credit
+        if queue is None:  # the key starts waiting
+            self.enter(share.key)
             queue = self._queues[share.key] = []
-            self._served[share.key] = max(self._served.get(share.key, 0.0), self._virtual)
         heapq.heappush(queue, (priority, self.arrival() if order is None else order, future))
 
     def may_start(self, share: Share, active: int, max_active: int) -> bool:
@@ -120,6 +120,12 @@ class FairQueue:
         """Count ``tokens`` of work done for ``share``'s key (a prompt admitted, a token generated)."""
         if tokens > 0:
             self._served[share.key] = self._served.get(share.key, self._virtual) + tokens / max(share.weight, 1e-6)
+
+    def enter(self, key: str) -> None:
+        """``key`` starts waiting (for a slot, or for memory before that): it competes from now, with no
+        banked credit, from the served count of the key admitted last when its own is lower."""
+        if key not in self._queues:
+            self._served[key] = max(self._served.get(key, 0.0), self._virtual)
 
     def served(self, key: str) -> float:
         """Tokens served to ``key`` per unit of weight (its virtual time)."""

@@ -10,15 +10,17 @@ until written) are docs/architecture.md, "The memory budget".
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import contextvars
+import itertools
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from prismgate.core.actions import GenerateSpec, PositionRange
 from prismgate.core.engine import EngineInfo
 from prismgate.core.errors import Code, GatewayError, exhausted
+from prismgate.core.fairness import FairQueue
 
 # Per-entry sizes: what CPython and the codecs make of one entry at the peak, not the wire's bytes
 # (docs/benchmarks.md, "Figures behind the code's constants").
@@ -105,9 +107,10 @@ class Reservation:
     its place (:meth:`lend`), and claims them back before it goes on (:meth:`regain`).
     """
 
-    def __init__(self, budget: MemoryBudget, size: int) -> None:
+    def __init__(self, budget: MemoryBudget, size: int, key: str = "", order: int = 0) -> None:
         self.budget = budget
         self.held = size
+        self.key, self.order = key, order  # whose it is and its place in line, for the waiters' order
         self._claim: asyncio.Future[None] | None = None  # a regain not granted yet
 
     def lend(self, size: int) -> None:
@@ -119,9 +122,9 @@ class Reservation:
         self.budget.used -= size
 
     def regain(self, size: int, then: Callable[[], None]) -> None:
-        """Claim ``size`` bytes back, behind the request they were lent to: as a waiter (first fit), granted
-        when bytes are next freed; ``then()`` runs once they are held."""
-        future = self.budget.claim(size, self, wait=True)
+        """Claim ``size`` bytes back, behind the request they were lent to: as a waiter, granted when bytes
+        are next freed; ``then()`` runs once they are held."""
+        future = self.budget.claim(size, self, wait=True, key=self.key, order=self.order)
         self._claim = future
         future.add_done_callback(lambda f: self._regained(f, then))
 
@@ -141,19 +144,37 @@ class Reservation:
             self.budget._free(held)
 
 
-class MemoryBudget:
-    """Requests hold their estimate while they run; together at most ``limit`` bytes, the rest wait (first fit)."""
+@dataclass(eq=False)
+class _Claim:
+    """A request waiting for bytes: whose it is (``key``), its place in line, and where granted bytes count."""
 
-    def __init__(self, limit: int, *, max_waiting: int = 1024) -> None:
+    size: int
+    future: asyncio.Future[None]
+    reservation: Reservation | None
+    key: str
+    order: int
+
+
+class MemoryBudget:
+    """Requests hold their estimate while they run; together at most ``limit`` bytes, the rest wait.
+
+    Waiters are granted first fit, the waiter of the key served least per weight first (``fair``, the
+    pool's fair queue, which a key enters when it starts waiting for bytes), then by their place in
+    line; without ``fair``, oldest first.
+    """
+
+    def __init__(self, limit: int, *, max_waiting: int = 1024, fair: FairQueue | None = None) -> None:
         self.auto = limit <= 0
         self.limit = limit if limit > 0 else default_budget()
         self.max_waiting = max_waiting
+        self.fair = fair
         self.used = 0
-        self._waiters: collections.deque[tuple[int, asyncio.Future[None], Reservation | None]] = collections.deque()
+        self._waiters: list[_Claim] = []
+        self._arrivals = itertools.count()
 
     @property
     def waiting(self) -> int:
-        return sum(1 for _, f, _ in self._waiters if not f.done())
+        return sum(1 for claim in self._waiters if not claim.future.done())
 
     def fit(self, infos: Iterable[EngineInfo]) -> None:
         """Size a default budget (the setting 0) to the served models, once they have loaded."""
@@ -162,13 +183,22 @@ class MemoryBudget:
             self._grant()
 
     @contextlib.asynccontextmanager
-    async def reserve(self, size: int, make_room: Callable[[int], None] | None = None) -> AsyncIterator[Reservation]:
+    async def reserve(
+        self,
+        size: int,
+        make_room: Callable[[int], None] | None = None,
+        *,
+        key: str = "",
+        order: int | None = None,
+    ) -> AsyncIterator[Reservation]:
         """Hold ``size`` bytes of the budget for the body; RESOURCE_EXHAUSTED when ``size`` alone is over it.
 
-        When the bytes do not fit, ``make_room(short)`` may first free at least ``short`` of them
+        ``key`` and ``order``: whose request it is and its place in line, for the waiters' order. When the
+        bytes do not fit, ``make_room(short)`` may first free at least ``short`` of them
         (:meth:`Reservation.lend`): this request then takes them ahead of the waiters. Inside
         :func:`hold_answer`, the bytes stay held after the body until that answer is written.
         """
+        order = next(self._arrivals) if order is None else order
         if size > self.limit:
             raise exhausted(
                 f"this request may hold about {size >> 20} MiB (the keys and values of its prompt and max_tokens, "
@@ -178,7 +208,7 @@ class MemoryBudget:
             )
         if self.used + size > self.limit and make_room is not None:
             make_room(self.used + size - self.limit)
-        reservation = Reservation(self, size)
+        reservation = Reservation(self, size, key, order)
         if self.used + size > self.limit:
             if self.waiting >= self.max_waiting:
                 self._grant()  # what make_room freed goes to the waiters
@@ -187,7 +217,7 @@ class MemoryBudget:
                     f"server overloaded: {self.waiting} requests wait for memory (memory_budget_bytes "
                     f"{self.limit >> 20} MiB held by running requests); retry later",
                 )
-            future = self.claim(size)
+            future = self.claim(size, key=key, order=order)
             try:
                 await future
             except BaseException:
@@ -204,37 +234,48 @@ class MemoryBudget:
         finally:
             reservation.close()
 
-    def claim(self, size: int, reservation: Reservation | None = None, *, wait: bool = False) -> asyncio.Future[None]:
+    def claim(
+        self,
+        size: int,
+        reservation: Reservation | None = None,
+        *,
+        wait: bool = False,
+        key: str = "",
+        order: int = 0,
+    ) -> asyncio.Future[None]:
         """A future that resolves once ``size`` bytes are held for the caller (at once when they fit, unless
         ``wait``); granted bytes count in ``reservation.held`` when one is given."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        claim = _Claim(size, future, reservation, key, order)
         if not wait and self.used + size <= self.limit:
-            self._take(size, future, reservation)
-        else:
-            self._waiters.append((size, future, reservation))
+            self._take(claim)
+            return future
+        if self.fair is not None and not any(c.key == key and not c.future.done() for c in self._waiters):
+            self.fair.enter(key)
+        self._waiters.append(claim)
         return future
 
-    def _take(self, size: int, future: asyncio.Future[None], reservation: Reservation | None) -> None:
-        self.used += size
-        if reservation is not None:
-            reservation.held += size
-        future.set_result(None)
+    def _take(self, claim: _Claim) -> None:
+        self.used += claim.size
+        if claim.reservation is not None:
+            claim.reservation.held += claim.size
+        claim.future.set_result(None)
 
     def _free(self, size: int) -> None:
         self.used -= size
         self._grant()
 
     def _grant(self) -> None:
-        """Admit every waiter that fits now, oldest first."""
-        kept: collections.deque[tuple[int, asyncio.Future[None], Reservation | None]] = collections.deque()
-        for size, future, reservation in self._waiters:
-            if future.done():
-                continue
-            if self.used + size <= self.limit:
-                self._take(size, future, reservation)
+        """Admit every waiter that fits now, in the waiters' order (first fit)."""
+        waiting = [claim for claim in self._waiters if not claim.future.done()]
+        fair = self.fair
+        waiting.sort(key=lambda c: (fair.served(c.key) if fair is not None else 0.0, c.order))
+        self._waiters = []
+        for claim in waiting:
+            if self.used + claim.size <= self.limit:
+                self._take(claim)
             else:
-                kept.append((size, future, reservation))
-        self._waiters = kept
+                self._waiters.append(claim)
 
 
 class AnswerHold:

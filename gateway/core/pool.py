@@ -310,7 +310,8 @@ class EnginePool:
         self._all = list(engines)
         self.default_model = engines[0].model_id
         self.admission = Admission(max_active, max_queued, reserved_slots, preemption)
-        self.memory = MemoryBudget(memory_budget_bytes, max_waiting=max_queued)  # 0: sized to the machine
+        # 0: sized to the machine; waiters for bytes go in the fair share's order, as for slots
+        self.memory = MemoryBudget(memory_budget_bytes, max_waiting=max_queued, fair=self.admission.fair)
         self._stopping = False
 
     @property
@@ -385,7 +386,7 @@ class EnginePool:
         make_room = functools.partial(self._make_room, ticket)
         # bytes first: a request waiting for memory holds no slot a smaller one could use
         slot = self.admission.slot(request.spec.priority, share, ticket)
-        async with self.memory.reserve(cost, make_room) as memory, slot:
+        async with self.memory.reserve(cost, make_room, key=share.key, order=ticket.order) as memory, slot:
             engine = replicas.pick(request)  # picked once a slot is held: loads are current
             stream = engine.generate(request)
             if isinstance(engine, Holdable):  # preemptible: the engine can pause it (and drop its cache)

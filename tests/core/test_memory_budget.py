@@ -10,6 +10,7 @@ import pytest
 from prismgate.core.actions import GenerateSpec, PositionRange
 from prismgate.core.engine import EngineInfo, ReadoutManifest
 from prismgate.core.errors import Code, GatewayError
+from prismgate.core.fairness import FairQueue, Share
 from prismgate.core.memory import AUTO_MAX, AUTO_MIN, MemoryBudget, covered, default_budget, request_bytes
 
 INFO = EngineInfo(
@@ -168,7 +169,8 @@ async def test_an_answer_hold_keeps_an_ended_generations_bytes_until_released() 
 
 async def test_make_room_lends_a_paused_requests_bytes_to_the_newcomer_ahead_of_the_waiters() -> None:
     """A preemption for memory: the paused request's keys and values are lent to the newcomer, who takes
-    them before older waiters; the paused one claims them back first fit, and leaving withdraws a claim."""
+    them before older waiters; the paused one claims them back in its old place in line (ahead of a
+    later waiter), and leaving withdraws a claim."""
     budget = MemoryBudget(10)
     events: list[str] = []
     release = {name: asyncio.Event() for name in ("a", "w", "n")}
@@ -196,13 +198,13 @@ async def test_make_room_lends_a_paused_requests_bytes_to_the_newcomer_ahead_of_
     release["n"].set()
     await n
     await asyncio.sleep(0.01)
-    assert events == ["a", "n", "w"] and budget.used == 8  # first fit: w is older than a's claim
-    release["w"].set()
-    await w
-    await asyncio.sleep(0.01)
-    assert events[-1] == "a regained" and held["a"].held == 8 and budget.used == 8
+    assert events == ["a", "n", "a regained"] and budget.used == 8 and held["a"].held == 8  # a came before w
     release["a"].set()
     await a
+    await asyncio.sleep(0.01)
+    assert events[-1] == "w" and budget.used == 4
+    release["w"].set()
+    await w
     assert budget.used == 0
 
     # a request that leaves while its claim waits withdraws it and frees what it holds
@@ -222,3 +224,30 @@ async def test_make_room_lends_a_paused_requests_bytes_to_the_newcomer_ahead_of_
     release["c"].set()
     await other
     assert budget.used == 0
+
+
+async def test_waiters_are_granted_in_the_order_of_their_keys_standing() -> None:
+    """With the pool's fair queue, freed bytes go to the waiter of the key served least first, whatever the
+    arrival order; within a key, oldest first. A key that starts waiting banks no credit."""
+    fair = FairQueue()
+    fair.charge(Share("a"), 500)
+    budget = MemoryBudget(10, fair=fair)
+    order: list[str] = []
+    release = asyncio.Event()
+
+    async def run(name: str, key: str, size: int, hold: asyncio.Event | None = None) -> None:
+        async with budget.reserve(size, key=key):
+            order.append(name)
+            if hold is not None:
+                await hold.wait()
+
+    first = asyncio.create_task(run("a0", "a", 10, release))
+    await asyncio.sleep(0)
+    waiters = [asyncio.create_task(run(n, k, 6)) for n, k in (("a1", "a"), ("a2", "a"), ("b0", "b"), ("b1", "b"))]
+    await asyncio.sleep(0.01)
+    assert order == ["a0"] and budget.waiting == 4
+    assert fair.served("b") == 0.0  # nobody was admitted from the fair queue yet: nothing to catch up to
+    fair.charge(Share("b"), 10)
+    release.set()
+    await asyncio.gather(first, *waiters)
+    assert order == ["a0", "b0", "b1", "a1", "a2"] and budget.used == 0

@@ -173,3 +173,31 @@ async def test_when_memory_is_short_the_paused_request_is_dropped_and_recomputed
         if deterministic:  # its recomputed cache holds the same bits: so do its tokens, logprobs, readouts
             assert fingerprint(events) == fingerprint(ref_events)
     assert pool.admission.active == 0 and pool.admission.queued == 0 and pool.memory.used == 0
+
+
+async def test_freed_memory_goes_to_the_key_served_least_not_to_the_oldest_waiter(pool: EnginePool) -> None:
+    """Bytes before slots: with a's requests waiting for memory, a request of b that arrives after them
+    gets the next freed bytes (and so its first token) before any of them; nothing is preempted here."""
+    engine = pool.engine()
+    a_requests = [request(engine, f"Tell me story number {i} about rivers.", False, LONG) for i in range(5)]
+    newcomer = request(engine, "Hi.", False, SHORT)
+    cost = max(request_bytes(r.spec, len(r.tokens), engine.info) for r in (*a_requests, newcomer))
+    saved = pool.memory.limit, pool.admission.preemption
+    pool.memory.limit, pool.admission.preemption = 3 * cost, False  # a0, a1 run, a2 waits for a slot
+    log: list[tuple[str, str]] = []
+    try:
+        a = [asyncio.create_task(consume(pool, f"a{i}", r, A, log)) for i, r in enumerate(a_requests)]
+        for _ in range(6000):  # two of a's requests are generating, the rest wait
+            if sum(1 for _, what in log if what == "first") == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert pool.memory.waiting == 2 and pool.admission.queued == 1, log  # a3, a4 wait for bytes
+        b = asyncio.create_task(consume(pool, "b", newcomer, B, log))
+        await asyncio.sleep(0.05)
+        assert pool.memory.waiting == 3 and ("b", "first") not in log
+        await asyncio.wait_for(asyncio.gather(b, *a), 300)
+    finally:
+        pool.memory.limit, pool.admission.preemption = saved
+    firsts = [name for name, what in log if what == "first"]
+    assert firsts.index("b") < firsts.index("a3") and firsts.index("b") < firsts.index("a4"), firsts
+    assert pool.memory.used == 0 and pool.admission.active == 0
