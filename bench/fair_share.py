@@ -144,10 +144,10 @@ async def run(server: Any, args: argparse.Namespace, reserved: int) -> dict[str,
         await asyncio.sleep(args.settle)
         trace.events.clear()
         pool = server.service.pool
-        counts = (pool.admission.preemptions, getattr(pool.admission, "recomputes", 0))
+        counts = (pool.admission.preemptions, pool.admission.recomputes)
         memory_waiting = pool.memory.waiting  # a's requests waiting for the budget when b starts
         loaded = await short_ttfts(http, KEYS["b"], args.probes, args.short)
-        preempted = pool.admission.preemptions - counts[0], getattr(pool.admission, "recomputes", 0) - counts[1]
+        preempted = pool.admission.preemptions - counts[0], pool.admission.recomputes - counts[1]
         passed = trace.passed_b()
         recent = [t for t in a_stamps if t > time.perf_counter() - 5]
         step_s = (args.slots - reserved) * 5 / len(recent) if recent else float("nan")  # a's tokens per step
