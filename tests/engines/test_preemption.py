@@ -85,26 +85,37 @@ def request(engine: Any, text: str, deterministic: bool, max_tokens: int) -> Eng
     return EngineRequest(uuid.uuid4().hex, chat(engine, text), spec(deterministic, max_tokens))
 
 
+TEXTS = ("Tell me a long story about rivers.", "List every colour you know.")  # a's two requests
+
+
+async def unpaused(pool: EnginePool, deterministic: bool) -> list[tuple[list[TokenEvent], Done]]:
+    """a's two requests, each run alone: what they must produce when paused."""
+    engine = pool.engine()
+    return [await consume(pool, f"ref{i}", request(engine, t, deterministic, LONG), A, []) for i, t in enumerate(TEXTS)]
+
+
+async def generating(log: list[tuple[str, str]], count: int) -> None:
+    """Wait until ``count`` requests have their first token (both of a's hold a slot and generate)."""
+    for _ in range(6000):
+        if sum(1 for _, what in log if what == "first") == count:
+            return
+        await asyncio.sleep(0.01)
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["greedy", "deterministic"])
 async def test_a_newcomer_key_preempts_and_the_paused_request_keeps_its_bits(
     pool: EnginePool, deterministic: bool
 ) -> None:
     engine = pool.engine()
-    texts = ["Tell me a long story about rivers.", "List every colour you know."]
-    alone = [
-        await consume(pool, f"ref{i}", request(engine, t, deterministic, LONG), A, []) for i, t in enumerate(texts)
-    ]
+    alone = await unpaused(pool, deterministic)
 
     log: list[tuple[str, str]] = []
     before = pool.admission.preemptions
     a = [
         asyncio.create_task(consume(pool, f"a{i}", request(engine, t, deterministic, LONG), A, log))
-        for i, t in enumerate(texts)
+        for i, t in enumerate(TEXTS)
     ]
-    for _ in range(6000):  # both of a's requests hold a slot and are generating
-        if sum(1 for _, what in log if what == "first") == 2:
-            break
-        await asyncio.sleep(0.01)
+    await generating(log, 2)
     assert sorted(what for _, what in log if what != "token") == ["first", "first"], log
     held = pool.memory.used  # a's two requests
     newcomer = request(engine, "Hi.", deterministic, SHORT)
@@ -131,11 +142,8 @@ async def test_when_memory_is_short_the_paused_request_is_dropped_and_recomputed
     pool: EnginePool, deterministic: bool
 ) -> None:
     engine = pool.engine()
-    texts = ["Tell me a long story about rivers.", "List every colour you know."]
-    alone = [
-        await consume(pool, f"ref{i}", request(engine, t, deterministic, LONG), A, []) for i, t in enumerate(texts)
-    ]
-    a_requests = [request(engine, t, deterministic, LONG) for t in texts]
+    alone = await unpaused(pool, deterministic)
+    a_requests = [request(engine, t, deterministic, LONG) for t in TEXTS]
     newcomer = request(engine, "Hi.", deterministic, SHORT)
     costs = [request_bytes(r.spec, len(r.tokens), engine.info) for r in (*a_requests, newcomer)]
     droppable = min(kv_bytes(len(r.tokens) + LONG, engine.info) for r in a_requests)
@@ -147,10 +155,7 @@ async def test_when_memory_is_short_the_paused_request_is_dropped_and_recomputed
     log: list[tuple[str, str]] = []
     try:
         a = [asyncio.create_task(consume(pool, f"a{i}", r, A, log)) for i, r in enumerate(a_requests)]
-        for _ in range(6000):  # both of a's requests hold a slot and are generating
-            if sum(1 for _, what in log if what == "first") == 2:
-                break
-            await asyncio.sleep(0.01)
+        await generating(log, 2)
         assert sorted(what for _, what in log if what != "token") == ["first", "first"], log
         b = await asyncio.wait_for(consume(pool, "b", newcomer, B, log), 300)
         done = await asyncio.wait_for(asyncio.gather(*a), 300)
@@ -187,10 +192,7 @@ async def test_freed_memory_goes_to_the_key_served_least_not_to_the_oldest_waite
     log: list[tuple[str, str]] = []
     try:
         a = [asyncio.create_task(consume(pool, f"a{i}", r, A, log)) for i, r in enumerate(a_requests)]
-        for _ in range(6000):  # two of a's requests are generating, the rest wait
-            if sum(1 for _, what in log if what == "first") == 2:
-                break
-            await asyncio.sleep(0.01)
+        await generating(log, 2)  # two of a's requests are generating, the rest wait
         assert pool.memory.waiting == 2 and pool.admission.queued == 1, log  # a3, a4 wait for bytes
         b = asyncio.create_task(consume(pool, "b", newcomer, B, log))
         await asyncio.sleep(0.05)
