@@ -83,12 +83,15 @@ class Admission:
         return self.fair.waiting
 
     def ticket(self, priority: int, share: Share = ANY) -> Ticket:
-        """A request's place in line, before it asks for a slot (:meth:`slot`)."""
+        """A request's claim before it asks for a slot (:meth:`slot`): its place in line for memory until then."""
         return Ticket(share, priority, self.fair.arrival())
 
     @contextlib.asynccontextmanager
     async def slot(self, priority: int, share: Share = ANY, ticket: Ticket | None = None) -> AsyncIterator[Ticket]:
-        ticket = ticket or self.ticket(priority, share)
+        if ticket is None:
+            ticket = self.ticket(priority, share)
+        elif not ticket.granted:
+            ticket.order = self.fair.arrival()  # its place in line for a slot: from when it asks for one
         if ticket.granted:
             pass  # a preemption passed it a slot already (preempt_for_memory)
         elif self.fair.may_start(share, self.active, self.max_active):
