@@ -139,7 +139,9 @@ class Admission:
         and values dropped (at least ``short`` bytes of them): the paused one, or None. The newcomer
         holds its slot from now on (``granted``); the caller passes the bytes on and queues the paused
         one again (:meth:`requeue`) once they are back."""
-        candidates = [t for t in self._candidates(newcomer) if t.memory is not None and t.droppable >= short]
+        candidates = [
+            t for t in self._candidates(newcomer) if t.memory is not None and t.memory.held >= t.droppable >= short
+        ]
         victim = self._pause_for(newcomer, candidates, drop=True)
         if victim is not None:
             newcomer.granted = True
