@@ -142,7 +142,7 @@ class Scheduler:
         while True:
             with self._cv:
                 while not (self._inbox or self._released or self._stopping) and not any(
-                    job.cancelled or not job.idle for job in self._active
+                    job.cancelled or job.drop or not job.idle for job in self._active
                 ):
                     if not self._active and self.trimmer.pending:
                         # idle: what the last requests' answers freed (built after they ended) goes back too

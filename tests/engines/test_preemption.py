@@ -203,3 +203,43 @@ async def test_freed_memory_goes_to_the_key_served_least_not_to_the_oldest_waite
     firsts = [name for name, what in log if what == "first"]
     assert firsts.index("b") < firsts.index("a3") and firsts.index("b") < firsts.index("a4"), firsts
     assert pool.memory.used == 0 and pool.admission.active == 0
+
+
+async def test_a_request_dropped_mid_prompt_recomputes_its_chunks_and_sends_each_position_once(
+    long_model_dir: Path, tiny_pack: Path
+) -> None:
+    """Dropped between two of its prompt's chunks (scored and read out at every position), a deterministic
+    request recomputes what it had, goes on with the rest of its prompt, and ends with its unpaused bits."""
+    engine = TransformersEngine(
+        long_model_dir, model_id="tiny-llama", concept_pack=tiny_pack, dtype="bfloat16", threads=1, prefill_chunk=64
+    )
+    engine.step_target_ms = 0  # full chunks: 20 of them
+    await engine.start()
+    try:
+        words = " ".join(f"river{i % 50}" for i in range(1200))
+        tokens = chat(engine, words)[:1280]
+
+        async def once(drop: bool) -> list[TokenEvent]:
+            req = EngineRequest(uuid.uuid4().hex, tokens, spec(True, 8))
+            events: list[TokenEvent] = []
+            async for event in engine.generate(req):
+                if isinstance(event, Done):
+                    assert event.completion_tokens == 8
+                    return events
+                if drop and not events:  # the first chunk's events are out: drop it at its next step boundary
+                    assert engine.hold(req, True, drop=True)
+                    await asyncio.sleep(0.2)
+                    assert engine.hold(req, False)
+                events.append(event)
+            raise AssertionError("the stream ended without Done")
+
+        alone = await once(False)
+        before = dict(engine.stats)
+        dropped = await once(True)
+    finally:
+        await engine.close()
+    lost = engine.stats["dropped_tokens"] - before["dropped_tokens"]
+    assert 0 < lost < len(tokens)  # dropped part-way through its prompt
+    assert engine.stats["recomputed_tokens"] - before["recomputed_tokens"] == lost
+    assert [e.position for e in dropped] == list(range(len(tokens) + 8))  # every position once
+    assert fingerprint(dropped) == fingerprint(alone)
