@@ -1,12 +1,14 @@
-"""A decode step's attention on CPU: PyTorch's SDPA against prismgate's decode attention.
+"""A decode step's attention on CPU: SDPA as transformers calls it against prismgate's decode attention.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.decode_attention [--rounds 9]
 
 SmolLM2-135M's shapes (9 query heads on 3 key heads, 64 dimensions), bfloat16, one query per
-row: microseconds per call of ``F.scaled_dot_product_attention`` (keys repeated per query head,
-as transformers' SDPA path passes them, with the padding mask) and of
-:func:`prismgate.engines.hf.decode_attention.decode_attention`, for each batch size and number of
-keys; rounds alternate the two. Prints medians, the spread, and SDPA over ours per round.
+row: microseconds per call of ``F.scaled_dot_product_attention`` with ``enable_gqa`` (as
+transformers calls it for a step without a mask: one row) and with the keys repeated per query
+head and the padding mask (the layout this benchmark compared first), and of
+:func:`prismgate.engines.hf.decode_attention.decode_attention` (SDPA with each key head's query
+heads as one block of rows), for each batch size and number of keys; rounds rotate their order.
+Prints medians, the spread, and each of the two other layouts over ours per round.
 
 ``--accuracy``: SmolLM2 in bfloat16, each of a few prompts' 40 greedy float32 tokens fed back
 one decode step at a time (teacher forcing), its logits against the float32 model's at each
@@ -56,7 +58,7 @@ def accuracy(steps: int = 40) -> None:
 
     def logits(model: Any, ids: list[int], tokens: list[int], ours: bool) -> torch.Tensor:
         takes = module.takes
-        module.takes = takes if ours else (lambda query, kw: False)  # type: ignore[assignment]
+        module.takes = takes if ours else (lambda *_: False)  # type: ignore[assignment]
         try:
             cache, rows = model.new_cache(), []
             model.forward(ids, cache, 0, [], [], [len(ids) - 1])
@@ -101,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         accuracy()
         return 0
     print(f"torch threads {torch.get_num_threads()}\n")
-    print("| rows | keys | SDPA us | decode attention us | SDPA / ours |\n|---|---|---|---|---|")
+    header = ("rows", "keys", "enable_gqa us", "keys repeated, masked us", "decode attention us")
+    print("| " + " | ".join((*header, "enable_gqa / ours", "repeated / ours")) + " |")
+    print("|---|---|---|---|---|---|---|")
     for batch in (int(b) for b in args.batches.split(",")):
         for keys in (int(k) for k in args.keys.split(",")):
             q = torch.randn(batch, 9, 1, 64).to(torch.bfloat16)
@@ -110,17 +114,21 @@ def main(argv: list[str] | None = None) -> int:
             seen[0, ..., : keys // 10] = False  # one row left-padded, as in a batched step
             kr, vr = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)
             contenders: dict[str, Callable[[], object]] = {
-                "sdpa": functools.partial(F.scaled_dot_product_attention, q, kr, vr, attn_mask=seen),
+                "gqa": functools.partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True),
+                "repeated": functools.partial(F.scaled_dot_product_attention, q, kr, vr, attn_mask=seen),
                 "ours": functools.partial(decode_attention, q, k, v, seen, None),
             }
-            times: dict[str, list[float]] = {name: [] for name in contenders}
+            names = list(contenders)
+            times: dict[str, list[float]] = {name: [] for name in names}
             for round_ in range(args.rounds):
-                for name in contenders if round_ % 2 == 0 else reversed(list(contenders)):
+                for name in names[round_ % 3 :] + names[: round_ % 3]:
                     times[name].append(_time(contenders[name], args.calls))
-            ratios = [s / o for s, o in zip(times["sdpa"], times["ours"], strict=True)]
             cells = [f"{statistics.median(t):.0f} ({min(t):.0f}-{max(t):.0f})" for t in times.values()]
-            ratio = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
-            print(f"| {batch} | {keys} | {cells[0]} | {cells[1]} | {ratio} |", flush=True)
+            ratios = []
+            for name in ("gqa", "repeated"):
+                per_round = [s / o for s, o in zip(times[name], times["ours"], strict=True)]
+                ratios.append(f"{statistics.median(per_round):.2f} ({min(per_round):.2f}-{max(per_round):.2f})")
+            print(f"| {batch} | {keys} | {' | '.join(cells)} | {' | '.join(ratios)} |", flush=True)
     return 0
 
 

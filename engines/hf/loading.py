@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from prismgate.core.engine import EngineInfo, ReadoutManifest
-from prismgate.engines.hf import invariance_check, invariant, kv_room, mixed_pass, packing
+from prismgate.engines.hf import invariance_check, invariant, kv_room, llama_layer, mixed_pass, packing
 from prismgate.engines.hf.adapters import ModelAdapter, load_adapter
 from prismgate.engines.hf.cpu_dtype import cpu_flags
 from prismgate.engines.hf.steering import Steerer
@@ -56,6 +56,7 @@ def load(
     choice = adapter.dtype_choice
     model = adapter.model
     packed = packing.pack(model, enabled=packed_weights)  # before the invariant kernels, which wrap the products
+    layers = llama_layer.install(model)  # reads the packed products; checked before anything else runs the layers
     probe: ReadoutProbe | None = None
     manifest: ReadoutManifest | None = None
     pack: ConceptPack | None = None
@@ -109,12 +110,13 @@ def load(
         mixed_passes_reason=riding.reason,
     )
     log.info(
-        "loaded %s on %s in %s (%s); weights %s; %s; %s",
+        "loaded %s on %s in %s (%s); weights %s; %s; %s; %s",
         model_id,
         device,
         info.dtype,
         info.dtype_reason,
         packed.reason,
+        layers,
         pages.reason,
         riding.reason,
     )

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 Product = Callable[[torch.Tensor], torch.Tensor]
 CHECK_ROWS = (1, 2, 3, 8, 17, 64, 129)  # row counts of the start-up comparison: decode, batches, chunks
 _PRODUCT = "_prismgate_packed_product"  # the layer attribute holding its packed product
-_FUSED = "_prismgate_fused"  # set on a layer whose product is a slice of its siblings' one
+_GROUP = "_prismgate_fused"  # on a layer whose product is a slice of its siblings' one: their Fused
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # names that read one input
 
 
@@ -72,6 +72,10 @@ class Fused:
         self._bounds = list(zip([0, *ends[:-1]], ends, strict=True))
         self._last = threading.local()  # per model thread: (input, output, siblings yet to take theirs)
 
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """Every sibling's product of ``x``, side by side in their order (views of it are each one's)."""
+        return on_rows(x, self._product)
+
     def part(self, index: int) -> Product:
         """The product of the ``index``-th sibling."""
         start, end = self._bounds[index]
@@ -84,7 +88,7 @@ class Fused:
                 if not waiting:
                     self._last.value = None
             else:
-                out = on_rows(x, self._product)
+                out = self.whole(x)
                 self._last.value = (x, out, set(range(len(self._bounds))) - {index})
             return out[..., start:end].contiguous()
 
@@ -109,9 +113,11 @@ def pack(model: Any, *, enabled: bool = True, fuse: bool = True) -> Packing:
     groups = _sibling_groups(model, shared) if fuse else []
     try:  # oneDNN refuses where the CPU has no bf16 path (AVX2 alone): "... needs the cpu support ..."
         products: dict[int, Product] = {}
+        wholes: dict[int, Fused] = {}
         for group in groups:
             fused = Fused(group)
             products.update((id(layer), fused.part(i)) for i, layer in enumerate(group))
+            wholes.update((id(layer), fused) for layer in group)
         products.update((id(layer), _packed_product(layer)) for layer in layers if id(layer) not in products)
         places = {
             id(layer): (tuple(m.out_features for m in group), i) for group in groups for i, layer in enumerate(group)
@@ -123,7 +129,7 @@ def pack(model: Any, *, enabled: bool = True, fuse: bool = True) -> Packing:
         return Packing(0, f"not packed: {mismatch}")
     for group in groups:
         for layer in group:
-            setattr(layer, _FUSED, True)
+            setattr(layer, _GROUP, wholes[id(layer)])
     for layer in layers:
         layer.forward = products[id(layer)]  # type: ignore[method-assign,assignment]
         setattr(layer, _PRODUCT, products[id(layer)])
@@ -155,7 +161,13 @@ def product(layer: torch.nn.Linear) -> Product:
 def fused(layer: torch.nn.Linear) -> bool:
     """Whether ``layer``'s product is a slice of its siblings' one (:class:`Fused`): it runs in
     the batch-invariant blocks by itself, and must not be wrapped in them again."""
-    return bool(getattr(layer, _FUSED, False))
+    return group(layer) is not None
+
+
+def group(layer: torch.nn.Module) -> Fused | None:
+    """The :class:`Fused` product ``layer`` is a slice of, or None."""
+    found: Fused | None = getattr(layer, _GROUP, None)
+    return found
 
 
 def _sibling_groups(model: Any, shared: Counter[int]) -> list[tuple[torch.nn.Linear, ...]]:

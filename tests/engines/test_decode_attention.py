@@ -1,4 +1,4 @@
-"""Decode attention on CPU (engines/hf/decode_attention.py) is as accurate as SDPA, and is used only where it may be."""
+"""Decode attention on CPU (engines/hf/decode_attention.py) is as accurate as SDPA, and used only where it may be."""
 
 from __future__ import annotations
 
@@ -51,13 +51,14 @@ def test_it_is_as_accurate_as_sdpa(dtype: torch.dtype, heads: int, kv_heads: int
 
 def test_it_takes_decode_steps_in_batches_or_over_long_contexts_on_cpu_with_a_plain_softmax() -> None:
     short, long = torch.zeros(1, 2, 40, 8), torch.zeros(1, 2, da.MIN_KEYS_ALONE, 8)
-    one, batch, two = torch.zeros(1, 2, 1, 8), torch.zeros(3, 2, 1, 8), torch.zeros(1, 2, 2, 8)
+    one, batch, two = torch.zeros(1, 4, 1, 8), torch.zeros(3, 4, 1, 8), torch.zeros(1, 4, 2, 8)
     assert da.takes(one, long, {"scaling": 0.1, "dropout": 0.0})
     assert da.takes(batch, short.expand(3, -1, -1, -1), {})
-    assert not da.takes(one, short, {})  # one row over a short context: SDPA
+    assert not da.takes(one, short, {})  # one row over a short context: SDPA as transformers calls it
     assert not da.takes(two, long, {})  # a prefill chunk: SDPA
     assert not da.takes(one, long, {"softcap": 50.0})
     assert not da.takes(one, long, {"s_aux": torch.zeros(2)})
+    assert not da.takes(torch.zeros(1, 3, 1, 8), long, {})  # query heads that are no multiple of the key heads
     assert da.takes(one, long, {"softcap": None, "s_aux": None})
 
 
@@ -85,6 +86,6 @@ def test_the_engines_decode_steps_come_here(tiny_model_dir, monkeypatch: pytest.
             caches.append(cache)
         assert calls == []  # prompts: SDPA
         adapter.forward([9], caches[0], 4, [], [], [0])
-        assert calls == []  # one row over 5 keys: SDPA
+        assert calls == []  # one row over 5 keys: SDPA as transformers calls it
         BatchCache(adapter).step([10, 10], caches, [5, 4])
     assert len(calls) == layers and calls[0][:3] == (2, calls[0][1], 1)
