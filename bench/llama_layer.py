@@ -19,7 +19,7 @@ import platform
 import statistics
 from typing import Any
 
-from bench.common import decode_seconds, default_model, prefill, spread, write_results
+from bench.common import decode_seconds, decode_step, default_model, prefill, spread, write_results
 
 
 def _load(lean: bool) -> Any:
@@ -35,7 +35,6 @@ def _load(lean: bool) -> Any:
 
 
 def _first_logits(adapter: Any, rows: int, context: int) -> Any:
-    from bench.common import decode_step
     from prismgate.engines.hf.batch_cache import BatchCache
 
     caches = [prefill(adapter, [7 + (i * 31 + row) % 300 for i in range(context)]) for row in range(rows)]

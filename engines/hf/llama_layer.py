@@ -57,6 +57,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
+def _one_product(*siblings: torch.nn.Module) -> packing.Fused | None:
+    """The packed product all of ``siblings`` are slices of (side by side in their order), or None."""
+    fused = packing.group(siblings[0])
+    return fused if fused is not None and all(packing.group(s) is fused for s in siblings) else None
+
+
 def lean_forward(layer: Any) -> Forward:
     """The forward of ``layer``, a ``LlamaDecoderLayer``: its own arithmetic in fewer operations."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -66,15 +72,13 @@ def lean_forward(layer: Any) -> Forward:
     config = attn.config
     dim = attn.head_dim
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    qkv = packing.group(attn.q_proj)
-    qkv_whole = qkv is not None and packing.group(attn.k_proj) is qkv and packing.group(attn.v_proj) is qkv
-    gate_up = packing.group(mlp.gate_proj)
-    gate_up_whole = gate_up is not None and packing.group(mlp.up_proj) is gate_up
+    qkv = _one_product(attn.q_proj, attn.k_proj, attn.v_proj)
+    gate_up = _one_product(mlp.gate_proj, mlp.up_proj)
     inner = mlp.intermediate_size
 
     def attention_inputs(h: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor) -> tuple[torch.Tensor, ...]:
         batch, length = h.shape[:2]
-        if qkv is not None and qkv_whole:
+        if qkv is not None:
             x = qkv.whole(h)
             qk = x[..., : (heads + kv_heads) * dim].view(batch, length, heads + kv_heads, dim).transpose(1, 2)
             qk = _rotate(qk, cos, signed)
@@ -116,7 +120,7 @@ def lean_forward(layer: Any) -> Forward:
         )
         hidden_states = hidden_states + attn.o_proj(out.reshape(batch, length, -1).contiguous())
         h = layer.post_attention_layernorm(hidden_states)
-        if gate_up is not None and gate_up_whole:
+        if gate_up is not None:
             x = gate_up.whole(h)
             gated = mlp.act_fn(x[..., :inner]) * x[..., inner:]
         else:

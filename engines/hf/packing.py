@@ -113,11 +113,9 @@ def pack(model: Any, *, enabled: bool = True, fuse: bool = True) -> Packing:
     groups = _sibling_groups(model, shared) if fuse else []
     try:  # oneDNN refuses where the CPU has no bf16 path (AVX2 alone): "... needs the cpu support ..."
         products: dict[int, Product] = {}
-        wholes: dict[int, Fused] = {}
-        for group in groups:
-            fused = Fused(group)
+        fused_groups = [(group, Fused(group)) for group in groups]
+        for group, fused in fused_groups:
             products.update((id(layer), fused.part(i)) for i, layer in enumerate(group))
-            wholes.update((id(layer), fused) for layer in group)
         products.update((id(layer), _packed_product(layer)) for layer in layers if id(layer) not in products)
         places = {
             id(layer): (tuple(m.out_features for m in group), i) for group in groups for i, layer in enumerate(group)
@@ -127,9 +125,9 @@ def pack(model: Any, *, enabled: bool = True, fuse: bool = True) -> Packing:
         return Packing(0, f"not packed: oneDNN cannot pack here: {str(exc).splitlines()[0]}")
     if mismatch is not None:
         return Packing(0, f"not packed: {mismatch}")
-    for group in groups:
+    for group, fused in fused_groups:
         for layer in group:
-            setattr(layer, _GROUP, wholes[id(layer)])
+            setattr(layer, _GROUP, fused)
     for layer in layers:
         layer.forward = products[id(layer)]  # type: ignore[method-assign,assignment]
         setattr(layer, _PRODUCT, products[id(layer)])
