@@ -79,7 +79,7 @@ def _pair(adapter: Any, cache: Any, context: int, chunk: int, rows: _Rows, repea
         cache.crop(-chunk)
         riders = rows.riders()
         started = time.perf_counter()
-        mixed_pass.forward(adapter, ids, cache, context, [chunk - 1], riders)
+        mixed_pass.forward(adapter, [mixed_pass.Chunk(ids, cache, context, [chunk - 1])], riders)
         mixed.append(time.perf_counter() - started)
         rows.carried(riders)
         cache.crop(-chunk)

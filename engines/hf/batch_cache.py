@@ -141,3 +141,43 @@ def _rewidth(row: torch.Tensor, width: int, new: int) -> torch.Tensor:
     if new <= width:
         return row[:, :, width - new :]
     return torch.nn.functional.pad(row, (0, 0, new - width, 0))
+
+
+class BatchCaches:
+    """The merged caches of a round's batches: when more requests decode than one batch takes, the
+    rest form further batches, each kept merged across steps in a :class:`BatchCache` of its own."""
+
+    def __init__(self, adapter: ModelAdapter) -> None:
+        self.adapter = adapter
+        self.batches: list[BatchCache] = []
+
+    def holding(self, caches: Sequence[Any]) -> BatchCache:
+        """The merge for a batch of ``caches``: the one that holds most of them already, else an empty
+        one; any other merge holding one of them gives it back first."""
+        chosen = max(self.batches, key=lambda batch: sum(batch.holds(cache) for cache in caches), default=None)
+        if chosen is None or not any(chosen.holds(cache) for cache in caches):
+            chosen = next((batch for batch in self.batches if batch.merged is None), None)
+            if chosen is None:
+                chosen = BatchCache(self.adapter)
+                self.batches.append(chosen)
+        for batch in self.batches:
+            if batch is not chosen:
+                for cache in caches:
+                    batch.leave(cache)
+        return chosen
+
+    def advance(self, merged: Any) -> None:
+        """A step ran on ``merged`` (a mixed pass carried its rows): its merge holds one more token a row."""
+        for batch in self.batches:
+            if merged is not None and batch.merged is merged:
+                batch.advance()
+
+    def leave(self, cache: Any) -> None:
+        """Give ``cache`` its keys and values back, from whichever merge holds it (no-op if none does)."""
+        for batch in self.batches:
+            batch.leave(cache)
+
+    def drop(self, cache: Any) -> None:
+        """Forget ``cache``'s row wherever it is merged, without giving it back."""
+        for batch in self.batches:
+            batch.drop(cache)

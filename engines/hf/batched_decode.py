@@ -42,6 +42,19 @@ def batch_members(jobs: list[Job], *, max_batch: int, max_batch_tokens: int) -> 
     return []
 
 
+def batch_groups(jobs: list[Job], *, max_batch: int, max_batch_tokens: int) -> list[list[Job]]:
+    """The plain decode steps of ``jobs`` as batches: :func:`batch_members`, then the same of what is
+    left, until fewer than two are (one left over takes the plain step). Each batch keeps a merged
+    cache of its own (:class:`~prismgate.engines.hf.batch_cache.BatchCaches`), so a round with more
+    decoding requests than one batch takes runs a pass per batch, not a pass per request."""
+    groups: list[list[Job]] = []
+    left = list(jobs)
+    while members := batch_members(left, max_batch=max_batch, max_batch_tokens=max_batch_tokens):
+        groups.append(members)
+        left = [job for job in left if job not in members]
+    return groups
+
+
 def riding_members(jobs: list[Job], *, max_batch: int, max_batch_tokens: int) -> list[Job]:
     """The decode steps that may ride in a prompt chunk's pass: the batch :func:`batch_members` would
     form, or the one request ready to decode; none otherwise."""
@@ -91,10 +104,12 @@ def riders(stepper: Stepper, jobs: list[Job]) -> Riders | None:
             return None
     ids = [job.timeline[p] for job, p in zip(jobs, positions, strict=True)]
     if len(jobs) == 1:
-        stepper.batch.leave(jobs[0].cache)
+        stepper.batches.leave(jobs[0].cache)
         return Riders(ids, positions, jobs[0].cache)
-    stepper.batch.prepare([job.cache for job in jobs], positions)
-    return Riders(ids, positions, stepper.batch.merged, stepper.batch.mask())
+    caches = [job.cache for job in jobs]
+    batch = stepper.batches.holding(caches)
+    batch.prepare(caches, positions)
+    return Riders(ids, positions, batch.merged, batch.mask())
 
 
 def decode_batch(stepper: Stepper, jobs: list[Job], ridden: torch.Tensor | None = None) -> None:
@@ -145,9 +160,9 @@ def _feed_batch(stepper: Stepper, jobs: list[Job], ridden: torch.Tensor | None =
     rows = [job.steer(row, p, p + 1) for row, (job, p) in enumerate(zip(jobs, positions, strict=True))]
     invariant = any(job.deterministic for job in jobs)  # the kernels are per pass: every row gets them
     with stepper.steered(rows) as gates, SWITCH.on(invariant):
-        logits = stepper.batch.step(
-            [job.timeline[p] for job, p in zip(jobs, positions, strict=True)], [job.cache for job in jobs], positions
-        )
+        caches = [job.cache for job in jobs]
+        ids = [job.timeline[p] for job, p in zip(jobs, positions, strict=True)]
+        logits = stepper.batches.holding(caches).step(ids, caches, positions)
     readouts = probe.take_batch() if probe is not None and any(wants) else None
     feats = features.take() if want_features and features is not None else None
     stepper.stats["batched_steps"] += 1

@@ -92,6 +92,7 @@ class TransformersEngine:
             "decoded_tokens": 0,
             "batched_steps": 0,  # decode steps of several requests in one pass
             "ridden_steps": 0,  # decode steps that rode in a prompt chunk's pass (engines.hf.mixed_pass)
+            "shared_prefills": 0,  # passes in which several prompts' chunks ran together (the same)
             "dropped_tokens": 0,  # keys and values dropped from requests preempted for memory ...
             "recomputed_tokens": 0,  # ... and recomputed before they went on
         }

@@ -88,6 +88,7 @@ class Job:
         """The next step feeds the last sampled token: a plain decode step, batchable."""
         return (
             self.started
+            and not self.ended
             and self.finish is None
             and self.next_prefill >= self.prompt_len
             and len(self.timeline) > self.prompt_len

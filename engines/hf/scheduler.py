@@ -5,15 +5,17 @@ a newcomer: its first decode step), so streams interleave. Within a round, those
 yet step first, a newcomer's first step ahead of the other prompts' chunks, so that its first
 token waits for nobody else's next one; then the decode steps, which a newcomer given its first
 token joins at once. Prompts still prefilling take the round's prefill in turns, sized so that
-the round lasts about a target time while others wait (:mod:`~prismgate.engines.hf.pace`). Those
-whose next step is a plain decode step go together in one batched forward pass
-(:mod:`~prismgate.engines.hf.batched_decode`), or ride in the round's first prompt chunk's pass
-(:mod:`~prismgate.engines.hf.mixed_pass`; a newcomer then joins them next round); the rest take their own step
-(:mod:`~prismgate.engines.hf.steps`). A request whose consumer is slow is skipped until it
-catches up (:mod:`~prismgate.engines.hf.bridge`), and so is one the core holds (preempted:
-its KV cache stays, it goes on from the same step when let go; or, when the core needs its memory,
-its cache is dropped and recomputed in the rounds' prefill before it goes on); a cancelled one ends
-at its next turn. A failing step fails only the requests it was for: the worker keeps serving.
+the round lasts about a target time while others wait (:mod:`~prismgate.engines.hf.pace`);
+newcomers' prompts that end in the round's chunks and ask for nothing but logits share one pass.
+Those whose next step is a plain decode step go together in batched forward passes of up to
+``max_batch`` requests each (:mod:`~prismgate.engines.hf.batched_decode`), the first of which may ride
+in the round's first prompt chunk's pass (:mod:`~prismgate.engines.hf.mixed_pass`; a newcomer then
+joins them next round); the rest take their own step (:mod:`~prismgate.engines.hf.steps`).
+A request whose consumer is slow is skipped until it catches up
+(:mod:`~prismgate.engines.hf.bridge`), and so is one the core holds (preempted: its KV cache
+stays, it goes on from the same step when let go; or, when the core needs its memory, its cache
+is dropped and recomputed in the rounds' prefill before it goes on); a cancelled one ends at its
+next turn. A failing step fails only the requests it was for: the worker keeps serving.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 
 from prismgate.core.errors import Code, GatewayError
 from prismgate.core.events import Done, FinishReason
-from prismgate.engines.hf.batched_decode import batch_members, decode_batch, riders, riding_members
+from prismgate.engines.hf.batched_decode import batch_groups, decode_batch, riders, riding_members
 from prismgate.engines.hf.job import Job
 from prismgate.engines.hf.mixed_pass import Riders
 from prismgate.engines.hf.pace import Pace, Prefill
@@ -168,26 +170,33 @@ class Scheduler:
             # chunks: its first token waits for nobody else's next one nor another prompt's chunk. Then
             # every decode step, which those just given their first token join at once.
             fresh = sorted((job for job in self._active if job.generated == 0), key=lambda job: job.started)
-            # the decode steps ride in the round's first prompt chunk that will carry them, in its pass
+            # the decode steps ride in the round's first prompt chunk that will carry them, in its pass;
+            # newcomers' chunks that ask for nothing but logits share one pass
             riding = self._riding(fresh, chunks)
+            together = self._together(fresh, chunks)
+            if together:
+                self._prefill_together(together, chunks, riding)
             for job in fresh:
+                if job in together:
+                    continue
                 if not job.prefilling:
                     self._step_alone(job)
                 elif job.order in chunks or job.cancelled:
                     carried = riding if riding is not None and not riding[0].started else None
                     self._prefill(job, chunks.get(job.order), carried)
             ridden = riding is not None and riding[0].logits is not None
+            batched: list[Job] = []
             if riding is not None and ridden:
-                batch = riding[1]
-                self._guarded(batch, functools.partial(decode_batch, stepper, batch, riding[0].logits))
-            else:
-                batch = batch_members(self._active, max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens)
-                if batch:
-                    self._guarded(batch, functools.partial(decode_batch, stepper, batch))
+                batched = list(riding[1])
+                self._guarded(batched, functools.partial(decode_batch, stepper, batched, riding[0].logits))
+            # those given their first token this round decode in it, unless the others' steps rode in a
+            # chunk: then they join them next round rather than take a pass of their own
+            rest = [job for job in self._active if job not in batched and not (ridden and job in fresh)]
+            for batch in batch_groups(rest, max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens):
+                self._guarded(batch, functools.partial(decode_batch, stepper, batch))
+                batched += batch
             for job in self._active:
-                # those given their first token this round decode in it, unless the others' steps rode in
-                # a chunk: then they join them next round rather than take a pass alone
-                if job in batch or (job in fresh and not (job.decoding and not ridden)):
+                if job in batched or (job in fresh and not (job.decoding and not ridden)):
                     continue
                 if job.refilling:  # its dropped keys and values run again in the round's prefill
                     if job.order in chunks or job.cancelled:
@@ -226,6 +235,44 @@ class Scheduler:
         if not (jobs and self._guarded(jobs, prepare)) or found[0] is None:
             return None
         return found[0], jobs
+
+    def _together(self, fresh: list[Job], chunks: dict[int, int]) -> list[Job]:
+        """The newcomers whose chunks this round run in one pass: begun, each asking for nothing but
+        logits (:meth:`Stepper.shares`), each chunk the rest of its prompt, in their order while
+        their tokens fit in one chunk (``prefill_chunk``, what a pass is sized for); none unless two
+        or more do."""
+        stepper = self.stepper
+        if not stepper.rides:
+            return []
+        together: list[Job] = []
+        tokens = 0
+        for job in fresh:
+            if job.order not in chunks or job.ended or job.cancelled or job.idle:
+                continue
+            if not job.started and not self._guarded([job], functools.partial(stepper.begin, job)):
+                continue
+            if not stepper.shares(job):
+                continue
+            left = job.prompt_len - job.next_prefill
+            size = min(chunks[job.order], stepper.prefill_chunk, left)
+            # only chunks that end their prompts: a longer prompt's chunk would hold back the others'
+            # first tokens, which would have come before it (its chunk runs after theirs)
+            if size == left and tokens + size <= stepper.prefill_chunk:
+                together.append(job)
+                tokens += size
+        return together if len(together) >= 2 else []
+
+    def _prefill_together(
+        self, jobs: list[Job], chunks: dict[int, int], riding: tuple[Riders, list[Job]] | None
+    ) -> None:
+        """The chunks of ``jobs`` in one pass, carrying ``riding``'s decode steps, timed for the pace."""
+        contexts = [len(job.cached) for job in jobs]
+        started = self.pace.clock()
+        carried = riding[0] if riding is not None else None
+        work = functools.partial(self.stepper.step_together, jobs, [chunks[job.order] for job in jobs], carried)
+        if self._guarded(jobs, work, riding):
+            tokens = sum(len(job.cached) - context for job, context in zip(jobs, contexts, strict=True))
+            self.pace.record(max(contexts), tokens, False, self.pace.clock() - started)
 
     def _prefill(self, job: Job, chunk: int | None, riding: tuple[Riders, list[Job]] | None = None) -> None:
         """A prefill chunk of ``job``, timed for the pace, carrying ``riding``'s decode steps where it can

@@ -11,7 +11,8 @@ the next step has run it through the model (its hidden state appears only then).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from prismgate.core.events import Done, FinishReason, TokenEvent
 from prismgate.core.steering import spans
 from prismgate.engines.hf import kv_room, mixed_pass
 from prismgate.engines.hf.adapters import ModelAdapter
-from prismgate.engines.hf.batch_cache import BatchCache
+from prismgate.engines.hf.batch_cache import BatchCaches
 from prismgate.engines.hf.job import Job
 from prismgate.engines.hf.kv_reuse import Forks, Kept, SessionCaches, resume
 from prismgate.engines.hf.mixed_pass import Riders
@@ -41,6 +42,21 @@ from prismgate.engines.sae.probe import Captured, FeatureProbe
 # scheduler trims the heap after rounds that prefill, and the smallest chunks run only when a
 # round's time allows no more.
 SCORED_CHUNK = 512
+
+
+@dataclass(frozen=True, slots=True)
+class _Feed:
+    """Positions ``[start, end)`` of a job's timeline about to run, and the logits their pass keeps:
+    ``rows`` (indices into ``ids``; the last row when ``kept`` is false, which nothing reads), and
+    whether the last predicts the next token (``needs_next``)."""
+
+    job: Job
+    start: int
+    end: int
+    ids: list[int]
+    rows: list[int]
+    kept: bool
+    needs_next: bool
 
 
 class Stepper:
@@ -66,7 +82,7 @@ class Stepper:
         self.prefill_chunk = prefill_chunk
         self.features = features
         self.rides = rides  # decode rows may ride in prompt chunks' passes (mixed_pass.check passed at load)
-        self.batch = BatchCache(adapter)  # the merged cache of the requests decoding together
+        self.batches = BatchCaches(adapter)  # the merged caches of the requests decoding together
         self.forks = Forks(caches)  # prefilled prompts waiting for their other generations
 
     def step(self, job: Job, chunk: int | None = None, riders: Riders | None = None) -> None:
@@ -74,9 +90,8 @@ class Stepper:
         carries ``riders`` in its pass unless it steers or is deterministic
         (:mod:`~prismgate.engines.hf.mixed_pass`; their logits are then in ``riders.logits``)."""
         if not job.started:
-            self._begin(job)
-            if job.finish is not None:
-                self.end(job, job.finish)
+            self.begin(job)
+            if job.ended:
                 return
         if job.refilling:
             self.refill(job, chunk)
@@ -116,7 +131,7 @@ class Stepper:
     def end(self, job: Job, reason: FinishReason) -> None:
         """Send Done and keep the session's cache for its next turn."""
         job.ended = True
-        self.batch.leave(job.cache)
+        self.batches.leave(job.cache)
         key = job.request.session_key
         if key is not None and job.cache is not None:
             self.caches.keep(
@@ -141,7 +156,7 @@ class Stepper:
     def fail(self, job: Job, error: GatewayError) -> None:
         """End the request with ``error``; its cache is dropped, its contents may be half-written."""
         job.ended = True
-        self.batch.drop(job.cache)
+        self.batches.drop(job.cache)
         job.cache = None
         job.cached = []
         job.emit(error)
@@ -151,7 +166,7 @@ class Stepper:
         its next step. Everything else it holds (its timeline, a held event, its next logits) stays."""
         if not job.started or job.ended or not job.cached:
             return
-        self.batch.drop(job.cache)
+        self.batches.drop(job.cache)
         job.refill = max(job.refill, len(job.cached))
         self.stats["dropped_tokens"] += len(job.cached)
         job.cache = None
@@ -178,6 +193,58 @@ class Stepper:
         job.record_gates(gates, 0, len(ids))
         job.cached.extend(ids)
         self.stats["recomputed_tokens"] += len(ids)
+
+    def begin(self, job: Job) -> None:
+        """Start ``job``: its session's kept cache found, its steering resolved; one done at once ends."""
+        self._begin(job)
+        if job.finish is not None:
+            self.end(job, job.finish)
+
+    def shares(self, job: Job) -> bool:
+        """Whether ``job`` (begun) is at a prompt chunk that may share a pass with other prompts' chunks
+        (:meth:`step_together`): prompt chunks share passes here, and it asks for nothing but logits of
+        its prompt (no position scored, read out or encoded), neither steers nor is deterministic."""
+        return (
+            self.rides
+            and job.started
+            and not (job.ended or job.refilling or job.deterministic or job.steering or job.prompt_outputs)
+            and job.next_prefill < job.prompt_len
+        )
+
+    def step_together(self, jobs: Sequence[Job], chunks: Sequence[int], riders: Riders | None = None) -> None:
+        """Advance each of ``jobs`` (each :meth:`shares`) by a prefill chunk of at most its ``chunks`` tokens,
+        all in one pass carrying ``riders`` (:mod:`~prismgate.engines.hf.mixed_pass`); one whose prompt
+        is done samples its first token, as :meth:`step` would."""
+        spans = []
+        for job, chunk in zip(jobs, chunks, strict=True):
+            start = job.next_prefill
+            end = self.adapter.chunk_end(
+                job.request.images, start, min(job.prompt_len, start + min(chunk, self.prefill_chunk))
+            )
+            spans.append((job, start, end))
+        plans = []
+        for job, start, end in spans:
+            self.batches.leave(job.cache)  # a prompt's chunk runs on its own cache
+            plans.append(self._feed_plan(job, start, end))
+        if self.probe is not None:
+            self.probe.enabled = False
+        parts = [mixed_pass.Chunk(plan.ids, plan.job.cache, plan.start, plan.rows) for plan in plans]
+        found = mixed_pass.forward(self.adapter, parts, riders)
+        if riders is not None:
+            self.batches.advance(riders.cache)
+        self.stats["shared_prefills"] += 1
+        for plan, logits in zip(plans, found, strict=True):
+            plan.job.invariant = False
+            self._settle(plan, logits, None, None)
+        for job, _, end in spans:
+            job.next_prefill = end
+            if end < job.prompt_len:
+                continue
+            if job.request.spec.max_tokens == 0:
+                self.end(job, FinishReason.PREFILL_ONLY)
+                continue
+            self.decode_one(job)
+            self.finish_if_done(job)
 
     def _begin(self, job: Job) -> None:
         job.started = True
@@ -213,18 +280,9 @@ class Stepper:
     def feed(self, job: Job, start: int, end: int, riders: Riders | None = None) -> None:
         """Run positions [start, end) of the timeline through the model, with ``riders`` in the same
         pass unless the request steers or is deterministic (see :meth:`step`)."""
-        self.batch.leave(job.cache)  # a step of its own runs on its own cache
+        self.batches.leave(job.cache)  # a step of its own runs on its own cache
         spec = job.request.spec
-        n = job.prompt_len
-        ids = job.timeline[start:end]
-        # Rows whose logits are needed: row r predicts position start + r + 1. Keep
-        # the rows that score covered prompt positions (the one predicting `end` is
-        # carried to the next feed), and the row to sample the next token from.
-        scored = [p for p in range(max(start + 1, 1), min(end, n - 1) + 1) if covered(spec.logprob_ranges, p)]
-        rows = [p - 1 - start for p in scored]
-        needs_next = end >= n and spec.max_tokens > 0
-        if needs_next:
-            rows.append(end - 1 - start)
+        plan = self._feed_plan(job, start, end)
         want_readouts = self.probe is not None and any(covered(spec.readout_ranges, p) for p in range(start, end))
         if self.probe is not None:
             self.probe.enabled = want_readouts
@@ -238,19 +296,42 @@ class Stepper:
         # a chunk that reads out or encodes features carries them too: the probes' products are
         # row by row (in fixed blocks), so its readouts and features keep their bits
         if riders is not None and self.rides and not (job.deterministic or job.steering):
-            logits, _ = mixed_pass.forward(self.adapter, ids, job.cache, start, rows or [len(ids) - 1], riders)
-            if riders.cache is self.batch.merged:
-                self.batch.advance()
+            chunk = mixed_pass.Chunk(plan.ids, job.cache, start, plan.rows)
+            (logits,) = mixed_pass.forward(self.adapter, [chunk], riders)
+            self.batches.advance(riders.cache)
             gates: Mapping[GateKey, torch.Tensor] = {}
         else:
             with self.steered([job.steer(0, start, end)]) as gates, SWITCH.on(job.deterministic):
-                logits = self.adapter.forward(
-                    ids, job.cache, start, job.timeline, job.request.images, rows or [len(ids) - 1]
-                )
+                logits = self.adapter.forward(plan.ids, job.cache, start, job.timeline, job.request.images, plan.rows)
         job.invariant = job.invariant and job.deterministic
-        job.record_gates(gates, 0, len(ids))
+        job.record_gates(gates, 0, len(plan.ids))
         readouts = self.probe.take() if want_readouts and self.probe is not None else None
         feats: Captured | None = self.features.take() if want_features and self.features is not None else None
+        self._settle(plan, logits, readouts, feats)
+
+    def _feed_plan(self, job: Job, start: int, end: int) -> _Feed:
+        spec = job.request.spec
+        n = job.prompt_len
+        # Rows whose logits are needed: row r predicts position start + r + 1. Keep
+        # the rows that score covered prompt positions (the one predicting `end` is
+        # carried to the next feed), and the row to sample the next token from.
+        scored = [p for p in range(max(start + 1, 1), min(end, n - 1) + 1) if covered(spec.logprob_ranges, p)]
+        rows = [p - 1 - start for p in scored]
+        needs_next = end >= n and spec.max_tokens > 0
+        if needs_next:
+            rows.append(end - 1 - start)
+        ids = job.timeline[start:end]
+        return _Feed(job, start, end, ids, rows or [len(ids) - 1], bool(rows), needs_next)
+
+    def _settle(self, plan: _Feed, logits: torch.Tensor, readouts: np.ndarray | None, feats: Captured | None) -> None:
+        """After ``plan``'s pass: its positions are cached; its prompt's events (logprobs, readouts,
+        features), a held event and the logits it carries to the next step go out or are kept."""
+        job, start, end, ids = plan.job, plan.start, plan.end, plan.ids
+        spec = job.request.spec
+        fspec = spec.features
+        n = job.prompt_len
+        rows = plan.rows if plan.kept else []
+        needs_next = plan.needs_next
         job.cached.extend(ids)
         if end <= n:
             self.stats["prefilled_tokens"] += len(ids)

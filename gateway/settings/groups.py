@@ -252,7 +252,9 @@ class TransformersOptions(Group):
         engine_kwarg=False,
     )
     max_batch: int = setting(
-        16, "transformers engine: decode steps of up to this many requests run as one forward pass (1: no batching)."
+        16,
+        "transformers engine: decode steps run in forward passes of up to this many requests each; more requests "
+        "decoding form further batches (1: no batching).",
     )
     packed_weights: bool = setting(
         True,

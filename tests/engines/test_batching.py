@@ -14,6 +14,7 @@ import pytest_asyncio
 from prismgate.core.actions import GenerateSpec, PositionRange
 from prismgate.core.engine import EngineRequest
 from prismgate.engines.hf import TransformersEngine
+from prismgate.engines.hf.batch_cache import BatchCache
 from tests.engines.requests import run
 
 
@@ -188,20 +189,21 @@ def test_a_request_joins_a_batch_only_while_its_padding_is_small() -> None:
     assert batch_members([long, shorts[0]], max_batch=8, max_batch_tokens=16384) == []  # 3,476 > 2,048
 
 
-async def test_a_long_request_decodes_beside_short_ones_without_padding_them(tiny_model_dir: Path) -> None:
+async def test_a_long_request_decodes_beside_short_ones_without_padding_them(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     eng = TransformersEngine(tiny_model_dir, model_id="tiny", threads=1, prefill_chunk=512, max_batch_tokens=2048)
     await eng.start()
     try:
-        stepper = eng._scheduler.stepper
         held: list[tuple[int, int]] = []  # (rows, width) of the merged cache after every batched step
-        real_step = stepper.batch.step
+        real_step = BatchCache.step
 
-        def step(ids: Any, caches: Any, positions: Any) -> Any:
-            out = real_step(ids, caches, positions)
-            held.append((len(caches), stepper.batch.width))
+        def step(self: BatchCache, ids: Any, caches: Any, positions: Any) -> Any:
+            out = real_step(self, ids, caches, positions)
+            held.append((len(caches), self.width))
             return out
 
-        stepper.batch.step = step  # type: ignore[method-assign]
+        monkeypatch.setattr(BatchCache, "step", step)
         long = tuple(eng.info.tokenizer.encode("prisms " * 60))[:300]
         short = tuple(eng.info.tokenizer.encode("hello"))
         results = await asyncio.gather(
@@ -214,3 +216,72 @@ async def test_a_long_request_decodes_beside_short_ones_without_padding_them(tin
         assert max(width for _, width in held) < len(long)
     finally:
         await eng.close()
+
+
+def test_decode_steps_beyond_one_batch_form_further_batches() -> None:
+    from types import SimpleNamespace
+
+    from prismgate.engines.hf.batched_decode import batch_groups
+
+    def job(tokens: int) -> Any:
+        return SimpleNamespace(cancelled=False, idle=False, decoding=True, timeline=[0] * (tokens + 1))
+
+    jobs = [job(40 + i) for i in range(7)]
+    # batches of up to three, in order; the one left over takes the plain step
+    assert batch_groups(jobs, max_batch=3, max_batch_tokens=16384) == [jobs[:3], jobs[3:6]]
+    long = job(3516)  # too long to pad the others to: it steps alone, the short ones still batch
+    assert batch_groups([long, *jobs[:4]], max_batch=2, max_batch_tokens=16384) == [jobs[:2], jobs[2:4]]
+    assert batch_groups(jobs[:1], max_batch=3, max_batch_tokens=16384) == []
+
+
+async def test_more_requests_than_a_batch_takes_decode_in_several_batches_and_answer_as_alone(
+    tiny_model_dir: Path, tiny_pack: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    eng = TransformersEngine(tiny_model_dir, model_id="tiny", concept_pack=tiny_pack, threads=1, max_batch=2)
+    await eng.start()
+    try:
+        stepper = eng._scheduler.stepper
+        alone_steps = [0]
+        real_step = type(stepper).step
+
+        def counted(self: Any, job: Any, chunk: Any = None, riders: Any = None) -> None:
+            if job.decoding:
+                alone_steps[0] += 1  # a decode step in a pass of its own
+            real_step(self, job, chunk, riders)
+
+        ps = prompts(eng)
+        spec = {"max_tokens": 16, "ignore_eos": True}
+        alone = [await run(eng, p, **spec) for p in ps]
+        monkeypatch.setattr(type(stepper), "step", counted)
+        passes: list[int] = []  # rows of each batched pass
+        real_batch_step = BatchCache.step
+
+        def batch_step(self: BatchCache, ids: Any, caches: Any, positions: Any) -> Any:
+            passes.append(len(caches))
+            return real_batch_step(self, ids, caches, positions)
+
+        monkeypatch.setattr(BatchCache, "step", batch_step)
+        together = await asyncio.gather(*(run(eng, p, **spec) for p in ps))
+        assert len(stepper.batches.batches) >= 2  # two merges kept side by side
+        assert set(passes) == {2} and len(passes) >= 16  # four requests: two batches of two a round
+        assert alone_steps[0] <= 4  # a newcomer's first step at most, never a round of single passes
+        for (a_events, _), (b_events, b_done) in zip(alone, together, strict=True):
+            assert b_done.completion_tokens == 16
+            assert [e.id for e in a_events] == [e.id for e in b_events]
+    finally:
+        await eng.close()
+
+
+def test_a_request_that_ended_mid_round_is_not_decoding() -> None:
+    from prismgate.engines.hf.bridge import EventChannel
+    from prismgate.engines.hf.job import Job
+
+    loop = asyncio.new_event_loop()
+    try:
+        request = EngineRequest(request_id="j", tokens=(1, 2), spec=GenerateSpec(max_tokens=4))
+        job = Job(request, EventChannel(loop), started=True, next_prefill=2, timeline=[1, 2, 3])
+        assert job.decoding
+        job.ended = True  # failed in a pass earlier in the round (its cache is gone): no batch takes it
+        assert not job.decoding
+    finally:
+        loop.close()

@@ -77,7 +77,7 @@ async def test_a_broken_worker_fails_its_requests_at_once_and_the_engine_reports
         def broken(*_args: object, **_kwargs: object) -> list[object]:
             raise RuntimeError("a scheduler bug")
 
-        monkeypatch.setattr(scheduler, "batch_members", broken)  # the loop itself breaks, outside model work
+        monkeypatch.setattr(scheduler, "batch_groups", broken)  # the loop itself breaks, outside model work
         with pytest.raises(GatewayError) as failed:
             await run(eng, (5, 6, 7), max_tokens=4)
         assert failed.value.code is Code.INTERNAL and "a scheduler bug" in failed.value.message

@@ -42,6 +42,23 @@ async def engine(long_model_dir: Path, tiny_pack: Path) -> Any:
     await eng.close()
 
 
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def wide(long_model_dir: Path, tiny_pack: Path) -> Any:
+    """The same engine with room for several short prompts in one chunk's pass."""
+    eng = TransformersEngine(
+        long_model_dir,
+        model_id="tiny-llama",
+        concept_pack=tiny_pack,
+        dtype="bfloat16",
+        threads=1,
+        prefill_chunk=64,
+        device="cpu",
+    )
+    await eng.start()
+    yield eng
+    await eng.close()
+
+
 def tokens(engine: Any, text: str) -> list[int]:
     return list(engine.info.tokenizer.encode(text))
 
@@ -55,7 +72,7 @@ async def test_a_chunk_carrying_decode_rows_gives_every_row_and_key_the_bits_of_
     texts = ["a b c", "a much longer line of text, so the merge pads", "mid length text"][:riders]
     with torch.inference_mode():
         prompt = tokens(engine, "the long prompt whose chunk carries them")
-        differs = mixed_pass._differs(adapter, prompt, start, [tokens(engine, t) for t in texts])
+        differs = mixed_pass._differs(adapter, [(prompt, start)], [tokens(engine, t) for t in texts])
     assert differs == ""
 
 
@@ -207,3 +224,86 @@ def test_readyz_says_whether_decode_steps_ride_and_why(live_server: Any) -> None
         assert riding["reason"].startswith("decode rows ride in prompt chunks' passes"), riding
     else:  # the tests' tiny model in float32: the check may find the rows' last bits differ
         assert riding["reason"].startswith("decode rows run in passes of their own: "), riding
+
+
+@pytest.mark.parametrize("riders", [0, 1, 2])
+async def test_prompt_chunks_sharing_a_pass_give_every_row_and_key_the_bits_of_their_own_passes(
+    engine: Any, riders: int
+) -> None:
+    adapter = engine._adapter
+    texts = ["a b c", "a much longer line of text, so the merge pads"][:riders]
+    with torch.inference_mode():
+        first = tokens(engine, "the long prompt whose chunk carries them")
+        second = tokens(engine, "another prompt, the first chunk in its cache")
+        third = tokens(engine, "and a third")
+        prompts = [(first, 5), (second, 0), (third, 0)]
+        differs = mixed_pass._differs(adapter, prompts, [tokens(engine, t) for t in texts])
+    assert differs == ""
+
+
+async def test_the_start_up_check_turns_mixed_passes_off_when_shared_chunks_differ(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = mixed_pass.attention
+
+    def skewed(*args: Any, **kw: Any) -> Any:  # only a pass of several chunks attends slightly wrong
+        out, weights = real(*args, **kw)
+        parts = mixed_pass.PLAN.active
+        return (out * 1.05 if parts is not None and len(parts.bounds) > 1 else out), weights
+
+    monkeypatch.setattr(mixed_pass, "attention", skewed)
+    failed = mixed_pass.check(engine._adapter, attention_installed=True)
+    assert not failed.enabled and "start-up check failed (the chunk's logits)" in failed.reason
+
+
+def newcomers(engine: Any) -> list[tuple[int, ...]]:
+    return [tuple(tokens(engine, t)) for t in ("one", "two", "three words", "four")]
+
+
+async def together(
+    engine: Any, prompts: list[tuple[int, ...]], tokens: int = 6, **extra: Any
+) -> list[list[TokenEvent]]:
+    """The answers of ``prompts`` submitted at once, each scoring its answer's ``tokens`` tokens."""
+
+    async def one(prompt: tuple[int, ...]) -> list[TokenEvent]:
+        n = len(prompt)
+        spec = {"logprob_top_k": 3, "logprob_ranges": (PositionRange(n, n + tokens),), **extra}
+        events, _ = await run(engine, prompt, max_tokens=tokens, ignore_eos=True, **spec)
+        return events
+
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+async def test_newcomers_prompts_share_a_pass_and_answer_as_in_passes_of_their_own(wide: Any) -> None:
+    engine = wide
+    stepper, stats = engine._scheduler.stepper, engine.stats
+    prompts = newcomers(engine)
+    assert sum(len(p) for p in prompts) <= stepper.prefill_chunk  # all fit in one pass
+    stepper.rides = False
+    try:
+        before = stats["shared_prefills"]
+        firsts, answers = await together(engine, prompts, 1), await together(engine, prompts)
+        assert stats["shared_prefills"] == before
+    finally:
+        stepper.rides = True
+    shared_firsts = await together(engine, prompts, 1)
+    assert stats["shared_prefills"] > before  # prompts that came together ran in one pass
+    # the first token comes from the prompt's pass: the same bits, shared or not
+    assert [(e.id, e.logprob, e.top_logprobs) for a in firsts for e in a] == [
+        (e.id, e.logprob, e.top_logprobs) for a in shared_firsts for e in a
+    ]
+    shared = await together(engine, prompts)
+    assert stats["shared_prefills"] > before + 1
+    # and the answers go on from caches that hold what passes of their own wrote (their decode steps
+    # batch otherwise, so their later logprobs may differ in the last bits)
+    assert [[e.id for e in a] for a in answers] == [[e.id for e in a] for a in shared]
+
+
+async def test_prompts_that_read_out_or_score_themselves_keep_passes_of_their_own(wide: Any) -> None:
+    engine = wide
+    stats = engine.stats
+    prompts = newcomers(engine)
+    before = stats["shared_prefills"]
+    await together(engine, prompts, readout_ranges=(PositionRange(0, 10_000),))
+    await asyncio.gather(*(run(engine, p, max_tokens=1, logprob_ranges=(PositionRange(1, len(p)),)) for p in prompts))
+    assert stats["shared_prefills"] == before
