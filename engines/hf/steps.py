@@ -215,15 +215,15 @@ class Stepper:
         """Advance each of ``jobs`` (each :meth:`shares`) by a prefill chunk of at most its ``chunks`` tokens,
         all in one pass carrying ``riders`` (:mod:`~prismgate.engines.hf.mixed_pass`); one whose prompt
         is done samples its first token, as :meth:`step` would."""
-        spans = []
+        runs = []
         for job, chunk in zip(jobs, chunks, strict=True):
             start = job.next_prefill
             end = self.adapter.chunk_end(
                 job.request.images, start, min(job.prompt_len, start + min(chunk, self.prefill_chunk))
             )
-            spans.append((job, start, end))
+            runs.append((job, start, end))
         plans = []
-        for job, start, end in spans:
+        for job, start, end in runs:
             self.batches.leave(job.cache)  # a prompt's chunk runs on its own cache
             plans.append(self._feed_plan(job, start, end))
         if self.probe is not None:
@@ -236,7 +236,7 @@ class Stepper:
         for plan, logits in zip(plans, found, strict=True):
             plan.job.invariant = False
             self._settle(plan, logits, None, None)
-        for job, _, end in spans:
+        for job, _, end in runs:
             job.next_prefill = end
             if end < job.prompt_len:
                 continue

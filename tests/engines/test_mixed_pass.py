@@ -24,9 +24,8 @@ from tests.engines.requests import run
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def engine(long_model_dir: Path, tiny_pack: Path) -> Any:
-    # bfloat16: its products are oneDNN's, whose rows keep their bits in a pass of any size; float32's
+async def started(long_model_dir: Path, tiny_pack: Path, prefill_chunk: int) -> Any:
+    # bfloat16: its products are oneDNN's, whose rows keep their bits in passes of two rows or more; float32's
     # (MKL's) need not, and where the start-up check finds a difference riding is off
     eng = TransformersEngine(
         long_model_dir,
@@ -34,10 +33,16 @@ async def engine(long_model_dir: Path, tiny_pack: Path) -> Any:
         concept_pack=tiny_pack,
         dtype="bfloat16",
         threads=1,
-        prefill_chunk=8,
+        prefill_chunk=prefill_chunk,
         device="cpu",
     )
     await eng.start()
+    return eng
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def engine(long_model_dir: Path, tiny_pack: Path) -> Any:
+    eng = await started(long_model_dir, tiny_pack, 8)
     yield eng
     await eng.close()
 
@@ -45,16 +50,7 @@ async def engine(long_model_dir: Path, tiny_pack: Path) -> Any:
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def wide(long_model_dir: Path, tiny_pack: Path) -> Any:
     """The same engine with room for several short prompts in one chunk's pass."""
-    eng = TransformersEngine(
-        long_model_dir,
-        model_id="tiny-llama",
-        concept_pack=tiny_pack,
-        dtype="bfloat16",
-        threads=1,
-        prefill_chunk=64,
-        device="cpu",
-    )
-    await eng.start()
+    eng = await started(long_model_dir, tiny_pack, 64)
     yield eng
     await eng.close()
 
