@@ -168,8 +168,10 @@ class BatchCaches:
 
     def advance(self, merged: Any) -> None:
         """A step ran on ``merged`` (a mixed pass carried its rows): its merge holds one more token a row."""
+        if merged is None:
+            return
         for batch in self.batches:
-            if merged is not None and batch.merged is merged:
+            if batch.merged is merged:
                 batch.advance()
 
     def leave(self, cache: Any) -> None:

@@ -152,16 +152,19 @@ def forward(adapter: Any, chunks: Sequence[Chunk], riders: Riders | None = None)
     config = model.config.get_text_config()
     dtype = next(model.parameters()).dtype
     rider_ids, rider_positions = (riders.ids, riders.positions) if riders is not None else ([], [])
-    ids = [token for chunk in chunks for token in chunk.ids] + list(rider_ids)
-    spans = [range(chunk.start, chunk.start + len(chunk.ids)) for chunk in chunks]
-    positions = torch.tensor([[p for span in spans for p in span] + list(rider_positions)], device=device)
-    bounds: list[tuple[int, int]] = []
-    kept: list[int] = []
-    begin = 0
+    ids: list[int] = []
+    fed: list[int] = []  # each token's position
+    bounds: list[tuple[int, int]] = []  # each chunk's place in the pass's sequence
+    kept: list[int] = []  # the rows whose logits come back
     for chunk in chunks:
+        begin = len(ids)
         bounds.append((begin, begin + len(chunk.ids)))
         kept.extend(begin + row for row in chunk.rows)
-        begin += len(chunk.ids)
+        ids.extend(chunk.ids)
+        fed.extend(range(chunk.start, chunk.start + len(chunk.ids)))
+    begin = len(ids)
+    ids.extend(rider_ids)
+    positions = torch.tensor([fed + list(rider_positions)], device=device)
     # the masks each part's own pass would have had (made before any cache grows)
     masks = [
         create_causal_mask(

@@ -253,11 +253,10 @@ class Scheduler:
                 continue
             if not stepper.shares(job):
                 continue
-            left = job.prompt_len - job.next_prefill
-            size = min(chunks[job.order], stepper.prefill_chunk, left)
+            size = stepper.chunk_end(job, chunks[job.order]) - job.next_prefill
             # only chunks that end their prompts: a longer prompt's chunk would hold back the others'
             # first tokens, which would have come before it (its chunk runs after theirs)
-            if size == left and tokens + size <= stepper.prefill_chunk:
+            if job.next_prefill + size == job.prompt_len and tokens + size <= stepper.prefill_chunk:
                 together.append(job)
                 tokens += size
         return together if len(together) >= 2 else []

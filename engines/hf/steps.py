@@ -96,29 +96,39 @@ class Stepper:
         if job.refilling:
             self.refill(job, chunk)
             return
-        spec = job.request.spec
-        n = job.prompt_len
-        if job.next_prefill < n:
-            start = job.next_prefill
-            size = self.prefill_chunk if chunk is None else max(1, min(chunk, self.prefill_chunk))
-            if any(covered(spec.logprob_ranges, p) for p in range(start + 1, min(n, start + size) + 1)):
-                size = min(size, SCORED_CHUNK)
-            end = self.adapter.chunk_end(job.request.images, start, min(n, start + size))
+        if job.next_prefill < job.prompt_len:
+            end = self.chunk_end(job, chunk)
             self.feed(job, job.next_prefill, end, riders)
-            job.next_prefill = end
-            if end < n:
-                return
-            if spec.max_tokens == 0:
-                self.end(job, FinishReason.PREFILL_ONLY)
-                return
-            self.decode_one(job)
-        elif job.generated == 0 and job.next_logits is not None:
+            self._prompt_ran(job, end)
+            return
+        if job.generated == 0 and job.next_logits is not None:
             self.decode_one(job)  # a forked prefill: the first token comes from the kept logits
         elif job.finish is None:
             # feed the last decoded token: yields its readout and the next distribution
             position = len(job.timeline) - 1
             self.feed(job, position, position + 1)
             self.decode_one(job)
+        self.finish_if_done(job)
+
+    def chunk_end(self, job: Job, chunk: int | None) -> int:
+        """Where ``job``'s next prefill chunk ends: at most ``chunk`` tokens when given, else
+        ``prefill_chunk``; at most :data:`SCORED_CHUNK` where it scores prompt positions."""
+        spec, start, n = job.request.spec, job.next_prefill, job.prompt_len
+        size = self.prefill_chunk if chunk is None else max(1, min(chunk, self.prefill_chunk))
+        if any(covered(spec.logprob_ranges, p) for p in range(start + 1, min(n, start + size) + 1)):
+            size = min(size, SCORED_CHUNK)
+        return self.adapter.chunk_end(job.request.images, start, min(n, start + size))
+
+    def _prompt_ran(self, job: Job, end: int) -> None:
+        """``job``'s prompt ran up to ``end``: once all of it has, the request ends (prefill only) or
+        samples its first token."""
+        job.next_prefill = end
+        if end < job.prompt_len:
+            return
+        if job.request.spec.max_tokens == 0:
+            self.end(job, FinishReason.PREFILL_ONLY)
+            return
+        self.decode_one(job)
         self.finish_if_done(job)
 
     def finish_if_done(self, job: Job) -> None:
@@ -215,17 +225,10 @@ class Stepper:
         """Advance each of ``jobs`` (each :meth:`shares`) by a prefill chunk of at most its ``chunks`` tokens,
         all in one pass carrying ``riders`` (:mod:`~prismgate.engines.hf.mixed_pass`); one whose prompt
         is done samples its first token, as :meth:`step` would."""
-        runs = []
-        for job, chunk in zip(jobs, chunks, strict=True):
-            start = job.next_prefill
-            end = self.adapter.chunk_end(
-                job.request.images, start, min(job.prompt_len, start + min(chunk, self.prefill_chunk))
-            )
-            runs.append((job, start, end))
         plans = []
-        for job, start, end in runs:
+        for job, chunk in zip(jobs, chunks, strict=True):
             self.batches.leave(job.cache)  # a prompt's chunk runs on its own cache
-            plans.append(self._feed_plan(job, start, end))
+            plans.append(self._feed_plan(job, job.next_prefill, self.chunk_end(job, chunk)))
         if self.probe is not None:
             self.probe.enabled = False
         parts = [mixed_pass.Chunk(plan.ids, plan.job.cache, plan.start, plan.rows) for plan in plans]
@@ -236,15 +239,7 @@ class Stepper:
         for plan, logits in zip(plans, found, strict=True):
             plan.job.invariant = False
             self._settle(plan, logits, None, None)
-        for job, _, end in runs:
-            job.next_prefill = end
-            if end < job.prompt_len:
-                continue
-            if job.request.spec.max_tokens == 0:
-                self.end(job, FinishReason.PREFILL_ONLY)
-                continue
-            self.decode_one(job)
-            self.finish_if_done(job)
+            self._prompt_ran(plan.job, plan.end)
 
     def _begin(self, job: Job) -> None:
         job.started = True
