@@ -132,7 +132,9 @@ class Trace:
         return counts
 
 
-async def run(server: Any, args: argparse.Namespace, reserved: int) -> dict[str, Any]:
+async def run(server: Any, args: argparse.Namespace, reserved: int, baseline: bool = True) -> dict[str, Any]:
+    """The three measurements on ``server``, whose pool keeps ``reserved`` slots; the one-key baseline
+    of the split too, with no reserved slot, unless ``baseline`` is false."""
     trace = Trace(server.service.pool.admission.fair)
     limits = httpx.Limits(max_connections=4 * args.flood + 8, max_keepalive_connections=4 * args.flood + 8)
     async with httpx.AsyncClient(base_url=server.http_url, timeout=600, limits=limits) as http:
@@ -155,7 +157,7 @@ async def run(server: Any, args: argparse.Namespace, reserved: int) -> dict[str,
         await asyncio.gather(a_flood, return_exceptions=True)
 
         split = {}
-        modes = [("fair", KEYS["b"])] + ([("one key (baseline)", KEYS["a"])] if not reserved else [])
+        modes = [("fair", KEYS["b"])] + ([("one key (baseline)", KEYS["a"])] if baseline and not reserved else [])
         for mode, b_key in modes:
             stamps: dict[str, list[float]] = {"a": [], "b": []}
             floods = [

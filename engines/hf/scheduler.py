@@ -2,11 +2,14 @@
 
 Requests are stepped best priority first, then first come, one step each per round (one more for
 a newcomer: its first decode step), so streams interleave. Within a round, those with no token
-yet step first, a newcomer's first step ahead of the other prompts' chunks, so that its first
-token waits for nobody else's next one; then the decode steps, which a newcomer given its first
-token joins at once. Prompts still prefilling take the round's prefill in turns, sized so that
-the round lasts about a target time while others wait (:mod:`~prismgate.engines.hf.pace`);
-newcomers' prompts that end in the round's chunks and ask for nothing but logits share one pass.
+yet step first, a newcomer's first step ahead of the other prompts' chunks (newcomers by priority,
+then by the fair share's rank), so that its first token waits for nobody else's next one; then the
+decode steps, which a newcomer given its first token joins at once. A newcomer that arrives during
+a round cuts in at its next pass, once a round, rather than wait for the round's end. Prompts
+still prefilling take the round's prefill in turns, sized so that the round lasts about a target
+time while others wait (:mod:`~prismgate.engines.hf.pace`); newcomers' prompts that end in the
+round's chunks and ask for nothing but logits share one pass (of one priority; a key with nothing
+else running shares with no other key, nor carries their decode steps).
 Those whose next step is a plain decode step go together in batched forward passes of up to
 ``max_batch`` requests each (:mod:`~prismgate.engines.hf.batched_decode`), the first of which may ride
 in the round's first prompt chunk's pass (:mod:`~prismgate.engines.hf.mixed_pass`; a newcomer then
@@ -154,50 +157,41 @@ class Scheduler:
                     self._cv.wait(timeout=0.05 if self._active else None)
                 if self._stopping:
                     return
-                self._active.extend(self._inbox)
-                self._inbox.clear()
-                self._active.sort(key=lambda job: (job.request.spec.priority, job.order))
-                released, self._released = self._released, []
-                dropping = [job for job in self._active if job.drop]
-                for job in dropping:
-                    job.drop = False
-            for key in released:
-                stepper.caches.forget(key)
-            for job in dropping:
-                stepper.drop(job)
+                released, dropping = self._take_in()
+            self._settle_in(released, dropping)
+            members = list(self._active)  # this round's: those who arrive during it cut in (_cut_in), no more
+            cut_in = False
             chunks = self._paced()
             # Requests with no token yet step first, a newcomer's first step ahead of the other prompts'
             # chunks: its first token waits for nobody else's next one nor another prompt's chunk. Then
             # every decode step, which those just given their first token join at once.
-            fresh = sorted((job for job in self._active if job.generated == 0), key=lambda job: job.started)
-            # the decode steps ride in the round's first prompt chunk that will carry them, in its pass;
-            # newcomers' chunks that ask for nothing but logits share one pass
-            riding = self._riding(fresh, chunks)
-            together = self._together(fresh, chunks)
-            if together:
-                self._prefill_together(together, chunks, riding)
-            for job in fresh:
-                if job in together:
-                    continue
-                if not job.prefilling:
-                    self._step_alone(job)
-                elif job.order in chunks or job.cancelled:
-                    carried = riding if riding is not None and not riding[0].started else None
-                    self._prefill(job, chunks.get(job.order), carried)
-            ridden = riding is not None and riding[0].logits is not None
-            batched: list[Job] = []
-            if riding is not None and ridden:
-                batched = list(riding[1])
-                self._guarded(batched, functools.partial(decode_batch, stepper, batched, riding[0].logits))
+            fresh = sorted((job for job in self._active if job.generated == 0), key=_begins)
+            # the decode steps ride in the round's first prompt chunk that will carry them, in its pass
+            others = [job for job in self._active if job not in fresh]
+            riding = self._riding(
+                fresh, chunks, riding_members(others, max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens)
+            )
+            ridden = self._first_steps(fresh, chunks, riding)
+            batched = list(riding[1]) if riding is not None and ridden else []
             # those given their first token this round decode in it, unless the others' steps rode in a
             # chunk: then they join them next round rather than take a pass of their own
-            rest = [job for job in self._active if job not in batched and not (ridden and job in fresh)]
-            for batch in batch_groups(rest, max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens):
-                self._guarded(batch, functools.partial(decode_batch, stepper, batch))
-                batched += batch
-            for job in self._active:
-                if job in batched or (job in fresh and not (job.decoding and not ridden)):
-                    continue
+            rest = [job for job in members if job not in batched and not (ridden and job in fresh)]
+            groups = batch_groups(rest, max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens)
+            alone = [
+                job
+                for job in members
+                if not (any(job in group for group in groups) or job in batched)
+                and not (job in fresh and not (job.decoding and not ridden))
+            ]
+            for i, batch in enumerate(groups):
+                rode = False
+                if not cut_in:  # the batch's steps ride in the chunk of a newcomer that cuts in
+                    cut_in, rode = self._cut_in({*itertools.chain(*groups[i:]), *alone}, batch)
+                if not rode:
+                    self._guarded(batch, functools.partial(decode_batch, stepper, batch))
+            for i, job in enumerate(alone):
+                if not cut_in:
+                    cut_in, _ = self._cut_in(set(alone[i:]))
                 if job.refilling:  # its dropped keys and values run again in the round's prefill
                     if job.order in chunks or job.cancelled:
                         self._prefill(job, chunks.get(job.order))
@@ -206,8 +200,67 @@ class Scheduler:
             with self._cv:
                 ended = any(job.ended for job in self._active)
                 self._active = [job for job in self._active if not job.ended]
-            if ended or fresh or dropping:  # requests freed their memory, or prefills grew and dropped keys and values
+            if ended or fresh or dropping or cut_in:  # requests freed memory, or prefills grew and dropped it
                 self.trimmer.maybe()
+
+    def _take_in(self) -> tuple[list[str], list[Job]]:
+        """With the lock held: the inbox joins the active requests; the sessions released, and the requests
+        the core preempted for memory, whose keys and values go now (:meth:`_settle_in`)."""
+        self._active.extend(self._inbox)
+        self._inbox.clear()
+        self._active.sort(key=lambda job: (job.request.spec.priority, job.order))
+        released, self._released = self._released, []
+        dropping = [job for job in self._active if job.drop]
+        for job in dropping:
+            job.drop = False
+        return released, dropping
+
+    def _settle_in(self, released: list[str], dropping: list[Job]) -> None:
+        """Outside the lock: forget the ``released`` sessions' caches and free ``dropping``'s keys and values."""
+        for key in released:
+            self.stepper.caches.forget(key)
+        for job in dropping:
+            self.stepper.drop(job)
+
+    def _cut_in(self, pending: set[Job], carry: list[Job] | None = None) -> tuple[bool, bool]:
+        """Between two passes of a round, once a round: newcomers that arrived during it take their first
+        step now rather than after the rest of the round, so that they wait for the pass under way, not
+        the round; the next batch, ``carry``, rides in their chunk where it can, as the decode steps ride
+        in a round's first chunk. Not while a request the core preempted for memory is among the
+        ``pending`` passes: its keys and values go only after its step. Whether any cut in, and whether
+        ``carry``'s steps rode (then they are taken)."""
+        with self._cv:
+            if not self._inbox or any(job.drop for job in pending):
+                return False, False
+            newcomers = sorted(self._inbox, key=_begins)
+            released, dropping = self._take_in()
+        self._settle_in(released, dropping)
+        waiting = [job for job in newcomers if job.prefilling and not (job.ended or job.cancelled or job.idle)]
+        chunks = self.pace.plan(
+            [Prefill(job.order, len(job.cached), job.to_prefill, job.prompt_outputs) for job in waiting],
+            others_wait=True,
+        )
+        return True, self._first_steps(newcomers, chunks, self._riding(newcomers, chunks, carry or []))
+
+    def _first_steps(self, fresh: list[Job], chunks: dict[int, int], riding: tuple[Riders, list[Job]] | None) -> bool:
+        """The steps of ``fresh`` (requests with no token yet, in the order they go): their chunks this
+        round (``chunks``), those that ask for nothing but logits in one pass (:meth:`_together`), the
+        first that may carrying ``riding``'s decode steps (:func:`_carried`); then those steps, if they
+        rode. Whether they did."""
+        together = self._together(fresh, chunks)
+        if together:
+            self._prefill_together(together, chunks, _carried(together[0], riding))
+        for job in fresh:
+            if job in together:
+                continue
+            if not job.prefilling:
+                self._step_alone(job)
+            elif job.order in chunks or job.cancelled:
+                self._prefill(job, chunks.get(job.order), _carried(job, riding))
+        if riding is None or riding[0].logits is None:
+            return False
+        self._guarded(riding[1], functools.partial(decode_batch, self.stepper, riding[1], riding[0].logits))
+        return True
 
     def _paced(self) -> dict[int, int]:
         """This round's prefill chunks, by request order: who prefills, and how many tokens."""
@@ -219,28 +272,29 @@ class Scheduler:
         ]
         return self.pace.plan(prefills, others_wait=len(waiting) > len(prefills))
 
-    def _riding(self, fresh: list[Job], chunks: dict[int, int]) -> tuple[Riders, list[Job]] | None:
-        """The decode steps that may ride in this round's prompt chunks, and their requests: those of the
-        batch the others would form, or of the one request decoding; None when no chunk runs or any
-        of them asks for a pass of its own (:func:`~prismgate.engines.hf.batched_decode.riders`)."""
-        if not (self.stepper.rides and any(job.order in chunks for job in fresh)):
+    def _riding(self, fresh: list[Job], chunks: dict[int, int], jobs: list[Job]) -> tuple[Riders, list[Job]] | None:
+        """``jobs``' decode steps made ready to ride in a prompt chunk of ``fresh`` this round, and ``jobs``:
+        those of the batch the others would form, or of the one request decoding
+        (:func:`~prismgate.engines.hf.batched_decode.riding_members`). None when no chunk runs that
+        would carry them (:func:`_carried`) or any of them asks for a pass of its own
+        (:func:`~prismgate.engines.hf.batched_decode.riders`)."""
+        if not (self.stepper.rides and jobs) or all(job.order not in chunks or _below(job, jobs) for job in fresh):
             return None
-        others = [job for job in self._active if job not in fresh]
-        jobs = riding_members(others, max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens)
         found: list[Riders | None] = [None]
 
         def prepare() -> None:  # merging their caches is model work: a failure fails them, as their step would
             found[0] = riders(self.stepper, jobs)
 
-        if not (jobs and self._guarded(jobs, prepare)) or found[0] is None:
+        if not self._guarded(jobs, prepare) or found[0] is None:
             return None
         return found[0], jobs
 
     def _together(self, fresh: list[Job], chunks: dict[int, int]) -> list[Job]:
         """The newcomers whose chunks this round run in one pass: begun, each asking for nothing but
-        logits (:meth:`Stepper.shares`), each chunk the rest of its prompt, in their order while
-        their tokens fit in one chunk (``prefill_chunk``, what a pass is sized for); none unless two
-        or more do."""
+        logits (:meth:`Stepper.shares`), each chunk the rest of its prompt, of the first one's priority
+        and, like it, of a key with nothing else running or not (:func:`_alone`), in their order while
+        their tokens fit in one chunk (``prefill_chunk``, what a pass is sized for); none unless two or
+        more do."""
         stepper = self.stepper
         if not stepper.rides:
             return []
@@ -249,6 +303,8 @@ class Scheduler:
         for job in fresh:
             if job.order not in chunks or job.ended or job.cancelled or job.idle:
                 continue
+            if together and _sharing(job) != _sharing(together[0]):
+                continue  # a key with nothing else running waits for none of the others' tokens, nor they for its
             if not job.started and not self._guarded([job], functools.partial(stepper.begin, job)):
                 continue
             if not stepper.shares(job):
@@ -316,3 +372,34 @@ class Scheduler:
                 if not job.ended:
                     self.stepper.fail(job, error)
             return False
+
+
+def _begins(job: Job) -> tuple[bool, int, float]:
+    """The order in which a round's requests with no token yet step: newcomers ahead of prompts already
+    under way, then by priority, then by the fair share's rank
+    (:attr:`~prismgate.core.engine.EngineRequest.rank`: a key far below its share first); first come
+    within each."""
+    return job.started, job.request.spec.priority, job.request.rank
+
+
+def _carried(job: Job, riding: tuple[Riders, list[Job]] | None) -> tuple[Riders, list[Job]] | None:
+    """The decode steps ``job``'s prompt chunk carries: ``riding``'s, unless they rode in another already,
+    or ``job``'s key had nothing else running and each of theirs had (:func:`_below`: its first token
+    waits for none of their steps, which ride in a later chunk or take their own pass)."""
+    return None if riding is None or riding[0].started or _below(job, riding[1]) else riding
+
+
+def _below(job: Job, riders: list[Job]) -> bool:
+    """Whether ``job``'s key had nothing else running as it started, and each of ``riders``' had."""
+    return _alone(job) and not any(_alone(rider) for rider in riders)
+
+
+def _sharing(job: Job) -> tuple[int, bool]:
+    """What newcomers whose prompts share a pass have in common: priority, and whether their key had
+    nothing else running (:func:`_alone`)."""
+    return job.request.spec.priority, _alone(job)
+
+
+def _alone(job: Job) -> bool:
+    """Whether ``job``'s key had nothing else running as it started (rank 0: the fair share's newcomer key)."""
+    return job.request.rank == 0

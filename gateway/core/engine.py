@@ -134,6 +134,9 @@ class EngineRequest:
     images: tuple[ImageSpan, ...] = ()
     session_key: str | None = None
     fork: Fork | None = None  # one of several generations of this prompt: see Fork
+    # the fair share's order among requests that begin together, lowest first: the slots its key held
+    # beside it, per unit of weight, as it started (the pool sets it; 0 for a key with nothing else running)
+    rank: float = 0.0
 
 
 class Engine(Protocol):

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 from prismgate.core import health
@@ -159,6 +159,12 @@ class Admission:
             resumed.set_result(None)
         else:
             self.fair.push(ticket.share, ticket.priority, resumed, ticket.order)
+
+    def rank(self, share: Share) -> float:
+        """A request of ``share`` that holds a slot, among those beginning with it: the slots its key holds
+        beside it, per unit of weight (:attr:`~prismgate.core.engine.EngineRequest.rank`), so that a
+        key far below its share begins first, as it would have been admitted first."""
+        return max(self.fair.running(share.key) - 1, 0) / _weight(share)
 
     def _candidates(self, newcomer: Ticket) -> list[Ticket]:
         """The running requests that may be paused for ``newcomer``, the first to pause first.
@@ -392,6 +398,7 @@ class EnginePool:
         # bytes first: a request waiting for memory holds no slot a smaller one could use
         slot = self.admission.slot(request.spec.priority, share, ticket)
         async with self.memory.reserve(cost, make_room, key=share.key, order=ticket.order) as memory, slot:
+            request = replace(request, rank=self.admission.rank(share))
             engine = replicas.pick(request)  # picked once a slot is held: loads are current
             stream = engine.generate(request)
             if isinstance(engine, Holdable):  # preemptible: the engine can pause it (and drop its cache)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from prismgate.core.actions import Fork, GenerateSpec
@@ -31,3 +33,10 @@ async def run(
             return events, ev
         events.append(ev)
     raise AssertionError("the engine stream ended without Done")
+
+
+async def until(condition: Callable[[], bool], within: float = 60.0) -> None:
+    """Wait until ``condition()`` holds (another thread makes it so), checked every 10 ms."""
+    async with asyncio.timeout(within):
+        for _ in iter(condition, True):
+            await asyncio.sleep(0.01)

@@ -13,9 +13,10 @@ import pytest_asyncio
 
 from prismgate.core.actions import GenerateSpec, PositionRange
 from prismgate.core.engine import EngineRequest
+from prismgate.core.events import TokenEvent
 from prismgate.engines.hf import TransformersEngine
 from prismgate.engines.hf.batch_cache import BatchCache
-from tests.engines.requests import run
+from tests.engines.requests import run, until
 
 
 @pytest_asyncio.fixture
@@ -285,3 +286,114 @@ def test_a_request_that_ended_mid_round_is_not_decoding() -> None:
         assert not job.decoding
     finally:
         loop.close()
+
+
+class Rounds:
+    """The worker's passes, logged: "round" as it plans a round, "batch" for each batched decode pass
+    ("ridden" for a batch whose steps rode in a prompt chunk's pass), a request's id for each step of
+    its own. :meth:`hold_first_batch` holds the next round's first
+    batch until :meth:`go_on` (the worker thread waits there; the test acts meanwhile)."""
+
+    def __init__(self, engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        import threading
+
+        from prismgate.engines.hf import scheduler as scheduling
+
+        self.log: list[str] = []
+        self.blocked = -1  # where in the log the held batch is
+        self._hold, self._held, self._go_on = threading.Event(), threading.Event(), threading.Event()
+        decode, paced, step = scheduling.decode_batch, engine._scheduler._paced, engine._scheduler.stepper.step
+
+        def logged_decode(stepper: Any, jobs: Any, ridden: Any = None) -> None:
+            first_of_round = self.log[-1] == "round"
+            self.log.append("batch" if ridden is None else "ridden")
+            if self._hold.is_set() and first_of_round and not self._held.is_set():
+                self.blocked = len(self.log) - 1
+                self._held.set()
+                self._go_on.wait(60)
+            decode(stepper, jobs, ridden)
+
+        def logged_paced() -> Any:
+            self.log.append("round")
+            return paced()
+
+        def logged_step(job: Any, chunk: Any = None, riders: Any = None) -> None:
+            self.log.append(job.request.request_id)
+            step(job, chunk, riders)
+
+        monkeypatch.setattr(scheduling, "decode_batch", logged_decode)
+        monkeypatch.setattr(engine._scheduler, "_paced", logged_paced)
+        monkeypatch.setattr(engine._scheduler.stepper, "step", logged_step)
+
+    async def hold_first_batch(self) -> None:
+        await until(lambda: self.log.count("batch") >= 6)  # all four decode, two batches a round
+        self._hold.set()
+        await until(self._held.is_set)
+
+    def go_on(self) -> None:
+        self._go_on.set()
+
+    def after_blocked(self, n: int) -> list[str]:
+        return self.log[self.blocked + 1 : self.blocked + 1 + n]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_a_newcomer_that_arrives_mid_round_cuts_in_at_the_next_pass(
+    tiny_model_dir: Path, tiny_pack: Path, monkeypatch: pytest.MonkeyPatch, dtype: str
+) -> None:
+    """Four requests decode in two batches a round (max_batch 2); one arrives during the round's first
+    batch: its first step runs before the round's second batch, not after the round, and that batch's
+    steps ride in its pass where decode steps ride (here in bfloat16, not float32: test_mixed_pass)."""
+    eng = TransformersEngine(
+        tiny_model_dir, model_id="tiny", concept_pack=tiny_pack, threads=1, max_batch=2, dtype=dtype, device="cpu"
+    )
+    await eng.start()
+    rides = eng.info.mixed_passes
+    rounds = Rounds(eng, monkeypatch)
+    try:
+        running = [asyncio.create_task(run(eng, p, max_tokens=48, ignore_eos=True)) for p in prompts(eng)]
+        await rounds.hold_first_batch()
+        newcomer = EngineRequest(request_id="newcomer", tokens=prompts(eng)[0], spec=GenerateSpec(max_tokens=2))
+        arriving = asyncio.create_task(collect(eng.generate(newcomer)))
+        await until(lambda: bool(eng._scheduler._inbox))
+        rounds.go_on()
+        await asyncio.wait_for(asyncio.gather(arriving, *running), 120)
+    finally:
+        rounds.go_on()
+        await eng.close()
+    assert rounds.after_blocked(2) == ["newcomer", "ridden" if rides else "batch"], rounds.log[rounds.blocked - 2 :]
+
+
+async def test_a_newcomer_waits_for_the_round_while_the_request_preempted_for_its_memory_has_a_pass_in_it(
+    tiny_model_dir: Path, tiny_pack: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, but the core preempts the round's last request for the newcomer's memory during the
+    first batch: that request's keys and values go only after its own batch has run, so the newcomer
+    begins the next round. Nobody fails, and the preempted request, let go, answers as alone."""
+    eng = TransformersEngine(tiny_model_dir, model_id="tiny", concept_pack=tiny_pack, threads=1, max_batch=2)
+    await eng.start()
+    spec = GenerateSpec(max_tokens=48, ignore_eos=True)
+    try:
+        alone = [await collect(eng.generate(EngineRequest(f"r{i}", p, spec))) for i, p in enumerate(prompts(eng))]
+        rounds = Rounds(eng, monkeypatch)
+        requests = [EngineRequest(f"s{i}", p, spec) for i, p in enumerate(prompts(eng))]
+        running = [asyncio.create_task(collect(eng.generate(r))) for r in requests]
+        await rounds.hold_first_batch()
+        assert eng.hold(requests[3], True, drop=True)  # in the round's second batch, still to run
+        newcomer = EngineRequest(request_id="newcomer", tokens=prompts(eng)[0], spec=GenerateSpec(max_tokens=2))
+        arriving = asyncio.create_task(collect(eng.generate(newcomer)))
+        await until(lambda: bool(eng._scheduler._inbox))
+        rounds.go_on()
+        await asyncio.wait_for(arriving, 60)
+        eng.hold(requests[3], False)
+        together = await asyncio.wait_for(asyncio.gather(*running), 120)
+    finally:
+        rounds.go_on()
+        await eng.close()
+    assert rounds.after_blocked(3) == ["batch", "round", "newcomer"], rounds.log[rounds.blocked - 2 :]
+    assert eng.stats["dropped_tokens"] > 0
+    assert [[e.id for e in events] for events in together] == [[e.id for e in events] for events in alone]
+
+
+async def collect(events: Any) -> list[Any]:
+    return [event for event in [e async for e in events] if isinstance(event, TokenEvent)]

@@ -19,7 +19,7 @@ from prismgate.core.actions import GenerateSpec, PositionRange
 from prismgate.core.engine import EngineRequest
 from prismgate.core.events import TokenEvent
 from prismgate.engines.hf import TransformersEngine, mixed_pass
-from tests.engines.requests import run
+from tests.engines.requests import run, until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -303,3 +303,97 @@ async def test_prompts_that_read_out_or_score_themselves_keep_passes_of_their_ow
     await together(engine, prompts, readout_ranges=(PositionRange(0, 10_000),))
     await asyncio.gather(*(run(engine, p, max_tokens=1, logprob_ranges=(PositionRange(1, len(p)),)) for p in prompts))
     assert stats["shared_prefills"] == before
+
+
+async def test_newcomers_begin_in_the_fair_shares_order_and_share_a_pass_only_within_a_rank(wide: Any) -> None:
+    """Three newcomers arrive while a step is under way: one of a key holding two slots (rank 2), then
+    two of keys holding none (rank 0). The two rank-0 prompts share a pass and give their first tokens
+    before the rank-2 one, which arrived first: its prompt does not join theirs, nor go ahead of them."""
+    import threading
+    import uuid
+
+    engine = wide
+    scheduler, stepper, stats = engine._scheduler, engine._scheduler.stepper, engine.stats
+    blocker = EngineRequest(uuid.uuid4().hex, tuple(tokens(engine, "a step under way")), GenerateSpec(max_tokens=1))
+    under_way, go_on = threading.Event(), threading.Event()
+    step = stepper.step
+
+    def held_step(job: Any, *args: Any) -> None:
+        if job.request is blocker and not go_on.is_set():
+            under_way.set()
+            go_on.wait(60)
+        step(job, *args)
+
+    shared: list[list[str]] = []
+    step_together = stepper.step_together
+
+    def logged_together(jobs: list[Any], *args: Any) -> None:
+        shared.append([job.request.request_id for job in jobs])
+        step_together(jobs, *args)
+
+    firsts: list[str] = []
+
+    async def first(request: EngineRequest) -> None:
+        async for event in engine.generate(request):
+            if isinstance(event, TokenEvent) and not event.is_prefill:
+                firsts.append(request.request_id)
+                return
+
+    stepper.step, stepper.step_together = held_step, logged_together
+    try:
+        blocking = asyncio.create_task(first(blocker))
+        await until(under_way.is_set)
+        prompts = newcomers(engine)
+        ranked = [
+            EngineRequest(name, prompts[i], GenerateSpec(max_tokens=2, ignore_eos=True), rank=rank)
+            for i, (name, rank) in enumerate((("later", 2.0), ("b1", 0.0), ("b2", 0.0)))
+        ]
+        before = stats["shared_prefills"]
+        tasks = [asyncio.create_task(first(r)) for r in ranked]
+        await until(lambda: len(scheduler._inbox) == len(ranked))
+        go_on.set()
+        await asyncio.wait_for(asyncio.gather(blocking, *tasks), 60)
+    finally:
+        go_on.set()
+        del stepper.step, stepper.step_together
+    assert firsts[1:] == ["b1", "b2", "later"], firsts
+    assert shared == [["b1", "b2"]] and stats["shared_prefills"] == before + 1
+
+
+@pytest.mark.parametrize("rank", [1.0, 0.0], ids=["same-rank", "ranked-below"])
+async def test_a_newcomer_ranked_below_every_decoding_request_carries_none_of_their_steps(
+    engine: Any, rank: float
+) -> None:
+    """Two requests of rank 1 decode; a newcomer's prompt chunk carries their steps if it ranks as they
+    do, and none if it ranks below them all (its key is further below its share): they then take
+    their own pass after it."""
+    stepper = engine._scheduler.stepper
+    carried: list[bool] = []
+    step = stepper.step
+
+    def logged_step(job: Any, chunk: Any = None, riders: Any = None) -> None:
+        if job.request.request_id == "newcomer" and job.generated == 0:
+            carried.append(riders is not None)
+        step(job, chunk, riders)
+
+    shorts, long = prompts(engine)
+    decoding = [
+        EngineRequest(f"d{i}", p, GenerateSpec(max_tokens=40, ignore_eos=True), rank=1.0)
+        for i, p in enumerate(shorts[:2])
+    ]
+    newcomer = EngineRequest("newcomer", long, GenerateSpec(max_tokens=1), rank=rank)
+    stepper.step = logged_step
+    try:
+        tasks = [asyncio.create_task(run_request(engine, r)) for r in decoding]
+        await until(lambda: all(job.generated >= 2 for job in engine._scheduler._active if job.request in decoding))
+        await run_request(engine, newcomer)
+        await asyncio.gather(*tasks)
+    finally:
+        del stepper.step
+    assert len(carried) >= 2  # the long prompt's chunks
+    assert any(carried) if rank == 1.0 else not any(carried), carried
+
+
+async def run_request(engine: Any, request: EngineRequest) -> None:
+    async for _ in engine.generate(request):
+        pass

@@ -243,3 +243,30 @@ async def test_a_request_dropped_mid_prompt_recomputes_its_chunks_and_sends_each
     assert engine.stats["recomputed_tokens"] - before["recomputed_tokens"] == lost
     assert [e.position for e in dropped] == list(range(len(tokens) + 8))  # every position once
     assert fingerprint(dropped) == fingerprint(alone)
+
+
+async def test_requests_reach_the_engine_ranked_by_the_slots_their_key_holds_beside_them(pool: EnginePool) -> None:
+    """The pool's rank (EngineRequest.rank, the order in which the engine begins newcomers): a's second
+    request, beside one more of a's (weight 2), ranks 0.5; b's, preempting with nothing else running, 0."""
+    engine = pool.engine()
+    ranks: dict[str, float] = {}
+    generate = engine.generate
+
+    def ranked(request: EngineRequest) -> Any:
+        ranks[request.request_id] = request.rank
+        return generate(request)
+
+    heavy = Share("a", weight=2.0)
+    a_requests = [request(engine, t, False, LONG) for t in TEXTS]
+    newcomer = request(engine, "Hi.", False, SHORT)
+    log: list[tuple[str, str]] = []
+    engine.generate = ranked  # type: ignore[method-assign]
+    try:
+        a = [asyncio.create_task(consume(pool, f"a{i}", r, heavy, log)) for i, r in enumerate(a_requests)]
+        await generating(log, 2)
+        await asyncio.wait_for(consume(pool, "b", newcomer, B, log), 300)
+        await asyncio.wait_for(asyncio.gather(*a), 300)
+    finally:
+        del engine.generate
+    assert sorted(ranks[r.request_id] for r in a_requests) == [0.0, 0.5]
+    assert ranks[newcomer.request_id] == 0.0
