@@ -223,23 +223,28 @@ class Scheduler:
             self.stepper.drop(job)
 
     def _cut_in(self, pending: set[Job], carry: list[Job] | None = None) -> tuple[bool, bool]:
-        """Between two passes of a round, once a round: newcomers that arrived during it take their first
-        step now rather than after the rest of the round, so that they wait for the pass under way, not
-        the round; the next batch, ``carry``, rides in their chunk where it can, as the decode steps ride
-        in a round's first chunk. Not while a request the core preempted for memory is among the
-        ``pending`` passes: its keys and values go only after its step. Whether any cut in, and whether
-        ``carry``'s steps rode (then they are taken)."""
+        """Between two passes of a round, once a round: newcomers that arrived during it and whose prompts
+        end in their first chunk take that step now rather than after the rest of the round, so that they
+        wait for the pass under way, not the round (the others begin next round); the next batch,
+        ``carry``, rides in their chunk where it can, as the decode steps ride in a round's first chunk.
+        Not while a request the core preempted for memory is among the ``pending`` passes: its keys and
+        values go only after its step. Whether any cut in, and whether ``carry``'s steps rode (then they
+        are taken)."""
         with self._cv:
             if not self._inbox or any(job.drop for job in pending):
                 return False, False
-            newcomers = sorted(self._inbox, key=_begins)
+            waiting = [job for job in self._inbox if not (job.ended or job.cancelled or job.idle)]
+            chunks = self.pace.plan(
+                [Prefill(job.order, len(job.cached), job.to_prefill, job.prompt_outputs) for job in waiting],
+                others_wait=True,
+            )
+            # only a prompt that ends in its chunk: a longer one gains little (its first token is rounds
+            # away) and would hold up the round's decode steps for a chunk
+            newcomers = sorted((job for job in waiting if chunks.get(job.order, 0) >= job.to_prefill), key=_begins)
+            if not newcomers:
+                return False, False
             released, dropping = self._take_in()
         self._settle_in(released, dropping)
-        waiting = [job for job in newcomers if job.prefilling and not (job.ended or job.cancelled or job.idle)]
-        chunks = self.pace.plan(
-            [Prefill(job.order, len(job.cached), job.to_prefill, job.prompt_outputs) for job in waiting],
-            others_wait=True,
-        )
         return True, self._first_steps(newcomers, chunks, self._riding(newcomers, chunks, carry or []))
 
     def _first_steps(self, fresh: list[Job], chunks: dict[int, int], riding: tuple[Riders, list[Job]] | None) -> bool:

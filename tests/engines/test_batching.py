@@ -337,6 +337,32 @@ class Rounds:
         return self.log[self.blocked + 1 : self.blocked + 1 + n]
 
 
+async def test_a_newcomer_whose_prompt_takes_more_than_a_chunk_begins_next_round(
+    tiny_model_dir: Path, tiny_pack: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As below, but the newcomer's prompt is longer than a chunk (prefill_chunk 16): its first token is
+    rounds away, so it does not hold up the round's second batch; it begins the next round."""
+    eng = TransformersEngine(
+        tiny_model_dir, model_id="tiny", concept_pack=tiny_pack, threads=1, max_batch=2, prefill_chunk=16
+    )
+    await eng.start()
+    rounds = Rounds(eng, monkeypatch)
+    long = prompts(eng)[3] * 2
+    try:
+        running = [asyncio.create_task(run(eng, p, max_tokens=48, ignore_eos=True)) for p in prompts(eng)]
+        await rounds.hold_first_batch()
+        newcomer = EngineRequest(request_id="newcomer", tokens=long, spec=GenerateSpec(max_tokens=2))
+        arriving = asyncio.create_task(collect(eng.generate(newcomer)))
+        await until(lambda: bool(eng._scheduler._inbox))
+        rounds.go_on()
+        await asyncio.wait_for(asyncio.gather(arriving, *running), 120)
+    finally:
+        rounds.go_on()
+        await eng.close()
+    assert len(long) > 16
+    assert rounds.after_blocked(3) == ["batch", "round", "newcomer"], rounds.log[rounds.blocked - 2 :]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 async def test_a_newcomer_that_arrives_mid_round_cuts_in_at_the_next_pass(
     tiny_model_dir: Path, tiny_pack: Path, monkeypatch: pytest.MonkeyPatch, dtype: str
