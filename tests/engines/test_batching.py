@@ -348,17 +348,7 @@ async def test_a_newcomer_whose_prompt_takes_more_than_a_chunk_begins_next_round
     await eng.start()
     rounds = Rounds(eng, monkeypatch)
     long = prompts(eng)[3] * 2
-    try:
-        running = [asyncio.create_task(run(eng, p, max_tokens=48, ignore_eos=True)) for p in prompts(eng)]
-        await rounds.hold_first_batch()
-        newcomer = EngineRequest(request_id="newcomer", tokens=long, spec=GenerateSpec(max_tokens=2))
-        arriving = asyncio.create_task(collect(eng.generate(newcomer)))
-        await until(lambda: bool(eng._scheduler._inbox))
-        rounds.go_on()
-        await asyncio.wait_for(asyncio.gather(arriving, *running), 120)
-    finally:
-        rounds.go_on()
-        await eng.close()
+    await arrive_mid_round(eng, rounds, long)
     assert len(long) > 16
     assert rounds.after_blocked(3) == ["batch", "round", "newcomer"], rounds.log[rounds.blocked - 2 :]
 
@@ -376,17 +366,7 @@ async def test_a_newcomer_that_arrives_mid_round_cuts_in_at_the_next_pass(
     await eng.start()
     rides = eng.info.mixed_passes
     rounds = Rounds(eng, monkeypatch)
-    try:
-        running = [asyncio.create_task(run(eng, p, max_tokens=48, ignore_eos=True)) for p in prompts(eng)]
-        await rounds.hold_first_batch()
-        newcomer = EngineRequest(request_id="newcomer", tokens=prompts(eng)[0], spec=GenerateSpec(max_tokens=2))
-        arriving = asyncio.create_task(collect(eng.generate(newcomer)))
-        await until(lambda: bool(eng._scheduler._inbox))
-        rounds.go_on()
-        await asyncio.wait_for(asyncio.gather(arriving, *running), 120)
-    finally:
-        rounds.go_on()
-        await eng.close()
+    await arrive_mid_round(eng, rounds, prompts(eng)[0])
     assert rounds.after_blocked(2) == ["newcomer", "ridden" if rides else "batch"], rounds.log[rounds.blocked - 2 :]
 
 
@@ -419,6 +399,21 @@ async def test_a_newcomer_waits_for_the_round_while_the_request_preempted_for_it
     assert rounds.after_blocked(3) == ["batch", "round", "newcomer"], rounds.log[rounds.blocked - 2 :]
     assert eng.stats["dropped_tokens"] > 0
     assert [[e.id for e in events] for events in together] == [[e.id for e in events] for events in alone]
+
+
+async def arrive_mid_round(eng: Any, rounds: Rounds, tokens: tuple[int, ...]) -> None:
+    """Four requests decode; a newcomer of ``tokens`` arrives while the worker holds a round's first batch."""
+    try:
+        running = [asyncio.create_task(run(eng, p, max_tokens=48, ignore_eos=True)) for p in prompts(eng)]
+        await rounds.hold_first_batch()
+        newcomer = EngineRequest(request_id="newcomer", tokens=tokens, spec=GenerateSpec(max_tokens=2))
+        arriving = asyncio.create_task(collect(eng.generate(newcomer)))
+        await until(lambda: bool(eng._scheduler._inbox))
+        rounds.go_on()
+        await asyncio.wait_for(asyncio.gather(arriving, *running), 120)
+    finally:
+        rounds.go_on()
+        await eng.close()
 
 
 async def collect(events: Any) -> list[Any]:
