@@ -234,10 +234,7 @@ class Scheduler:
             if not self._inbox or any(job.drop for job in pending):
                 return False, False
             waiting = [job for job in self._inbox if not (job.ended or job.cancelled or job.idle)]
-            chunks = self.pace.plan(
-                [Prefill(job.order, len(job.cached), job.to_prefill, job.prompt_outputs) for job in waiting],
-                others_wait=True,
-            )
+            chunks = self._plan(waiting, others_wait=True)
             # only a prompt that ends in its chunk: a longer one gains little (its first token is rounds
             # away) and would hold up the round's decode steps for a chunk
             newcomers = sorted((job for job in waiting if chunks.get(job.order, 0) >= job.to_prefill), key=_begins)
@@ -270,12 +267,16 @@ class Scheduler:
     def _paced(self) -> dict[int, int]:
         """This round's prefill chunks, by request order: who prefills, and how many tokens."""
         waiting = [job for job in self._active if not (job.ended or job.cancelled or job.idle)]
+        return self._plan(waiting, others_wait=any(not job.prefilling for job in waiting))
+
+    def _plan(self, jobs: list[Job], *, others_wait: bool) -> dict[int, int]:
+        """The pace's chunks for those of ``jobs`` still prefilling, by request order."""
         prefills = [
             Prefill(job.order, len(job.cached), job.to_prefill, job.prompt_outputs and not job.refilling)
-            for job in waiting
+            for job in jobs
             if job.prefilling
         ]
-        return self.pace.plan(prefills, others_wait=len(waiting) > len(prefills))
+        return self.pace.plan(prefills, others_wait=others_wait)
 
     def _riding(self, fresh: list[Job], chunks: dict[int, int], jobs: list[Job]) -> tuple[Riders, list[Job]] | None:
         """``jobs``' decode steps made ready to ride in a prompt chunk of ``fresh`` this round, and ``jobs``:
